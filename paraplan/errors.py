@@ -1,0 +1,21 @@
+"""One error root for everything a user can get wrong; the CLI prints it on one line and exits 2."""
+
+
+class ParaplanError(Exception):
+    """Base class of every user-facing error (bad input, infeasible request)."""
+
+
+class ConfigError(ParaplanError):
+    """A scenario, profile or override is malformed: names the key path and what is allowed."""
+
+    def __init__(self, path: str, message: str):
+        self.path = path
+        super().__init__(f"{path}: {message}" if path else message)
+
+
+class InfeasiblePlanError(ParaplanError):
+    """A plan that cannot run: degrees that do not divide, or it does not fit in memory."""
+
+    def __init__(self, reasons):
+        self.reasons = tuple(reasons)
+        super().__init__("infeasible plan: " + "; ".join(self.reasons))

@@ -1,0 +1,98 @@
+"""The rank placement: which (tp, cp, dp, pp) coordinates a global rank holds.
+
+One function for the simulator (which link tier a group crosses) and the executor (which process
+groups to build), so the two cannot disagree. The order is Megatron-Core's default
+`tp-cp-ep-dp-pp` (megatron/core/parallel_state.py, RankGenerator): tensor parallel varies
+fastest, so a TP group sits on consecutive ranks inside a node, and pipeline parallel varies
+slowest, so stages are spread across nodes. Expert parallelism is carved out of cp x dp.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paraplan.specs import PlanSpec
+
+ORDER = ("tp", "cp", "dp", "pp")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Coords:
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+
+
+def _sizes(plan: PlanSpec) -> dict[str, int]:
+    return {"tp": plan.tp, "cp": plan.cp, "dp": plan.dp, "pp": plan.pp}
+
+
+def rank_to_coords(rank: int, plan: PlanSpec) -> Coords:
+    sizes = _sizes(plan)
+    out = {}
+    for dim in ORDER:
+        out[dim] = rank % sizes[dim]
+        rank //= sizes[dim]
+    return Coords(**out)
+
+
+def coords_to_rank(coords: Coords, plan: PlanSpec) -> int:
+    sizes = _sizes(plan)
+    rank, stride = 0, 1
+    for dim in ORDER:
+        rank += getattr(coords, dim) * stride
+        stride *= sizes[dim]
+    return rank
+
+
+def stride_of(dims: tuple[str, ...], plan: PlanSpec) -> int:
+    """Rank distance between neighbours of the innermost of `dims` (dims listed fastest first)."""
+    sizes = _sizes(plan)
+    stride = 1
+    for dim in ORDER:
+        if dim == dims[0]:
+            return stride
+        stride *= sizes[dim]
+    raise ValueError(dims)
+
+
+def group_ranks(rank: int, dims: tuple[str, ...], plan: PlanSpec) -> list[int]:
+    """Global ranks of the group along `dims` (e.g. ("dp",) or ("cp", "dp")) that contains `rank`."""
+    base = rank_to_coords(rank, plan)
+    groups = [base]
+    sizes = _sizes(plan)
+    for dim in dims:
+        groups = [
+            Coords(**{**vars(c), dim: i}) for c in groups for i in range(sizes[dim])
+        ]
+    return sorted(coords_to_rank(c, plan) for c in groups)
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupLayout:
+    """How a communication group sits on the nodes: what the network model needs to cost it."""
+
+    size: int
+    ranks_per_node: int
+    """Members of this group on one node (the group is spread evenly under this placement)."""
+    num_nodes: int
+
+
+def group_layout(dims: tuple[str, ...], plan: PlanSpec, gpus_per_node: int) -> GroupLayout:
+    """Layout of the group along `dims` that contains rank 0; under this placement every group of
+    the same dims has the same layout (groups are translates of each other)."""
+    ranks = group_ranks(0, dims, plan)
+    nodes: dict[int, int] = {}
+    for r in ranks:
+        nodes[r // gpus_per_node] = nodes.get(r // gpus_per_node, 0) + 1
+    return GroupLayout(size=len(ranks), ranks_per_node=max(nodes.values()), num_nodes=len(nodes))
+
+
+def pp_neighbour_layout(plan: PlanSpec, gpus_per_node: int) -> GroupLayout:
+    """A pipeline send/recv pair: same node or not."""
+    if plan.pp == 1:
+        return GroupLayout(size=1, ranks_per_node=1, num_nodes=1)
+    a = 0
+    b = coords_to_rank(Coords(tp=0, cp=0, dp=0, pp=1), plan)
+    same = a // gpus_per_node == b // gpus_per_node
+    return GroupLayout(size=2, ranks_per_node=2 if same else 1, num_nodes=1 if same else 2)

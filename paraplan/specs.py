@@ -1,0 +1,159 @@
+"""The shared vocabulary: frozen, keyword-only specs of a model, a cluster, training settings and a plan.
+
+Internal units are SI (seconds, bytes, bytes/s, FLOP/s). YAML keys carry their unit
+(`bandwidth_GBps`, `latency_us`); the loader converts. Every spec is hashable so the planner can
+memoise on it, and `dataclasses.replace` makes variants.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+ACTIVATIONS = ("gelu", "swiglu")
+PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+RECOMPUTE = ("none", "selective", "full")
+ZERO_STAGES = (0, 1, 2, 3)
+TOPOLOGIES = ("fat-tree", "rail-optimized")
+ATTENTION_KERNELS = ("flash", "unfused")
+
+# bytes per element of the compute dtype (weights/activations as the kernels see them)
+DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """A decoder-only transformer."""
+
+    name: str = "custom"
+    num_layers: int
+    hidden_size: int
+    num_attention_heads: int
+    num_kv_heads: int
+    """Key/value heads; smaller than num_attention_heads means grouped-query attention."""
+    ffn_hidden_size: int
+    vocab_size: int
+    activation: str = "gelu"
+    """gelu (two FFN matrices) or swiglu (three: gate, up, down)."""
+    head_dim: int
+    """Per-head width; hidden_size // num_attention_heads unless the model says otherwise."""
+    tied_embeddings: bool = False
+    """Input embedding and LM head share one matrix (Megatron GPT default); costs a first/last-stage all-reduce under PP."""
+
+    @property
+    def kv_channels(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def q_channels(self) -> int:
+        return self.num_attention_heads * self.head_dim
+
+    @property
+    def ffn_matrices(self) -> int:
+        return 3 if self.activation == "swiglu" else 2
+
+    def layer_params(self) -> int:
+        """Weights of one transformer layer (biases and norms included, tiny)."""
+        h = self.hidden_size
+        attn = h * (self.q_channels + 2 * self.kv_channels) + self.q_channels * h
+        mlp = self.ffn_matrices * h * self.ffn_hidden_size
+        norms = 4 * h
+        return attn + mlp + norms
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    def total_params(self) -> int:
+        head = 0 if self.tied_embeddings else self.embedding_params()
+        return self.num_layers * self.layer_params() + self.embedding_params() + head + 2 * self.hidden_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class LinkSpec:
+    """One network tier as the user states it (per GPU, one direction)."""
+
+    bandwidth: float
+    """bytes/s per GPU per direction."""
+    latency: float
+    """seconds per hop."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class InterNodeSpec:
+    nics_per_node: int
+    nic_bandwidth: float
+    """bytes/s per NIC per direction (the YAML gives nic_bandwidth_Gbps, bits)."""
+    topology: str = "rail-optimized"
+    oversubscription: float = 1.0
+    """Leaf-to-spine oversubscription; traffic that leaves a leaf switch sees bandwidth / this."""
+    latency: float = 5e-6
+    nodes_per_leaf: int = 32
+    """Nodes under one leaf (rail) switch: a group inside it never crosses the spine."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    gpu: str
+    """Bundled profile name or a path to a profile file."""
+    num_nodes: int
+    gpus_per_node: int
+    intra_node: LinkSpec | None = None
+    """None: defaults from the GPU profile's NVLink generation."""
+    inter_node: InterNodeSpec | None = None
+    """None: defaults from the GPU profile's typical node."""
+
+    @property
+    def world_size(self) -> int:
+        return self.num_nodes * self.gpus_per_node
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSpec:
+    seq_length: int
+    global_batch_size: int
+    precision: str = "bf16"
+    attention: str = "flash"
+    """Attention kernel: flash (fused, FlashAttention-2 style) or unfused (QK^T, softmax, AV as separate kernels; Megatron before 2023)."""
+    optimizer: str = "adam"
+
+
+@dataclass(frozen=True, kw_only=True)
+class PlanSpec:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    micro_batch_size: int = 1
+    virtual_pipeline_stages: int = 1
+    schedule: str = "1f1b"
+    sequence_parallel: bool = False
+    zero_stage: int = 0
+    recompute: str = "none"
+    overlap_grad_reduce: bool = True
+    """Bucketed gradient reduction overlapped with backward (Megatron --overlap-grad-reduce, DDP, FSDP)."""
+    overlap_param_gather: bool = False
+    """ZeRO-1/2: the post-optimizer parameter all-gather overlaps the next forward (Megatron --overlap-param-gather)."""
+    first_stage_layers: int | None = None
+    """Layers on the first pipeline stage when it differs (Megatron --decoder-first-pipeline-num-layers)."""
+    last_stage_layers: int | None = None
+    """Layers on the last pipeline stage when it differs (Megatron --decoder-last-pipeline-num-layers)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp
+
+
+@dataclass(frozen=True, kw_only=True)
+class Scenario:
+    name: str
+    model: ModelSpec
+    cluster: ClusterSpec
+    training: TrainingSpec
+    plan: PlanSpec
+    search: tuple = field(default=())
+    """The planner's search section (knob -> candidates), kept opaque here."""
+
+    @property
+    def num_microbatches(self) -> int:
+        """Microbatches per pipeline per iteration (gradient accumulation steps)."""
+        return self.training.global_batch_size // (self.plan.dp * self.plan.micro_batch_size)
