@@ -1,0 +1,5 @@
+import sys
+
+from paraplan.cli.main import main
+
+sys.exit(main())

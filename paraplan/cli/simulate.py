@@ -1,0 +1,84 @@
+"""paraplan simulate SCENARIO: one iteration of the scenario's plan."""
+from __future__ import annotations
+
+import json
+import sys
+
+from paraplan.errors import ParaplanError
+from paraplan.fileio import write_atomic
+
+HELP = "simulate one training iteration of a scenario's plan"
+
+GiB = 1024**3
+
+
+def add_arguments(p) -> None:
+    p.add_argument("scenario", help="scenario YAML file")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a scenario key, e.g. --set plan.tp=4 (repeatable)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--trace", metavar="FILE", help="write a Chrome/Perfetto trace of the iteration")
+    p.add_argument("--plot", metavar="FILE", help="write a timeline PNG")
+
+
+def run(args) -> int:
+    from paraplan.loader import load_scenario
+    from simulator.simulate import simulate
+
+    scenario = load_scenario(args.scenario, args.overrides)
+    result = simulate(scenario)
+    if args.trace:
+        from simulator.trace import chrome_trace_json
+
+        write_atomic(args.trace, chrome_trace_json(result))
+    if args.plot:
+        from simulator.plot import timeline_png
+
+        write_atomic(args.plot, timeline_png(result))
+    if args.json:
+        print(json.dumps(result.to_json(), indent=2))
+    else:
+        print(format_result(scenario, result))
+    if not result.fits:
+        worst = max(result.stages, key=lambda s: s.memory["total"])
+        raise ParaplanError(
+            f"out of memory: stage {worst.stage} needs {worst.memory['total'] / GiB:.1f} GiB per GPU, "
+            f"the GPU has {result.memory_capacity_bytes / GiB:.1f} GiB"
+        )
+    return 0
+
+
+def format_result(sc, r) -> str:
+    p = sc.plan
+    lines = [
+        f"{sc.name}",
+        f"  {sc.model.name} on {sc.cluster.world_size} x {sc.cluster.gpu}, seq {sc.training.seq_length}, "
+        f"global batch {sc.training.global_batch_size}, {sc.training.precision}",
+        f"  plan: tp {p.tp}  pp {p.pp}  dp {p.dp}  cp {p.cp}  mbs {p.micro_batch_size}  "
+        f"{p.schedule}" + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
+        + f"  sp {'on' if p.sequence_parallel else 'off'}  zero {p.zero_stage}  recompute {p.recompute}"
+        f"  ({r.num_microbatches} microbatches)",
+        "",
+        f"  step time        {r.step_time_s:10.3f} s",
+        f"  tokens/s         {r.tokens_per_s:10.0f}",
+        f"  TFLOP/s per GPU  {r.tflops_per_gpu:10.1f}   (model FLOPs, see below)",
+        f"  MFU              {r.mfu * 100:9.1f} %  of {r.peak_flops_per_gpu / 1e12:.0f} TFLOP/s   (HFU {r.hfu * 100:.1f} %)",
+        f"  peak memory      {r.peak_memory_bytes / GiB:10.1f} GiB of {r.memory_capacity_bytes / GiB:.1f} GiB"
+        f"  -> {'fits' if r.fits else 'DOES NOT FIT'}",
+        "",
+        f"  breakdown (stage {r.critical_stage}, the slowest):",
+    ]
+    for k, v in r.breakdown.items():
+        if v > 0:
+            lines.append(f"    {k:<12} {v:10.3f} s  {100 * v / r.step_time_s:5.1f} %")
+    lines.append("")
+    lines.append("  memory per GPU by stage (GiB): weights grads optim activ reserved total")
+    for s in r.stages:
+        mm = s.memory
+        lines.append(
+            f"    stage {s.stage:<3} " + " ".join(f"{mm[k] / GiB:6.1f}" for k in
+                                             ("weights", "gradients", "optimizer", "activations", "reserved", "total"))
+        )
+    lines.append("")
+    lines.append(f"  FLOPs: {r.flop_formula}")
+    return "\n".join(lines)

@@ -1,0 +1,166 @@
+"""Check the simulator against published training runs (validation/public_runs.yaml format).
+
+Each record is turned into an ordinary scenario mapping and loaded through the same strict loader
+as a user's file, then simulated with the bundled profiles and defaults: one set of models and
+settings for every row. Where a record leaves a field null, the ASSUMPTIONS below fill it, the
+same way for every row.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import yaml
+
+from paraplan.errors import ConfigError
+
+ASSUMPTIONS = (
+    "micro_batch_size null -> 1 (Megatron's default)",
+    "activation_recompute null -> none (Megatron-Core default when the plan fits)",
+    "sequence_parallel null -> on when tp > 1 (Megatron-Core practice since 2022)",
+    "ZeRO: Megatron rows without a distributed optimizer -> 0; with one -> 1; FSDP FULL_SHARD -> 3, SHARD_GRAD_OP -> 2",
+    "tied_embeddings null -> true (Megatron GPT and MPT tie the input embedding and the LM head)",
+    "attention kernel: records dated before 2022-06 (SC'21, MT-NLG, Korthikanti) predate FlashAttention -> unfused; later -> flash",
+    "gradient reduction overlapped with backward from 2023 on (Megatron --overlap-grad-reduce, FSDP); earlier runs reduce after the backward",
+    "inter-node network from the record's text (NIC count x rate); unstated -> the GPU generation's typical node (8 NICs, HDR 200G for A100, NDR 400G for H100)",
+    "virtual_pipeline_stages null -> 1 (1F1B); > 1 -> interleaved 1F1B",
+)
+
+_GPUS = (("a100", "40gb", "a100-sxm-40gb"), ("a100", "", "a100-sxm-80gb"), ("h100", "", "h100-sxm-80gb"),
+         ("h200", "", "h200-sxm-141gb"), ("b200", "", "b200-sxm-180gb"))
+# (pattern, nics, Gb/s per NIC) read off the record's inter_node text
+_NIC_PATTERNS = (
+    (re.compile(r"(\d+)\s*x\s*(\d+)\s*(?:Gb/s|Gbit|Gbps)", re.I), lambda m: (int(m[1]), float(m[2]))),
+    (re.compile(r"(\d+)\s*Gbps node-to-node", re.I), lambda m: (8, float(m[1]) / 8)),
+    # Intel Omni-Path links run at 100 Gb/s
+    (re.compile(r"(\d+)\s*OPA links", re.I), lambda m: (int(m[1]), 100.0)),
+)
+
+
+@dataclass(frozen=True)
+class Row:
+    id: str
+    published_s: float
+    derived: bool
+    predicted_s: float | None
+    fits: bool | None
+    error: str | None = None
+
+    @property
+    def error_pct(self) -> float | None:
+        if self.predicted_s is None:
+            return None
+        return 100.0 * (self.predicted_s - self.published_s) / self.published_s
+
+
+def published_step_time(rec: dict) -> tuple[float, bool] | None:
+    met = rec.get("metrics") or {}
+    if met.get("iteration_time_s"):
+        return float(met["iteration_time_s"]), "metrics.iteration_time_s" in " ".join(rec.get("derived_fields") or [])
+    if met.get("derived_iteration_time_s"):
+        return float(met["derived_iteration_time_s"]), True
+    return None
+
+
+def is_dense(rec: dict) -> bool:
+    return not (rec.get("model") or {}).get("moe")
+
+
+def _gpu_name(text: str) -> str:
+    t = text.lower()
+    for key, extra, name in _GPUS:
+        if key in t and extra in t:
+            return name
+    raise ConfigError("hardware.gpu", f"no bundled profile for {text!r}")
+
+
+def _inter_node(text: str | None) -> dict:
+    for pattern, read in _NIC_PATTERNS:
+        m = pattern.search(text or "")
+        if m:
+            nics, gbps = read(m)
+            return {"nics_per_node": nics, "nic_bandwidth_Gbps": gbps}
+    return {}
+
+
+def _recompute(text) -> str:
+    t = str(text or "").lower()
+    for mode in ("full", "selective", "none"):
+        if t.startswith(mode):
+            return mode
+    return "none"
+
+
+def _zero(par: dict) -> int:
+    if par.get("zero_stage") is not None:
+        return int(par["zero_stage"])
+    return 1 if par.get("distributed_optimizer") else 0
+
+
+def record_to_scenario(rec: dict) -> dict:
+    """A scenario mapping for the loader, with ASSUMPTIONS applied to null fields."""
+    m, h, par, b = rec["model"], rec["hardware"], rec["parallelism"], rec["batch"]
+    date = str((rec.get("source") or {}).get("date") or "")
+    tp, vpp = int(par["tp"]), int(par.get("virtual_pipeline_stages") or 1)
+    sp = par.get("sequence_parallel")
+    model = {
+        "num_layers": m["num_layers"], "hidden_size": m["hidden_size"],
+        "num_attention_heads": m["num_attention_heads"],
+        "num_kv_heads": m.get("num_kv_heads") or m["num_attention_heads"],
+        "ffn_hidden_size": m.get("ffn_hidden_size") or 4 * m["hidden_size"],
+        "vocab_size": m["vocab_size"], "activation": m.get("activation") or "gelu",
+        "tied_embeddings": True if m.get("tied_embeddings") is None else bool(m["tied_embeddings"]),
+    }
+    if m.get("head_dim"):
+        model["head_dim"] = m["head_dim"]
+    gpn = int(h.get("gpus_per_node") or 8)
+    precision = "fp16" if "fp16" in str(rec.get("precision")).lower() else "bf16"
+    return {
+        "name": rec["id"],
+        "model": model,
+        "cluster": {"gpu": _gpu_name(h["gpu"]), "num_nodes": int(h["num_gpus"]) // gpn,
+                    "gpus_per_node": gpn, "inter_node": _inter_node(h.get("inter_node"))},
+        "training": {"seq_length": m["seq_length"], "global_batch_size": b["global_batch_size"],
+                     "precision": precision, "attention": "unfused" if date < "2022-06" else "flash"},
+        "plan": {
+            "tp": tp, "pp": int(par["pp"]), "dp": int(par["dp"]), "cp": int(par.get("cp") or 1),
+            "micro_batch_size": int(b.get("micro_batch_size") or 1),
+            "virtual_pipeline_stages": vpp,
+            "schedule": "interleaved-1f1b" if vpp > 1 else "1f1b",
+            "sequence_parallel": bool(sp) if sp is not None else tp > 1,
+            "zero_stage": _zero(par),
+            "recompute": _recompute(rec.get("activation_recompute")),
+            "overlap_grad_reduce": date >= "2023",
+        },
+    }
+
+
+def load_records(path: str) -> list[dict]:
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except FileNotFoundError:
+        raise ConfigError("", f"published-runs file not found: {path}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError("", f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(data, list):
+        raise ConfigError("", f"{path}: expected a list of records")
+    return data
+
+
+def evaluate(records: list[dict], *, include_moe: bool = False) -> list[Row]:
+    from paraplan.errors import ParaplanError
+    from paraplan.loader import load_scenario
+    from simulator.simulate import simulate
+
+    rows = []
+    for rec in records:
+        target = published_step_time(rec)
+        if target is None or (not include_moe and not is_dense(rec)) or rec["batch"].get("global_batch_size") is None:
+            continue
+        try:
+            res = simulate(load_scenario(record_to_scenario(rec)))
+            rows.append(Row(rec["id"], target[0], target[1], res.step_time_s, res.fits))
+        except ParaplanError as e:
+            rows.append(Row(rec["id"], target[0], target[1], None, None, str(e)))
+    return rows

@@ -1,0 +1,82 @@
+"""Structural checks of a plan against the model and cluster: every reason, not the first one."""
+from __future__ import annotations
+
+from paraplan.specs import Scenario
+
+
+def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
+    """Reasons a plan cannot run at all, each naming the key at fault. Empty when it can."""
+    m, p, t, c = sc.model, sc.plan, sc.training, sc.cluster
+    out: list[str] = []
+    if p.world_size != c.world_size:
+        out.append(
+            f"plan: tp*pp*cp*dp = {p.tp}*{p.pp}*{p.cp}*{p.dp} = {p.world_size} but the cluster has "
+            f"{c.world_size} GPUs ({c.num_nodes} nodes x {c.gpus_per_node})"
+        )
+    if m.num_attention_heads % p.tp:
+        out.append(f"plan.tp: {p.tp} does not divide model.num_attention_heads ({m.num_attention_heads})")
+    elif m.num_kv_heads % p.tp:
+        # Megatron-Core requires num_query_groups % tensor_model_parallel_size == 0
+        out.append(f"plan.tp: {p.tp} does not divide model.num_kv_heads ({m.num_kv_heads})")
+    if m.ffn_hidden_size % p.tp:
+        out.append(f"plan.tp: {p.tp} does not divide model.ffn_hidden_size ({m.ffn_hidden_size})")
+    out += _pipeline_problems(sc)
+    if t.global_batch_size % (p.dp * p.micro_batch_size):
+        out.append(
+            f"training.global_batch_size: {t.global_batch_size} is not a multiple of "
+            f"plan.dp x plan.micro_batch_size = {p.dp} x {p.micro_batch_size}"
+        )
+    if p.cp > 1 and t.seq_length % (2 * p.cp):
+        # load-balanced causal CP splits the sequence into 2*cp chunks (Megatron-Core)
+        out.append(f"plan.cp: training.seq_length {t.seq_length} is not divisible by 2*cp = {2 * p.cp}")
+    if p.sequence_parallel and p.tp > 1 and (t.seq_length // p.cp) % p.tp:
+        out.append(f"plan.sequence_parallel: seq_length/cp = {t.seq_length // p.cp} is not divisible by tp = {p.tp}")
+    if p.ep != 1:
+        out.append("plan.ep: expert parallelism needs an MoE model (model.moe); this model is dense, use ep: 1")
+    if t.precision == "fp8" and gpu_arch == "ampere":
+        out.append("training.precision: fp8 needs Hopper or newer; this GPU is Ampere")
+    return out
+
+
+def _pipeline_problems(sc: Scenario) -> list[str]:
+    m, p = sc.model, sc.plan
+    out: list[str] = []
+    vpp = p.virtual_pipeline_stages
+    if p.schedule == "interleaved-1f1b" and vpp < 2:
+        out.append("plan.virtual_pipeline_stages: interleaved-1f1b needs at least 2 virtual stages per rank")
+    if p.schedule != "interleaved-1f1b" and vpp > 1:
+        out.append(f"plan.virtual_pipeline_stages: {vpp} virtual stages need schedule interleaved-1f1b")
+    if p.schedule == "interleaved-1f1b" and p.pp < 2:
+        out.append("plan.schedule: interleaved-1f1b needs pp >= 2")
+    uneven = p.first_stage_layers is not None or p.last_stage_layers is not None
+    if uneven:
+        if vpp > 1:
+            out.append("plan.first_stage_layers: uneven first/last stages are not supported with virtual stages")
+        elif p.pp < 2:
+            out.append("plan.first_stage_layers: uneven first/last stages need pp >= 2")
+        else:
+            fixed = (p.first_stage_layers or 0) + (p.last_stage_layers or 0)
+            middle = p.pp - (p.first_stage_layers is not None) - (p.last_stage_layers is not None)
+            rest = m.num_layers - fixed
+            if rest < 0 or (middle and rest % middle) or (not middle and rest):
+                out.append(
+                    f"plan.first_stage_layers/last_stage_layers: the {rest} remaining of model.num_layers "
+                    f"({m.num_layers}) do not split evenly over the {middle} middle stages"
+                )
+    elif m.num_layers % (p.pp * vpp):
+        out.append(
+            f"plan.pp: model.num_layers ({m.num_layers}) is not divisible by pp x virtual_pipeline_stages "
+            f"= {p.pp} x {vpp}"
+        )
+    if p.dp > 0 and p.micro_batch_size > 0 and sc.training.global_batch_size % (p.dp * p.micro_batch_size) == 0:
+        mbs = sc.num_microbatches
+        if p.schedule == "interleaved-1f1b" and p.pp > 1 and mbs % p.pp:
+            # Megatron: "number of microbatches must be divisible by pipeline-model-parallel-size
+            # when using interleaved schedule"
+            out.append(
+                f"plan.schedule: interleaved-1f1b needs the number of microbatches ({mbs}) to be a "
+                f"multiple of pp ({p.pp})"
+            )
+        if p.schedule in ("1f1b", "interleaved-1f1b") and mbs < p.pp:
+            out.append(f"plan.schedule: {p.schedule} needs at least pp = {p.pp} microbatches, got {mbs}")
+    return out

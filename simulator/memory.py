@@ -1,0 +1,124 @@
+"""Memory per GPU of each pipeline stage: weights, gradients, optimizer states, activations.
+
+Model states follow Rajbhandari et al. 2020 (ZeRO, Sec. 3.1): mixed-precision Adam keeps 16-bit
+weights, fp32 main gradients (Megatron's DDP grad buffer), and K = 12 bytes/parameter of fp32
+master weights + Adam m and v; ZeRO-1 shards the optimizer states, ZeRO-2 also the gradients,
+ZeRO-3 also the weights, over the data-parallel (x context-parallel) group.
+Activations follow Korthikanti et al. 2022, Sec. 4 / Table 2, generalised to GQA and SwiGLU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+GiB = 1024**3
+
+# Fixed reservation on every GPU: CUDA context (~0.5 GiB), NCCL communicator buffers and cuBLAS
+# workspaces (~0.5 GiB together). Stated allowance, not measured per scenario.
+RESERVED_BYTES = 1 * GiB
+# Caching-allocator fragmentation, as a fraction of the dynamic (activation) bytes.
+FRAGMENTATION = 0.10
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageMemory:
+    weights: float
+    gradients: float
+    optimizer: float
+    activations: float
+    reserved: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer + self.activations + self.reserved
+
+    def as_dict(self) -> dict[str, float]:
+        return {
+            "weights": self.weights,
+            "gradients": self.gradients,
+            "optimizer": self.optimizer,
+            "activations": self.activations,
+            "reserved": self.reserved,
+            "total": self.total,
+        }
+
+
+def state_bytes_per_param(precision: str) -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter before ZeRO sharding."""
+    if precision == "fp32":
+        return 4.0, 4.0, 8.0  # fp32 weights and grads, Adam m and v
+    if precision == "fp8":
+        return 3.0, 4.0, 12.0  # bf16 weights + fp8 copies (Transformer Engine), fp32 main grads, K=12
+    return 2.0, 4.0, 12.0  # fp16/bf16 weights, fp32 main grads, K=12
+
+
+def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: str) -> float:
+    """Stored activations of one layer for one microbatch on one rank (Korthikanti et al. 2022,
+    Sec. 4.1 and Table 2; with 2-byte activations and 1-byte dropout masks):
+    h-wide tensors (LayerNorm inputs 4h, QKV and MLP inputs 4h, two dropout masks 2h) = 10h,
+    divided by tp only under sequence parallelism; tensor-parallel tensors (Q, K, V, attention
+    output, MLP intermediates: 24h for GPT's MHA + 4h GELU MLP) divided by tp; the s^2 softmax
+    terms (5as) unless the attention is fused (FlashAttention keeps only the fp32 logsumexp) or
+    recomputed (selective). Full recompute keeps only each layer's input (2h)."""
+    t = plan.tp
+    s = seq_length // plan.cp
+    tokens = plan.micro_batch_size * s
+    h, f = model.hidden_size, model.ffn_hidden_size
+    a = model.num_attention_heads
+    sp = t if plan.sequence_parallel else 1
+    if plan.recompute == "full":
+        return tokens * 2 * h / sp
+    h_wide = 10 * h / sp
+    mlp_mats = model.ffn_matrices - 1
+    tp_sharded = 2 * (model.q_channels + 2 * model.kv_channels + model.q_channels + mlp_mats * f + f) / t
+    if attention_kernel == "flash":
+        scores = 4 * a / t  # fp32 logsumexp per head
+    elif plan.recompute == "selective":
+        scores = 0.0
+    else:
+        scores = 5 * a * seq_length / t  # softmax out (2), dropout mask (1), dropout out (2)
+    return tokens * (h_wide + tp_sharded + scores)
+
+
+def stage_memory(
+    *,
+    model,
+    plan,
+    precision: str,
+    seq_length: int,
+    attention_kernel: str,
+    stage_params: float,
+    max_layer_params: float,
+    in_flight_layers: float,
+    is_last_stage: bool,
+) -> StageMemory:
+    """Memory of one rank of a stage. `stage_params` are the parameters this rank holds (already
+    divided by tp); `in_flight_layers` is the peak of (microbatches in flight x their layers)
+    read from the schedule."""
+    w, g, o = state_bytes_per_param(precision)
+    shard = plan.dp * plan.cp
+    zero = plan.zero_stage
+    weights = stage_params * w
+    grads = stage_params * g
+    optim = stage_params * o
+    if zero >= 1:
+        optim /= shard
+    if zero >= 2:
+        grads /= shard
+    if zero >= 3:
+        # sharded weights + the current and the prefetched layer gathered in full
+        weights = weights / shard + 2 * max_layer_params * w
+    per_layer = activation_bytes_per_layer(model, plan, seq_length, attention_kernel)
+    acts = in_flight_layers * per_layer
+    if plan.recompute == "full":
+        # the layer being recomputed holds its full activations during its backward
+        acts += _one_layer_working_set(model, plan, seq_length, attention_kernel)
+    if is_last_stage:
+        # logits of one microbatch: 16-bit GEMM output + fp32 copy for the cross-entropy
+        tokens = plan.micro_batch_size * seq_length // plan.cp
+        acts += tokens * (model.vocab_size / plan.tp) * 6
+    reserved = RESERVED_BYTES + FRAGMENTATION * acts
+    return StageMemory(weights=weights, gradients=grads, optimizer=optim, activations=acts, reserved=reserved)
+
+
+def _one_layer_working_set(model, plan, seq_length: int, attention_kernel: str) -> float:
+    return activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel)

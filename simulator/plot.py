@@ -1,0 +1,39 @@
+"""Timeline PNG of a simulated iteration (matplotlib, imported only when a plot is asked for)."""
+from __future__ import annotations
+
+import io
+
+COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "optimizer": "#55A868",
+          "dp_comm": "#C44E52", "pp_comm": "#8172B3"}
+
+
+def timeline_png(result) -> bytes:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    pp = len(result.stages)
+    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.45 * pp))
+    rows = {}
+    for s in range(pp):
+        rows[(s, "compute")] = 2 * (pp - 1 - s) + 1
+        rows[(s, "comm")] = 2 * (pp - 1 - s)
+    bars: dict[str, list] = {}
+    for sp in result.spans:
+        row = rows[(sp.stage, "compute" if sp.stream == "compute" else "comm")]
+        bars.setdefault(sp.category, []).append((row, sp.start, sp.end - sp.start))
+    for cat, items in bars.items():
+        for row, start, width in items:
+            ax.broken_barh([(start * 1e3, width * 1e3)], (row + 0.1, 0.8), facecolors=COLORS.get(cat, "gray"))
+        ax.barh(0, 0, color=COLORS.get(cat, "gray"), label=cat)
+    ax.set_yticks([rows[(s, "compute")] + 0.5 for s in range(pp)] + [rows[(s, "comm")] + 0.5 for s in range(pp)])
+    ax.set_yticklabels([f"stage {s}" for s in range(pp)] + [f"stage {s} comm" for s in range(pp)], fontsize=7)
+    ax.set_xlabel("time (ms)")
+    ax.set_title(f"{result.scenario}: step {result.step_time_s * 1e3:.1f} ms, MFU {result.mfu * 100:.1f}%")
+    ax.legend(loc="upper right", fontsize=7, ncol=len(bars))
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    return buf.getvalue()

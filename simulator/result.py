@@ -1,0 +1,67 @@
+"""What a simulation returns, and its JSON form."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+BREAKDOWN_KEYS = (
+    "compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "pp_bubble", "optimizer",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class StageResult:
+    stage: int
+    layers: tuple[int, ...]
+    end_time_s: float
+    memory: dict  # component -> bytes, with 'total'
+    breakdown: dict  # component -> seconds, summing to end_time_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class SimResult:
+    scenario: str
+    step_time_s: float
+    tokens_per_s: float
+    tflops_per_gpu: float
+    mfu: float
+    hfu: float
+    flop_formula: str
+    peak_flops_per_gpu: float
+    num_microbatches: int
+    peak_memory_bytes: float
+    memory_capacity_bytes: float
+    fits: bool
+    critical_stage: int
+    breakdown: dict
+    stages: tuple[StageResult, ...]
+    spans: list = field(default_factory=list, repr=False, compare=False)
+    notes: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        return {
+            "scenario": self.scenario,
+            "step_time_s": self.step_time_s,
+            "tokens_per_s": self.tokens_per_s,
+            "tflops_per_gpu": self.tflops_per_gpu,
+            "mfu": self.mfu,
+            "hfu": self.hfu,
+            "flop_formula": self.flop_formula,
+            "peak_flops_per_gpu": self.peak_flops_per_gpu,
+            "num_microbatches": self.num_microbatches,
+            "peak_memory_bytes": self.peak_memory_bytes,
+            "memory_capacity_bytes": self.memory_capacity_bytes,
+            "fits": self.fits,
+            "critical_stage": self.critical_stage,
+            "breakdown": dict(self.breakdown),
+            "stages": [
+                {
+                    "stage": s.stage,
+                    "layers": list(s.layers),
+                    "end_time_s": s.end_time_s,
+                    "memory_bytes": dict(s.memory),
+                    "breakdown": dict(s.breakdown),
+                }
+                for s in self.stages
+            ],
+            "notes": list(self.notes),
+        }

@@ -1,0 +1,85 @@
+"""Pipeline schedules (pure op orders) and the engine's exact timelines on hand-made costs."""
+import pytest
+
+from simulator.cost import Cost
+from simulator.engine import StageWork, run_iteration
+from simulator.schedules import Op, build_schedule, interleaved_1f1b, one_f_one_b, peak_in_flight
+
+
+def names(ops):
+    return " ".join(f"{o.kind}{o.microbatch}" + (f".{o.chunk}" if o.chunk else "") for o in ops)
+
+
+def test_1f1b_phases_match_pipedream_flush():
+    assert names(one_f_one_b(4, 6, 0)) == "F0 F1 F2 F3 B0 F4 B1 F5 B2 B3 B4 B5"
+    assert names(one_f_one_b(4, 6, 3)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"
+
+
+def test_interleaved_matches_megatron_order():
+    # p=2, M=4, v=2: stage 0 warms up with 2(p-1) + (v-1)p = 4 forwards
+    assert names(interleaved_1f1b(2, 4, 0, 2)) == "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3"
+    assert names(interleaved_1f1b(2, 4, 1, 2)) == "F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3"
+
+
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3)])
+def test_every_op_once(name, v):
+    p, m = 3, 6
+    for ops in build_schedule(name, p, m, v):
+        assert sorted(ops) == sorted(Op(k, mb, c) for k in "FB" for mb in range(m) for c in range(v))
+
+
+def test_in_flight_activations_read_off_the_schedule():
+    assert [peak_in_flight(one_f_one_b(4, 8, s)) for s in range(4)] == [4, 3, 2, 1]
+    assert peak_in_flight(build_schedule("gpipe", 4, 8)[0]) == 8
+
+
+def uniform_works(ops_per_stage, f=1.0, b=2.0, buckets=None, opt=0.0):
+    return [
+        StageWork(ops=ops, op_cost={("F", 0): Cost().add("compute", f), ("B", 0): Cost().add("compute", b),
+                                    ("F", 1): Cost().add("compute", f), ("B", 1): Cost().add("compute", b)},
+                  grad_buckets=buckets or {}, optimizer_time=opt, param_gather_time=0.0)
+        for ops in ops_per_stage
+    ]
+
+
+def compute_log(res, stage):
+    return [(sp.start, sp.name) for sp in res.spans if sp.stage == stage and sp.stream == "compute"]
+
+
+def test_exact_1f1b_timeline_two_stages():
+    # F = 1 s, B = 2 s, p2p = 0.5 s, 2 stages, 2 microbatches. Stage 1 gets F0 at 1 + 0.5; its
+    # F1 arrives at 2.5 but waits for B0 to end at 4.5; B0 reaches stage 0 at 5.0, B1 at 8.0.
+    works = uniform_works(build_schedule("1f1b", 2, 2))
+    res = run_iteration(works, num_chunks=1, p2p_time=0.5, overlap_grad_reduce=True, sync_time=0.0)
+    assert compute_log(res, 0) == [(0.0, "F0"), (1.0, "F1"), (5.0, "B0"), (8.0, "B1"), (10.0, "optimizer")]
+    assert compute_log(res, 1) == [(1.5, "F0"), (2.5, "B0"), (4.5, "F1"), (5.5, "B1"), (10.0, "optimizer")]
+    assert res.step_time == 10.0
+    assert res.stages[1].breakdown["pp_comm"] == pytest.approx(0.5)
+
+
+def test_exact_gpipe_timeline_and_bubble():
+    works = uniform_works(build_schedule("gpipe", 2, 2))
+    res = run_iteration(works, num_chunks=1, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0)
+    assert compute_log(res, 0) == [(0.0, "F0"), (1.0, "F1"), (5.0, "B0"), (7.0, "B1"), (9.0, "optimizer")]
+    assert compute_log(res, 1) == [(1.0, "F0"), (2.0, "F1"), (3.0, "B0"), (5.0, "B1"), (9.0, "optimizer")]
+    # textbook bubble (p-1)(F+B) = 3 s for each stage
+    assert res.stages[0].breakdown["pp_bubble"] == pytest.approx(3.0)
+    assert res.stages[1].breakdown["pp_bubble"] == pytest.approx(3.0)
+
+
+def test_breakdown_sums_to_stage_end():
+    works = uniform_works(build_schedule("interleaved-1f1b", 2, 4, 2), buckets={0: [0.3, 0.3], 1: [0.3]}, opt=0.2)
+    res = run_iteration(works, num_chunks=2, p2p_time=0.1, overlap_grad_reduce=True, sync_time=0.05)
+    for t in res.stages:
+        assert sum(t.breakdown.values()) == pytest.approx(t.end)
+
+
+def test_overlapped_grad_reduce_hides_behind_backward():
+    ops = build_schedule("1f1b", 1, 2)
+    hidden = run_iteration(uniform_works(ops, buckets={0: [0.5, 0.5]}), num_chunks=1, p2p_time=0,
+                           overlap_grad_reduce=True, sync_time=0)
+    exposed = run_iteration(uniform_works(ops, buckets={0: [0.5, 0.5]}), num_chunks=1, p2p_time=0,
+                            overlap_grad_reduce=False, sync_time=0)
+    # F F B B = 6 s of compute; the first bucket is ready mid-way through the last backward
+    assert hidden.step_time == pytest.approx(6.5)
+    assert exposed.step_time == pytest.approx(7.0)
