@@ -1,0 +1,63 @@
+"""Simulation speed: median wall time of simulate() in-process, and of the `paraplan simulate` CLI.
+
+    python benchmarks/bench_simulate.py [--repeats N]
+
+Targets: <= 50 ms per plan in-process for the dense headline scenarios; the CLI under 1.5 s
+including interpreter start.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from paraplan.loader import load_scenario  # noqa: E402
+from simulator.simulate import simulate  # noqa: E402
+
+CASES = [
+    ("GPT-3 175B, 1,024 A100, tp8 pp8 dp16 interleaved", "scenarios/gpt3-175b-1024xa100.yaml", []),
+    ("Llama-3 405B, 16,384 H100, tp8 pp16 dp128", "scenarios/llama3-405b-16384xh100.yaml", []),
+]
+
+
+def time_inprocess(path: str, overrides: list[str], repeats: int) -> tuple[float, float]:
+    sc = load_scenario(ROOT / path, overrides)
+    simulate(sc)  # warm caches (profile load, imports)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        res = simulate(sc)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), res.step_time_s
+
+
+def time_cli(path: str, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-m", "paraplan", "simulate", str(ROOT / path)], check=True,
+                       capture_output=True, cwd=ROOT)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--repeats", type=int, default=7)
+    args = ap.parse_args()
+    print(f"{'scenario':<52} {'simulate() median':>18} {'target':>8}  predicted step")
+    for label, path, overrides in CASES:
+        med, step = time_inprocess(path, overrides, args.repeats)
+        print(f"{label:<52} {med * 1e3:15.1f} ms {'50 ms':>8}  {step:.2f} s")
+    cli = time_cli(CASES[0][1], max(3, args.repeats // 2))
+    print(f"{'paraplan simulate (CLI, incl. interpreter start)':<52} {cli * 1e3:15.0f} ms {'1500 ms':>8}")
+
+
+if __name__ == "__main__":
+    main()

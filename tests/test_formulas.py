@@ -1,0 +1,81 @@
+"""Hand-computed checks of the closed-form pieces: FLOPs, activation memory, placement, layers."""
+from dataclasses import replace
+
+import pytest
+
+from paraplan.placement import GroupLayout, coords_to_rank, group_layout, rank_to_coords
+from paraplan.specs import ModelSpec, PlanSpec
+from simulator.flops import hardware_flops, model_flops
+from simulator.layout import layers_per_chunk
+from simulator.memory import activation_bytes_per_layer, stage_memory
+
+GPT3 = ModelSpec(name="gpt3-175b", num_layers=96, hidden_size=12288, num_attention_heads=96, num_kv_heads=96,
+                 ffn_hidden_size=4 * 12288, vocab_size=51200, head_dim=128, tied_embeddings=True)
+
+
+def test_model_flops_equal_megatron_closed_form():
+    # Korthikanti et al. 2022 Appendix: 72 B s L h^2 (1 + s/6h + V/12hL)
+    B, s, L, h, V = 1536, 2048, 96, 12288, 51200
+    closed = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * h * L))
+    assert model_flops(GPT3, s, B * s) == pytest.approx(closed, rel=1e-12)
+
+
+def test_hfu_counts_the_recompute_forward():
+    B, s = 8, 2048
+    full = hardware_flops(GPT3, s, B * s, "full")
+    none = hardware_flops(GPT3, s, B * s, "none")
+    # full recompute adds one forward of every layer: (24h^2 + 4sh) per token per layer
+    h = 12288
+    assert full - none == pytest.approx(B * s * 96 * (24 * h * h + 4 * s * h), rel=1e-12)
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_activation_memory_matches_korthikanti_table2(sp):
+    t, s, b, h, a = 8, 2048, 1, 12288, 96
+    plan = PlanSpec(tp=t, pp=8, dp=16, sequence_parallel=sp, recompute="none")
+    got = activation_bytes_per_layer(GPT3, plan, s, "unfused")
+    if sp:  # sbh/t (34 + 5as/h)
+        want = s * b * h / t * (34 + 5 * a * s / h)
+    else:  # sbh (10 + 24/t + 5as/(ht))
+        want = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    assert got == pytest.approx(want, rel=1e-12)
+    sel = activation_bytes_per_layer(GPT3, replace(plan, recompute="selective"), s, "unfused")
+    want_sel = s * b * h * 34 / t if sp else s * b * h * (10 + 24 / t)
+    assert sel == pytest.approx(want_sel, rel=1e-12)
+    full = activation_bytes_per_layer(GPT3, replace(plan, recompute="full"), s, "unfused")
+    assert full == pytest.approx(2 * s * b * h / (t if sp else 1))
+
+
+def test_zero_stages_shard_model_states():
+    plan = PlanSpec(tp=1, pp=1, dp=64, recompute="full")
+    kw = dict(model=GPT3, precision="bf16", seq_length=2048, attention_kernel="flash", stage_params=1e9,
+              max_layer_params=1e7, in_flight_layers=0, is_last_stage=False)
+    z0 = stage_memory(plan=plan, **kw)
+    assert (z0.weights, z0.gradients, z0.optimizer) == (2e9, 4e9, 12e9)
+    z1 = stage_memory(plan=replace(plan, zero_stage=1), **kw)
+    assert z1.optimizer == pytest.approx(12e9 / 64) and z1.gradients == 4e9
+    z2 = stage_memory(plan=replace(plan, zero_stage=2), **kw)
+    assert z2.gradients == pytest.approx(4e9 / 64)
+    z3 = stage_memory(plan=replace(plan, zero_stage=3), **kw)
+    assert z3.weights == pytest.approx(2e9 / 64 + 2 * 2 * 1e7)
+
+
+def test_placement_is_megatron_order():
+    plan = PlanSpec(tp=2, cp=1, dp=2, pp=2)
+    assert [vars(rank_to_coords(r, plan)) for r in (0, 1, 2, 5)] == [
+        {"tp": 0, "cp": 0, "dp": 0, "pp": 0}, {"tp": 1, "cp": 0, "dp": 0, "pp": 0},
+        {"tp": 0, "cp": 0, "dp": 1, "pp": 0}, {"tp": 1, "cp": 0, "dp": 0, "pp": 1}]
+    for r in range(8):
+        assert coords_to_rank(rank_to_coords(r, plan), plan) == r
+
+
+def test_group_layouts_on_nodes():
+    plan = PlanSpec(tp=8, pp=8, dp=16)
+    assert group_layout(("tp",), plan, 8) == GroupLayout(size=8, ranks_per_node=8, num_nodes=1)
+    assert group_layout(("dp",), plan, 8) == GroupLayout(size=16, ranks_per_node=1, num_nodes=16)
+    assert group_layout(("dp",), PlanSpec(tp=2, dp=32), 8) == GroupLayout(size=32, ranks_per_node=4, num_nodes=8)
+
+
+def test_uneven_first_and_last_stages():
+    assert layers_per_chunk(126, 16, 1, 7, 7) == [[7]] + [[8]] * 14 + [[7]]
+    assert layers_per_chunk(96, 8, 2, None, None) == [[6, 6]] * 8
