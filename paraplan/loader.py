@@ -1,0 +1,642 @@
+"""The strict scenario loader: YAML (or an already-parsed mapping) to a frozen `Scenario`.
+
+A scenario has the sections `name`, `model`, `cluster`, `training`, `plan` and `search`; the
+bundled files in `scenarios/` show every key. Strict means: an unknown key is rejected with its
+full path and a "did you mean", a wrong type or an out-of-range value names the key and what it
+expected, an enum lists its allowed values, and a missing required key is named. Every error is a
+`ConfigError(path, message)` with `path` like `plan.tp` or `cluster.inter_node.topology`.
+
+YAML keys carry their unit (`bandwidth_GBps`, `nic_bandwidth_Gbps`, `latency_us`); the specs are
+SI (bytes/s, seconds), and the conversion lives in the schema next to the key.
+
+`--set dotted.path=value` overrides are applied to the raw mapping *before* validation, so an
+override goes through exactly the checks a key written in the file does.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import difflib
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+import yaml
+
+from paraplan.errors import ConfigError
+from paraplan.specs import (
+    ACTIVATIONS, ATTENTION_KERNELS, PRECISIONS, RECOMPUTE, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
+    ClusterSpec, InterNodeSpec, LinkSpec, ModelSpec, PlanSpec, Scenario, TrainingSpec,
+)
+
+# ----------------------------------------------------------------------------------------------
+# Value checks: each returns the value or raises _Invalid with what it expected.
+
+
+class _Invalid(Exception):
+    """A value failed its check; the caller adds the key path."""
+
+
+Check = Callable[[Any], Any]
+
+
+def _show(value: Any) -> str:
+    """A value as the user wrote it in YAML, for error messages."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    return repr(value)
+
+
+def _integer(minimum: int | None = None) -> Check:
+    """An int (a bool is not one), at least `minimum`."""
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise _Invalid(f"expected an integer, got {_show(value)}")
+        if minimum is not None and value < minimum:
+            wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+            raise _Invalid(f"expected {wanted}, got {value}")
+        return value
+    return check
+
+
+def _number(*, positive: bool = False, minimum: float | None = None) -> Check:
+    """A finite int or float (not a bool), > 0 if `positive`, >= `minimum` if given; returned as float."""
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise _Invalid(f"expected a number, got {_show(value)}")
+        if not math.isfinite(value):
+            raise _Invalid(f"expected a finite number, got {value}")
+        if positive and value <= 0:
+            raise _Invalid(f"expected a positive number, got {value}")
+        if minimum is not None and value < minimum:
+            raise _Invalid(f"expected a number >= {minimum}, got {value}")
+        return float(value)
+    return check
+
+
+def _boolean(value):
+    if not isinstance(value, bool):
+        raise _Invalid(f"expected true or false, got {_show(value)}")
+    return value
+
+
+def _string(value):
+    if not isinstance(value, str) or not value:
+        raise _Invalid(f"expected a non-empty string, got {_show(value)}")
+    return value
+
+
+def _one_of(choices: tuple) -> Check:
+    """One of `choices`, of the same type (so `true` is not the zero stage 1)."""
+    def check(value):
+        if any(type(value) is type(c) and value == c for c in choices):
+            return value
+        words = all(isinstance(c, str) for c in choices)
+        hint = _did_you_mean(value, choices) if words and isinstance(value, str) else ""
+        raise _Invalid(f"{_show(value)} is not one of {', '.join(map(str, choices))}{hint}")
+    return check
+
+
+def _optional(check: Check) -> Check:
+    """`check`, or null."""
+    return lambda value: None if value is None else check(value)
+
+
+def _anything(value):
+    """Sections validated by their own schema later (model, cluster, intra_node, ...)."""
+    return value
+
+
+def _did_you_mean(word: Any, known: Iterable[str]) -> str:
+    close = difflib.get_close_matches(str(word), list(known), n=1)
+    return f", did you mean '{close[0]}'?" if close else ""
+
+
+# ----------------------------------------------------------------------------------------------
+# Schemas: YAML key -> Key. `field` renames to the spec's field, `to_si` converts the unit.
+
+
+@dataclass(frozen=True)
+class Key:
+    """How one YAML key is checked and turned into a spec field."""
+
+    check: Check
+    """Returns the value or raises _Invalid."""
+    required: bool = False
+    field: str | None = None
+    """The spec field it fills, when the YAML name differs (it carries a unit)."""
+    to_si: Callable[[float], float] | None = None
+    """Converts the YAML unit to SI."""
+
+
+Schema = Mapping[str, Key]
+
+
+def _schema(**keys: Key) -> Schema:
+    return MappingProxyType(keys)
+
+
+def _gigabytes_per_s(value: float) -> float:
+    """GB/s (1e9 bytes) -> bytes/s."""
+    return value * 1e9
+
+
+def _gigabits_per_s(value: float) -> float:
+    """Gb/s (1e9 bits, how NICs are sold) -> bytes/s."""
+    return value * 1e9 / 8
+
+
+def _microseconds(value: float) -> float:
+    """us -> s; a division, so 5 us is exactly the float 5e-6."""
+    return value / 1e6
+
+
+POSITIVE = _integer(minimum=1)
+
+TOP = _schema(
+    name=Key(_string),
+    model=Key(_anything, required=True),
+    cluster=Key(_anything, required=True),
+    training=Key(_anything, required=True),
+    plan=Key(_anything),
+    search=Key(_anything),
+)
+
+# activation is required although ModelSpec defaults it: guessing gelu for a swiglu model silently
+# drops a third of the FFN weights.
+MODEL = _schema(
+    name=Key(_string),
+    num_layers=Key(POSITIVE, required=True),
+    hidden_size=Key(POSITIVE, required=True),
+    num_attention_heads=Key(POSITIVE, required=True),
+    num_kv_heads=Key(POSITIVE),
+    head_dim=Key(POSITIVE),
+    ffn_hidden_size=Key(POSITIVE),
+    vocab_size=Key(POSITIVE, required=True),
+    activation=Key(_one_of(ACTIVATIONS), required=True),
+    tied_embeddings=Key(_boolean),
+)
+MODEL_SOURCES = ("preset", "hf_config")
+
+CLUSTER = _schema(
+    gpu=Key(_string, required=True),
+    num_nodes=Key(POSITIVE, required=True),
+    gpus_per_node=Key(POSITIVE, required=True),
+    intra_node=Key(_anything),
+    inter_node=Key(_anything),
+)
+
+INTRA_NODE = _schema(
+    bandwidth_GBps=Key(_number(positive=True), field="bandwidth", to_si=_gigabytes_per_s),
+    latency_us=Key(_number(minimum=0), field="latency", to_si=_microseconds),
+)
+
+INTER_NODE = _schema(
+    nics_per_node=Key(POSITIVE),
+    nic_bandwidth_Gbps=Key(_number(positive=True), field="nic_bandwidth", to_si=_gigabits_per_s),
+    topology=Key(_one_of(TOPOLOGIES)),
+    oversubscription=Key(_number(minimum=1)),
+    latency_us=Key(_number(minimum=0), field="latency", to_si=_microseconds),
+    nodes_per_leaf=Key(POSITIVE),
+)
+
+TRAINING = _schema(
+    seq_length=Key(POSITIVE, required=True),
+    global_batch_size=Key(POSITIVE, required=True),
+    precision=Key(_one_of(PRECISIONS), required=True),
+    attention=Key(_one_of(ATTENTION_KERNELS)),
+)
+
+# Every plan key is optional; missing ones take PlanSpec's defaults, except dp, which is derived.
+PLAN = _schema(
+    tp=Key(POSITIVE),
+    pp=Key(POSITIVE),
+    dp=Key(POSITIVE),
+    cp=Key(POSITIVE),
+    ep=Key(POSITIVE),
+    micro_batch_size=Key(POSITIVE),
+    virtual_pipeline_stages=Key(POSITIVE),
+    schedule=Key(_one_of(SCHEDULES)),
+    sequence_parallel=Key(_boolean),
+    zero_stage=Key(_one_of(ZERO_STAGES)),
+    recompute=Key(_one_of(RECOMPUTE)),
+    overlap_grad_reduce=Key(_boolean),
+    overlap_param_gather=Key(_boolean),
+    first_stage_layers=Key(_optional(POSITIVE)),
+    last_stage_layers=Key(_optional(POSITIVE)),
+)
+
+
+def _join(path: str, key: Any) -> str:
+    return f"{path}.{key}" if path else str(key)
+
+
+def _validate(raw: Any, path: str, schema: Schema, *, also_known: Iterable[str] = ()) -> dict[str, Any]:
+    """Check `raw` against `schema`; return {spec field: checked, SI value} for the keys given.
+
+    Unknown keys are reported first (a misspelt key is better named than the key it misspells
+    reported missing), then missing required keys, then bad values. `also_known` only widens the
+    "did you mean" vocabulary (e.g. `preset` in a model section).
+    """
+    if not isinstance(raw, Mapping):
+        raise ConfigError(path, f"expected a mapping, got {_show(raw)}")
+    for key in raw:
+        if key not in schema:
+            known = [*schema, *also_known]
+            hint = _did_you_mean(key, known) or f"; expected one of: {', '.join(known)}"
+            raise ConfigError(_join(path, key), f"unknown key{hint}")
+    for key, spec in schema.items():
+        if spec.required and key not in raw:
+            raise ConfigError(_join(path, key), "required key missing")
+    out = {}
+    for key, value in raw.items():
+        spec = schema[key]
+        try:
+            value = spec.check(value)
+        except _Invalid as exc:
+            raise ConfigError(_join(path, key), str(exc)) from None
+        out[spec.field or key] = spec.to_si(value) if spec.to_si and value is not None else value
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading files.
+
+
+class _StrictSafeLoader(yaml.SafeLoader):
+    """yaml.SafeLoader (plain data only, no object construction) that also rejects a key given
+    twice in one mapping: plain safe_load keeps the last one silently, so `tp: 8 ... tp: 4` would
+    quietly mean tp=4."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+def _parse_yaml(text: str) -> Any:
+    return yaml.load(text, Loader=_StrictSafeLoader)  # noqa: S506  a SafeLoader subclass
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: 'line 3, column 5: mapping values are not allowed here'."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    return f"{where}{problem}"
+
+
+def _read_scenario_file(path: Path) -> dict:
+    if not path.is_file():
+        raise ConfigError("", f"scenario file not found: {path}")
+    try:
+        raw = _parse_yaml(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ConfigError(str(path), f"invalid YAML: {_yaml_problem(exc)}") from None
+    if not isinstance(raw, Mapping):
+        raise ConfigError(str(path), f"expected a mapping at the top level, got {_show(raw)}")
+    return dict(raw)
+
+
+def _bundled_presets(filename: str) -> dict:
+    """name -> mapping from paraplan/presets/<filename> (read afresh: callers may mutate it)."""
+    text = resources.files("paraplan.presets").joinpath(filename).read_text(encoding="utf-8")
+    return _parse_yaml(text)
+
+
+def _preset(kind: str, name: Any, path: str) -> dict:
+    """The bundled `kind` ("model" or "cluster") preset `name`; errors name `path`."""
+    presets = _bundled_presets(f"{kind}s.yaml")
+    if not isinstance(name, str):
+        raise ConfigError(path, f"expected a {kind} preset name, got {_show(name)}")
+    if name not in presets:
+        raise ConfigError(path, f"unknown {kind} preset {name!r}{_did_you_mean(name, presets)}; "
+                                f"bundled: {', '.join(presets)}")
+    return copy.deepcopy(presets[name])
+
+
+def _deep_merge(base: Mapping, override: Mapping) -> dict:
+    """`base` with `override` on top; nested mappings merge key by key."""
+    out = dict(base)
+    for key, value in override.items():
+        if isinstance(value, Mapping) and isinstance(out.get(key), Mapping):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _resolve_path(value: str, base_dir: Path) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else base_dir / path
+
+
+# ----------------------------------------------------------------------------------------------
+# Hugging Face config.json -> model mapping.
+
+HF_PATH = "model.hf_config"
+
+
+def _hf_llama(cfg: Mapping, need: Callable[[str], Any]) -> dict:
+    """Llama, Mistral, Mixtral, Qwen2: a gated MLP; silu gating is SwiGLU."""
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ConfigError(HF_PATH, f"hidden_act {act!r} with a gated MLP is not supported (silu -> swiglu)")
+    heads = need("num_attention_heads")
+    out = {
+        "num_layers": need("num_hidden_layers"),
+        "hidden_size": need("hidden_size"),
+        "num_attention_heads": heads,
+        "num_kv_heads": cfg.get("num_key_value_heads") or heads,  # absent in Llama 1 / Llama 2 7B
+        "ffn_hidden_size": need("intermediate_size"),
+        "vocab_size": need("vocab_size"),
+        "activation": "swiglu",
+        "tied_embeddings": cfg.get("tie_word_embeddings", False),
+    }
+    if cfg.get("head_dim") is not None:
+        out["head_dim"] = cfg["head_dim"]
+    # Mixtral's num_local_experts / num_experts_per_tok (intermediate_size is per expert) belong
+    # here once ModelSpec has expert fields; until then the model loads as its dense counterpart.
+    return out
+
+
+GPT2_ACTIVATIONS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")
+
+
+def _hf_gpt2(cfg: Mapping, need: Callable[[str], Any]) -> dict:
+    """GPT-2: n_* names, 4h FFN unless n_inner says otherwise, tied embeddings by default."""
+    act = cfg.get("activation_function", "gelu_new")
+    if act not in GPT2_ACTIVATIONS:
+        raise ConfigError(HF_PATH, f"activation_function {act!r} is not supported ({', '.join(GPT2_ACTIVATIONS)})")
+    out = {
+        "num_layers": need("n_layer"),
+        "hidden_size": need("n_embd"),
+        "num_attention_heads": need("n_head"),
+        "vocab_size": need("vocab_size"),
+        "activation": "gelu",
+        "tied_embeddings": cfg.get("tie_word_embeddings", True),
+    }
+    if cfg.get("n_inner") is not None:
+        out["ffn_hidden_size"] = cfg["n_inner"]
+    return out
+
+
+HF_PARSERS = MappingProxyType({
+    "llama": _hf_llama, "mistral": _hf_llama, "mixtral": _hf_llama, "qwen2": _hf_llama,
+    "gpt2": _hf_gpt2,
+})
+
+
+def _hf_model(value: Any, base_dir: Path) -> tuple[dict, str]:
+    """(model mapping, default name) from a Hugging Face config.json (or a folder holding one)."""
+    path = _resolve_path(_checked(value, _string, HF_PATH), base_dir)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise ConfigError(HF_PATH, f"file not found: {path}")
+    try:
+        cfg = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ConfigError(HF_PATH, f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+    if not isinstance(cfg, dict):
+        raise ConfigError(HF_PATH, f"{path}: expected a JSON object")
+    parser = HF_PARSERS.get(cfg.get("model_type"))
+    if parser is None:
+        raise ConfigError(HF_PATH, f"{path}: model_type {cfg.get('model_type')!r} is not supported; "
+                                   f"supported: {', '.join(HF_PARSERS)}")
+
+    def need(key: str) -> Any:
+        if cfg.get(key) is None:
+            raise ConfigError(HF_PATH, f"{path}: missing {key!r}")
+        return cfg[key]
+
+    name = path.parent.name if path.name == "config.json" else path.stem
+    return parser(cfg, need), name
+
+
+def _checked(value: Any, check: Check, path: str) -> Any:
+    try:
+        return check(value)
+    except _Invalid as exc:
+        raise ConfigError(path, str(exc)) from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Sections.
+
+
+def _model(raw: Any, base_dir: Path) -> ModelSpec:
+    """A preset name, or a mapping: plain, `{preset: NAME, ...}` or `{hf_config: PATH, ...}`."""
+    if isinstance(raw, str):
+        mapping, name = _preset("model", raw, "model"), raw
+    elif isinstance(raw, Mapping):
+        mapping, name = _expand_model_source(dict(raw), base_dir)
+    else:
+        raise ConfigError("model", f"expected a preset name or a mapping, got {_show(raw)}")
+    values = _validate(mapping, "model", MODEL, also_known=MODEL_SOURCES)
+    values.setdefault("name", name)
+    return ModelSpec(**_derive_model_defaults(values))
+
+
+def _expand_model_source(raw: dict, base_dir: Path) -> tuple[dict, str]:
+    if "preset" in raw and "hf_config" in raw:
+        raise ConfigError("model", "give either preset or hf_config, not both")
+    if "preset" in raw:
+        name = raw.pop("preset")
+        return _deep_merge(_preset("model", name, "model.preset"), raw), name
+    if "hf_config" in raw:
+        base, name = _hf_model(raw.pop("hf_config"), base_dir)
+        return _deep_merge(base, raw), name
+    return raw, "custom"
+
+
+def _derive_model_defaults(values: dict) -> dict:
+    """num_kv_heads = heads, head_dim = hidden // heads, ffn_hidden_size = 4 * hidden."""
+    heads, hidden = values["num_attention_heads"], values["hidden_size"]
+    kv = values.setdefault("num_kv_heads", heads)
+    if heads % kv:
+        raise ConfigError("model.num_kv_heads", f"{kv} does not divide num_attention_heads {heads}")
+    if "head_dim" not in values:
+        if hidden % heads:
+            raise ConfigError("model.head_dim", f"not given, and hidden_size {hidden} is not "
+                                                f"divisible by num_attention_heads {heads}")
+        values["head_dim"] = hidden // heads
+    values.setdefault("ffn_hidden_size", 4 * hidden)
+    return values
+
+
+def _cluster(raw: Any, base_dir: Path) -> ClusterSpec:
+    """A preset name, or a mapping (optionally `{preset: NAME, ...}`); link defaults from the GPU profile."""
+    if isinstance(raw, str):
+        raw = _preset("cluster", raw, "cluster")
+    elif isinstance(raw, Mapping) and "preset" in raw:
+        rest = dict(raw)
+        raw = _deep_merge(_preset("cluster", rest.pop("preset"), "cluster.preset"), rest)
+    values = _validate(raw, "cluster", CLUSTER, also_known=("preset",))
+    gpu = _gpu_name_or_path(values["gpu"], base_dir)
+    profile = _gpu_profile(gpu)
+    intra = _validate(values.get("intra_node", {}), "cluster.intra_node", INTRA_NODE)
+    inter = _validate(values.get("inter_node", {}), "cluster.inter_node", INTER_NODE)
+    return ClusterSpec(
+        gpu=gpu,
+        num_nodes=values["num_nodes"],
+        gpus_per_node=values["gpus_per_node"],
+        intra_node=dataclasses.replace(profile.default_intra_node(), **intra),
+        inter_node=dataclasses.replace(profile.default_inter_node(), **inter),
+    )
+
+
+def _gpu_name_or_path(gpu: str, base_dir: Path) -> str:
+    """A bundled profile name as is; a profile file path resolved against the scenario's folder."""
+    if not ("/" in gpu or os.sep in gpu or gpu.endswith((".yaml", ".yml", ".json"))):
+        return gpu
+    path = _resolve_path(gpu, base_dir)
+    if not path.is_file():
+        raise ConfigError("cluster.gpu", f"GPU profile file not found: {path}")
+    return str(path)
+
+
+def _gpu_profile(gpu: str):
+    """The hardware profile for `gpu`; its errors are re-raised under `cluster.gpu`."""
+    # Imported here, not at the top: parsing a scenario does not need hwmodels loaded, and the
+    # import stays one-way (hwmodels imports paraplan.specs, never the loader).
+    from hwmodels.profile import load_profile
+
+    try:
+        return load_profile(gpu)
+    except ConfigError as exc:
+        raise ConfigError("cluster.gpu", str(exc)) from None
+
+
+def _plan(raw: Any, cluster: ClusterSpec) -> PlanSpec:
+    values = _validate(raw, "plan", PLAN)
+    values["dp"] = _data_parallel(values, cluster)
+    return PlanSpec(**values)
+
+
+def _data_parallel(values: Mapping, cluster: ClusterSpec) -> int:
+    """dp as given (checked against the world size) or derived as world // (tp*pp*cp)."""
+    tp, pp, cp = (values.get(k, 1) for k in ("tp", "pp", "cp"))  # PlanSpec's defaults
+    world = cluster.world_size
+    gpus = f"{world} GPUs ({cluster.num_nodes} nodes x {cluster.gpus_per_node})"
+    dp = values.get("dp")
+    if dp is None:
+        if world % (tp * pp * cp):
+            raise ConfigError("plan", f"tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide "
+                                      f"the cluster's {gpus}, so dp cannot be derived")
+        return world // (tp * pp * cp)
+    if tp * pp * cp * dp != world:
+        raise ConfigError("plan", f"tp*pp*cp*dp = {tp}*{pp}*{cp}*{dp} = {tp * pp * cp * dp} "
+                                  f"but the cluster has {gpus}")
+    return dp
+
+
+def _freeze(value: Any) -> Any:
+    """Mappings -> sorted tuples of (key, value) pairs, lists -> tuples, recursively: hashable."""
+    if isinstance(value, Mapping):
+        return tuple(sorted(((k, _freeze(v)) for k, v in value.items()), key=lambda kv: str(kv[0])))
+    if isinstance(value, (list, tuple)):
+        return tuple(_freeze(v) for v in value)
+    return value
+
+
+def _search(raw: Any) -> tuple:
+    if not isinstance(raw, Mapping):
+        raise ConfigError("search", f"expected a mapping, got {_show(raw)}")
+    return _freeze(raw)
+
+
+# ----------------------------------------------------------------------------------------------
+# Public entry points.
+
+
+def apply_overrides(raw: Mapping, overrides: Iterable[str]) -> dict:
+    """A deep copy of `raw` with each `dotted.path=value` override set; `raw` is not modified.
+
+    Values are parsed as YAML (`plan.tp=4` is an int, `plan.sequence_parallel=false` a bool).
+    Missing sections on the way are created, and a `model`/`cluster` preset name becomes
+    `{preset: NAME}` so `model.num_layers=40` works on `model: llama3-70b`. Nothing is validated
+    here: the result goes through the same checks as the file, so an unknown key errors as one.
+    """
+    if isinstance(overrides, str):
+        raise TypeError("overrides must be a list of 'dotted.path=value' strings, not one string")
+    out = copy.deepcopy(dict(raw))
+    for item in overrides:
+        keys, value = _parse_override(item)
+        _set_path(out, keys, value)
+    return out
+
+
+def _parse_override(item: Any) -> tuple[list[str], Any]:
+    if not isinstance(item, str) or "=" not in item:
+        raise ConfigError("--set", f"expected dotted.path=value, got {item!r}")
+    path, _, text = item.partition("=")
+    keys = path.strip().split(".")
+    if not all(keys):
+        raise ConfigError("--set", f"expected dotted.path=value, got {item!r}")
+    try:
+        value = _parse_yaml(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError("--set", f"cannot parse the value in {item!r}: {_yaml_problem(exc)}") from None
+    return keys, value
+
+
+def _set_path(root: dict, keys: list[str], value: Any) -> None:
+    node = root
+    for depth, key in enumerate(keys[:-1]):
+        child = node.get(key)
+        if child is None:
+            child = node[key] = {}
+        elif depth == 0 and key in ("model", "cluster") and isinstance(child, str):
+            child = node[key] = {"preset": child}
+        elif not isinstance(child, dict):
+            where = ".".join(keys[:depth + 1])
+            raise ConfigError(where, f"cannot set {'.'.join(keys)}: {where} is {_show(child)}, not a mapping")
+        node = child
+    node[keys[-1]] = value
+
+
+def load_scenario(source: str | os.PathLike | Mapping, overrides: Iterable[str] = ()) -> Scenario:
+    """Load and validate a scenario from a YAML file path or an already-parsed mapping.
+
+    Relative paths inside it (`model.hf_config`, a `cluster.gpu` profile file) are resolved
+    against the scenario file's folder, or the working directory for a mapping. The name defaults
+    to the file's stem ("scenario" for a mapping). Raises ConfigError for anything malformed.
+    """
+    if isinstance(source, Mapping):
+        raw, base_dir, default_name = dict(source), Path.cwd(), "scenario"
+    elif isinstance(source, (str, os.PathLike)):
+        path = Path(source)
+        raw, base_dir, default_name = _read_scenario_file(path), path.parent, path.stem
+    else:
+        raise TypeError(f"source must be a path or a mapping, not {type(source).__name__}")
+    raw = apply_overrides(raw, overrides)
+    top = _validate(raw, "", TOP)
+    model = _model(top["model"], base_dir)
+    cluster = _cluster(top["cluster"], base_dir)
+    return Scenario(
+        name=top.get("name", default_name),
+        model=model,
+        cluster=cluster,
+        training=TrainingSpec(**_validate(top["training"], "training", TRAINING)),
+        plan=_plan(top.get("plan", {}), cluster),
+        search=_search(top.get("search", {})),
+    )

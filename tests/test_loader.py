@@ -1,0 +1,636 @@
+"""The strict scenario loader: bundled scenarios and presets load, and every kind of bad input is
+named with its key path."""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+
+from paraplan.errors import ConfigError
+from paraplan.loader import apply_overrides, load_scenario
+from paraplan.specs import InterNodeSpec, LinkSpec, Scenario
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = sorted((ROOT / "scenarios").glob("*.yaml"))
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+HEADLINE = ROOT / "scenarios" / "gpt3-175b-1024xa100.yaml"
+PRESETS = ROOT / "paraplan" / "presets"
+
+# ---------------------------------------------------------------------------------------------
+# GPU profiles. The loader imports hwmodels.profile.load_profile when it builds a cluster. Where
+# that module does not exist yet, a stand-in with the same interface is put in sys.modules for the
+# duration of each test (monkeypatch undoes it); tests that check how profile defaults merge use
+# the stand-in always, so their numbers are known.
+
+FAKE_INTRA = LinkSpec(bandwidth=1.0e11, latency=7e-6)
+FAKE_INTER = InterNodeSpec(nics_per_node=4, nic_bandwidth=1.25e10, topology="fat-tree",
+                           oversubscription=2.0, latency=9e-6, nodes_per_leaf=16)
+FAKE_BUNDLED = ("a100-sxm-40gb", "a100-sxm-80gb", "h100-sxm-80gb", "h200-sxm-141gb", "b200-sxm-180gb")
+
+
+class _FakeProfile:
+    def default_intra_node(self) -> LinkSpec:
+        return FAKE_INTRA
+
+    def default_inter_node(self) -> InterNodeSpec:
+        return FAKE_INTER
+
+
+def _fake_load_profile(name_or_path: str) -> _FakeProfile:
+    if name_or_path not in FAKE_BUNDLED and not Path(name_or_path).is_file():
+        raise ConfigError("", f"unknown GPU profile {name_or_path!r}; bundled: {', '.join(FAKE_BUNDLED)}")
+    return _FakeProfile()
+
+
+def _fake_module() -> types.ModuleType:
+    module = types.ModuleType("hwmodels.profile")
+    module.load_profile = _fake_load_profile
+    return module
+
+
+def _has_real_profiles() -> bool:
+    try:
+        return importlib.util.find_spec("hwmodels.profile") is not None
+    except ImportError:
+        return False
+
+
+REAL_PROFILES = _has_real_profiles()
+
+
+@pytest.fixture(autouse=True)
+def gpu_profiles(monkeypatch):
+    """The real hwmodels.profile where it exists, the stand-in otherwise."""
+    if not REAL_PROFILES:
+        monkeypatch.setitem(sys.modules, "hwmodels.profile", _fake_module())
+
+
+@pytest.fixture
+def fake_profiles(monkeypatch):
+    """The stand-in, even where the real module exists."""
+    monkeypatch.setitem(sys.modules, "hwmodels.profile", _fake_module())
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+
+
+def tiny() -> dict:
+    """A small valid scenario as a mapping; tests break one thing in it."""
+    return {
+        "name": "tiny",
+        "model": {"num_layers": 4, "hidden_size": 1024, "num_attention_heads": 16,
+                  "vocab_size": 50304, "activation": "gelu"},
+        "cluster": {"gpu": "a100-sxm-80gb", "num_nodes": 2, "gpus_per_node": 8},
+        "training": {"seq_length": 1024, "global_batch_size": 32, "precision": "bf16"},
+        "plan": {"tp": 2, "pp": 2},
+    }
+
+
+def error_of(source, overrides=()) -> ConfigError:
+    with pytest.raises(ConfigError) as info:
+        load_scenario(source, overrides)
+    return info.value
+
+
+def write(tmp_path: Path, text: str, name: str = "s.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------------------------------------
+# Bundled scenarios and presets
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=lambda p: p.stem)
+def test_bundled_scenario_loads(path):
+    scenario = load_scenario(path)
+    assert isinstance(scenario, Scenario)
+    assert scenario.plan.world_size == scenario.cluster.world_size
+    assert isinstance(scenario.cluster.intra_node, LinkSpec)
+    assert isinstance(scenario.cluster.inter_node, InterNodeSpec)
+    assert path.read_text().startswith("# "), "one-line comment at the top saying what it is"
+    hash(scenario)
+
+
+def test_all_five_bundled_scenarios_present():
+    assert {p.stem for p in SCENARIOS} >= {
+        "gpt3-175b-1024xa100", "llama3-70b-1024xh100", "llama3-405b-16384xh100",
+        "llama3-8b-64xh100", "tiny-gpt-8xa100"}
+
+
+def test_headline_scenario():
+    s = load_scenario(HEADLINE)
+    assert s.name == "gpt3-175b on 128 DGX A100"
+    assert s.model.name == "gpt3-175b"
+    assert (s.model.num_layers, s.model.hidden_size, s.model.head_dim) == (96, 12288, 128)
+    assert s.model.ffn_hidden_size == 4 * 12288 and s.model.tied_embeddings
+    assert s.cluster.world_size == 1024
+    assert s.cluster.inter_node.nic_bandwidth == 2.5e10
+    assert s.cluster.inter_node.topology == "rail-optimized"
+    p = s.plan
+    assert (p.tp, p.pp, p.dp, p.cp, p.virtual_pipeline_stages) == (8, 8, 16, 1, 2)
+    assert (p.schedule, p.sequence_parallel, p.zero_stage, p.recompute) == ("interleaved-1f1b", True, 1, "selective")
+    assert s.num_microbatches == 96
+    assert s.training.precision == "bf16"
+
+
+def test_405b_uneven_first_and_last_stages():
+    s = load_scenario(ROOT / "scenarios" / "llama3-405b-16384xh100.yaml")
+    p = s.plan
+    assert (p.tp, p.pp, p.dp, p.first_stage_layers, p.last_stage_layers) == (8, 16, 128, 7, 7)
+    assert 7 + (p.pp - 2) * 8 + 7 == s.model.num_layers
+    assert s.cluster.world_size == 16384
+
+
+def test_tiny_scenario_derives_dp():
+    s = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml")
+    assert s.plan.dp == 2 and s.name == "tiny-gpt-8xa100" and s.model.name == "tiny-gpt"
+
+
+# Published parameter counts (the source of each preset is cited in models.yaml).
+PUBLISHED_PARAMS = {
+    "gpt3-175b": 175.0e9, "llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405.9e9,
+    "llama2-7b": 6.74e9, "llama2-70b": 68.98e9, "mpt-7b": 6.7e9, "mpt-30b": 29.96e9,
+}
+
+
+@pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMS))
+def test_model_preset_matches_published_size(preset):
+    model = load_scenario({**tiny(), "model": preset}).model
+    assert model.name == preset
+    assert model.total_params() == pytest.approx(PUBLISHED_PARAMS[preset], rel=0.01)
+
+
+def test_every_model_preset_has_a_published_size():
+    assert set(yaml.safe_load((PRESETS / "models.yaml").read_text())) == set(PUBLISHED_PARAMS)
+
+
+@pytest.mark.parametrize("preset", sorted(yaml.safe_load((PRESETS / "clusters.yaml").read_text())))
+def test_every_cluster_preset_loads(preset):
+    raw = {**tiny(), "cluster": {"preset": preset, "num_nodes": 4}}
+    cluster = load_scenario(raw).cluster
+    assert cluster.world_size == 32 and cluster.inter_node.topology == "rail-optimized"
+
+
+def test_llama3_gqa_and_swiglu():
+    m = load_scenario({**tiny(), "model": "llama3-70b"}).model
+    assert (m.num_kv_heads, m.head_dim, m.activation, m.ffn_matrices) == (8, 128, "swiglu", 3)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets: merge
+
+
+def test_model_preset_with_overrides_merges():
+    m = load_scenario({**tiny(), "model": {"preset": "llama3-70b", "num_layers": 40}}).model
+    assert (m.num_layers, m.hidden_size, m.num_kv_heads, m.name) == (40, 8192, 8, "llama3-70b")
+
+
+def test_model_preset_override_rederives_defaults():
+    m = load_scenario({**tiny(), "model": {"preset": "gpt3-175b", "hidden_size": 6144, "name": "half"}}).model
+    assert (m.head_dim, m.ffn_hidden_size, m.name) == (64, 4 * 6144, "half")
+
+
+def test_unknown_model_preset_suggests():
+    err = error_of({**tiny(), "model": "lama3-8b"})
+    assert err.path == "model"
+    assert "did you mean 'llama3-8b'?" in str(err) and "gpt3-175b" in str(err)
+    assert error_of({**tiny(), "model": {"preset": "nope"}}).path == "model.preset"
+
+
+def test_cluster_preset_merges_nested_keys():
+    raw = {**tiny(), "cluster": {"preset": "dgx-h100-superpod", "num_nodes": 2,
+                                 "inter_node": {"oversubscription": 2}}}
+    inter = load_scenario(raw).cluster.inter_node
+    assert (inter.oversubscription, inter.nics_per_node, inter.nic_bandwidth) == (2.0, 8, 5e10)
+
+
+def test_cluster_preset_needs_num_nodes():
+    err = error_of({**tiny(), "cluster": "dgx-a100-superpod"})
+    assert str(err) == "cluster.num_nodes: required key missing"
+
+
+def test_model_preset_and_hf_config_together_rejected():
+    err = error_of({**tiny(), "model": {"preset": "llama3-8b", "hf_config": "x.json"}})
+    assert err.path == "model"
+
+
+# ---------------------------------------------------------------------------------------------
+# Strictness
+
+
+def test_unknown_key_with_suggestion():
+    raw = tiny()
+    raw["plan"]["tpp"] = 2
+    err = error_of(raw)
+    assert err.path == "plan.tpp"
+    assert str(err) == "plan.tpp: unknown key, did you mean 'tp'?"
+
+
+def test_unknown_nested_key_has_full_path():
+    raw = tiny()
+    raw["cluster"]["inter_node"] = {"topolgy": "fat-tree"}
+    err = error_of(raw)
+    assert str(err) == "cluster.inter_node.topolgy: unknown key, did you mean 'topology'?"
+
+
+def test_unknown_key_without_close_match_lists_allowed():
+    raw = {**tiny(), "zzz": 1}
+    err = error_of(raw)
+    assert err.path == "zzz" and "expected one of: name, model, cluster, training, plan, search" in str(err)
+
+
+def test_misspelt_top_level_section():
+    raw = tiny()
+    raw["trainng"] = raw.pop("training")
+    assert str(error_of(raw)) == "trainng: unknown key, did you mean 'training'?"
+
+
+def test_misspelt_preset_key_suggested():
+    err = error_of({**tiny(), "model": {"prest": "llama3-8b"}})
+    assert str(err) == "model.prest: unknown key, did you mean 'preset'?"
+
+
+def test_wrong_type_named():
+    raw = tiny()
+    raw["plan"]["tp"] = "eight"
+    assert str(error_of(raw)) == "plan.tp: expected an integer, got 'eight'"
+
+
+def test_bool_is_not_an_int():
+    raw = tiny()
+    raw["model"]["num_layers"] = True
+    assert str(error_of(raw)) == "model.num_layers: expected an integer, got true"
+
+
+def test_float_is_not_an_int():
+    raw = tiny()
+    raw["training"]["global_batch_size"] = 32.0
+    assert str(error_of(raw)) == "training.global_batch_size: expected an integer, got 32.0"
+
+
+@pytest.mark.parametrize("key", ["tp", "pp", "cp", "ep", "dp", "micro_batch_size", "virtual_pipeline_stages"])
+def test_degrees_must_be_positive(key):
+    raw = tiny()
+    raw["plan"][key] = 0
+    assert str(error_of(raw)) == f"plan.{key}: expected a positive integer, got 0"
+
+
+def test_num_nodes_must_be_positive():
+    raw = tiny()
+    raw["cluster"]["num_nodes"] = -1
+    assert str(error_of(raw)) == "cluster.num_nodes: expected a positive integer, got -1"
+
+
+def test_number_keys_take_ints_and_floats_and_reject_the_rest():
+    raw = tiny()
+    raw["cluster"]["intra_node"] = {"bandwidth_GBps": 300, "latency_us": 2.5}
+    intra = load_scenario(raw).cluster.intra_node
+    assert (intra.bandwidth, intra.latency) == (3e11, 2.5e-6)
+    raw["cluster"]["intra_node"] = {"bandwidth_GBps": "fast"}
+    assert str(error_of(raw)) == "cluster.intra_node.bandwidth_GBps: expected a number, got 'fast'"
+    raw["cluster"]["intra_node"] = {"bandwidth_GBps": False}
+    assert error_of(raw).path == "cluster.intra_node.bandwidth_GBps"
+    raw["cluster"]["intra_node"] = {"bandwidth_GBps": 0}
+    assert "positive" in str(error_of(raw))
+    raw["cluster"]["intra_node"] = {"bandwidth_GBps": float("inf")}
+    assert "finite" in str(error_of(raw))
+
+
+def test_oversubscription_below_one_rejected():
+    raw = tiny()
+    raw["cluster"]["inter_node"] = {"oversubscription": 0.5}
+    assert str(error_of(raw)) == "cluster.inter_node.oversubscription: expected a number >= 1, got 0.5"
+
+
+def test_bool_key_rejects_strings():
+    raw = tiny()
+    raw["plan"]["sequence_parallel"] = "yes please"
+    assert str(error_of(raw)) == "plan.sequence_parallel: expected true or false, got 'yes please'"
+
+
+def test_bad_enum_lists_allowed_values():
+    raw = tiny()
+    raw["plan"]["schedule"] = "zb"
+    assert str(error_of(raw)) == "plan.schedule: 'zb' is not one of gpipe, 1f1b, interleaved-1f1b"
+
+
+def test_bad_enum_suggests_close_value():
+    raw = tiny()
+    raw["cluster"]["inter_node"] = {"topology": "fat_tree"}
+    err = error_of(raw)
+    assert err.path == "cluster.inter_node.topology"
+    assert "is not one of fat-tree, rail-optimized, did you mean 'fat-tree'?" in str(err)
+
+
+@pytest.mark.parametrize("value", [5, True, "1"])
+def test_zero_stage_is_an_int_enum(value):
+    raw = tiny()
+    raw["plan"]["zero_stage"] = value
+    assert "is not one of 0, 1, 2, 3" in str(error_of(raw))
+
+
+@pytest.mark.parametrize("section,key", [
+    ("model", "num_layers"), ("model", "vocab_size"), ("model", "activation"),
+    ("cluster", "gpu"), ("cluster", "num_nodes"), ("cluster", "gpus_per_node"),
+    ("training", "seq_length"), ("training", "global_batch_size"), ("training", "precision"),
+])
+def test_missing_required_key_named(section, key):
+    raw = tiny()
+    del raw[section][key]
+    assert str(error_of(raw)) == f"{section}.{key}: required key missing"
+
+
+def test_missing_section_named():
+    raw = tiny()
+    del raw["training"]
+    assert str(error_of(raw)) == "training: required key missing"
+
+
+def test_plan_section_optional():
+    raw = tiny()
+    del raw["plan"]
+    plan = load_scenario(raw).plan
+    assert (plan.tp, plan.pp, plan.dp) == (1, 1, 16)
+
+
+def test_section_must_be_a_mapping():
+    raw = {**tiny(), "training": [1024, 32]}
+    assert str(error_of(raw)) == "training: expected a mapping, got a list"
+
+
+def test_model_derivations_checked():
+    raw = tiny()
+    raw["model"]["num_kv_heads"] = 3
+    assert str(error_of(raw)) == "model.num_kv_heads: 3 does not divide num_attention_heads 16"
+    raw = tiny()
+    raw["model"]["num_attention_heads"] = 3
+    assert error_of(raw).path == "model.head_dim"
+    raw["model"]["head_dim"] = 128
+    assert load_scenario(raw).model.q_channels == 384
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+
+
+def test_missing_file(tmp_path):
+    path = tmp_path / "nope.yaml"
+    assert str(error_of(path)) == f"scenario file not found: {path}"
+    assert str(error_of(str(path))) == f"scenario file not found: {path}"
+
+
+def test_bad_yaml_one_line_with_line_number(tmp_path):
+    path = write(tmp_path, "model: gpt3-175b\nplan:\n  tp: [8,\n  pp: 2\n")
+    message = str(error_of(path))
+    assert "\n" not in message
+    assert message.startswith(f"{path}: invalid YAML: line ")
+
+
+def test_yaml_line_number_is_right(tmp_path):
+    path = write(tmp_path, "a: 1\nb: 2\nc: d: e\n")
+    assert "line 3, column 5" in str(error_of(path))
+
+
+def test_duplicate_key_rejected(tmp_path):
+    path = write(tmp_path, "plan:\n  tp: 8\n  tp: 4\n")
+    message = str(error_of(path))
+    assert "duplicate key 'tp'" in message and "line 3" in message
+
+
+def test_empty_file(tmp_path):
+    assert "expected a mapping at the top level, got null" in str(error_of(write(tmp_path, "")))
+
+
+def test_name_defaults_to_file_stem(tmp_path):
+    raw = tiny()
+    del raw["name"]
+    path = write(tmp_path, yaml.safe_dump(raw), "my-run.yaml")
+    assert load_scenario(path).name == "my-run"
+    assert load_scenario(raw).name == "scenario"
+
+
+def test_mapping_source_is_not_modified():
+    raw = tiny()
+    before = yaml.safe_dump(raw)
+    load_scenario(raw, ["plan.tp=4"])
+    assert yaml.safe_dump(raw) == before
+
+
+# ---------------------------------------------------------------------------------------------
+# Overrides
+
+
+def test_overrides_parse_yaml_values():
+    s = load_scenario(tiny(), ["plan.tp=4", "plan.pp=1", "plan.sequence_parallel=true",
+                               "plan.recompute=full", "training.seq_length=2048"])
+    assert (s.plan.tp, s.plan.pp, s.plan.dp, s.plan.sequence_parallel) == (4, 1, 4, True)
+    assert (s.plan.recompute, s.training.seq_length) == ("full", 2048)
+
+
+def test_override_goes_through_validation():
+    assert str(error_of(tiny(), ["plan.tp=eight"])) == "plan.tp: expected an integer, got 'eight'"
+    assert str(error_of(tiny(), ["plan.schedule=zb"])).startswith("plan.schedule: 'zb' is not one of")
+
+
+def test_override_into_unknown_key_errors_like_unknown_key():
+    assert str(error_of(tiny(), ["plan.tpp=4"])) == "plan.tpp: unknown key, did you mean 'tp'?"
+    assert str(error_of(tiny(), ["plna.tp=4"])) == "plna: unknown key, did you mean 'plan'?"
+
+
+def test_override_replaces_model_with_preset():
+    s = load_scenario(tiny(), ["model=llama3-8b"])
+    assert s.model.name == "llama3-8b" and s.model.num_kv_heads == 8
+
+
+def test_override_into_preset_string():
+    s = load_scenario({**tiny(), "model": "llama3-70b"}, ["model.num_layers=40"])
+    assert (s.model.num_layers, s.model.hidden_size) == (40, 8192)
+
+
+def test_override_null_value():
+    s = load_scenario(tiny(), ["plan.first_stage_layers=3", "plan.last_stage_layers=null"])
+    assert (s.plan.first_stage_layers, s.plan.last_stage_layers) == (3, None)
+
+
+@pytest.mark.parametrize("item", ["plan.tp", "=4", "plan..tp=4"])
+def test_malformed_override_names_set(item):
+    err = error_of(tiny(), [item])
+    assert err.path == "--set" and repr(item) in str(err)
+
+
+def test_override_through_a_scalar_rejected():
+    err = error_of(tiny(), ["plan.tp.x=1"])
+    assert err.path == "plan.tp" and "not a mapping" in str(err)
+
+
+def test_apply_overrides_returns_copy():
+    raw = tiny()
+    out = apply_overrides(raw, ["plan.tp=4", "search.tp=[1, 2]"])
+    assert out["plan"]["tp"] == 4 and raw["plan"]["tp"] == 2
+    assert out["search"] == {"tp": [1, 2]} and "search" not in raw
+
+
+# ---------------------------------------------------------------------------------------------
+# Data parallel degree
+
+
+def test_dp_mismatch_message():
+    raw = tiny()
+    raw["cluster"]["num_nodes"] = 128
+    raw["plan"] = {"tp": 8, "pp": 8, "dp": 4}
+    err = error_of(raw)
+    assert err.path == "plan"
+    assert str(err) == "plan: tp*pp*cp*dp = 8*8*1*4 = 256 but the cluster has 1024 GPUs (128 nodes x 8)"
+
+
+def test_dp_derived():
+    raw = tiny()
+    raw["cluster"]["num_nodes"] = 128
+    raw["plan"] = {"tp": 8, "pp": 8, "cp": 2}
+    assert load_scenario(raw).plan.dp == 8
+
+
+def test_dp_not_derivable():
+    raw = tiny()
+    raw["plan"] = {"tp": 8, "pp": 3}
+    err = error_of(raw)
+    assert err.path == "plan"
+    assert "tp*pp*cp = 8*3*1 = 24 does not divide the cluster's 16 GPUs (2 nodes x 8)" in str(err)
+
+
+# ---------------------------------------------------------------------------------------------
+# Hugging Face config.json
+
+
+def test_hf_llama_config(tmp_path):
+    path = write(tmp_path, "model: {hf_config: " + str(FIXTURES / "hf-llama3-8b" / "config.json") + "}\n"
+                 + yaml.safe_dump({k: v for k, v in tiny().items() if k not in ("model", "name")}))
+    m = load_scenario(path).model
+    preset = load_scenario({**tiny(), "model": "llama3-8b"}).model
+    assert dataclasses.replace(m, name="llama3-8b") == preset
+    assert m.name == "hf-llama3-8b"
+
+
+def test_hf_config_relative_to_scenario_folder(tmp_path):
+    folder = tmp_path / "models" / "gpt2"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text((FIXTURES / "hf-gpt2" / "config.json").read_text())
+    raw = {**tiny(), "model": {"hf_config": "models/gpt2/config.json"}}
+    m = load_scenario(write(tmp_path, yaml.safe_dump(raw))).model
+    assert m.name == "gpt2"
+    # a folder holding config.json works too
+    raw["model"] = {"hf_config": "models/gpt2", "num_layers": 2}
+    assert load_scenario(write(tmp_path, yaml.safe_dump(raw))).model.num_layers == 2
+
+
+def test_hf_gpt2_config():
+    raw = {**tiny(), "model": {"hf_config": str(FIXTURES / "hf-gpt2")}}
+    m = load_scenario(raw).model
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads, m.num_kv_heads) == (12, 768, 12, 12)
+    assert (m.ffn_hidden_size, m.vocab_size, m.activation, m.tied_embeddings) == (3072, 50257, "gelu", True)
+    assert m.total_params() == pytest.approx(124.4e6, rel=0.01)  # GPT-2 small, biases aside
+
+
+def test_hf_mistral_style_without_kv_heads_and_with_head_dim(tmp_path):
+    cfg = {"model_type": "mistral", "hidden_size": 5120, "num_hidden_layers": 40,
+           "num_attention_heads": 32, "num_key_value_heads": None, "head_dim": 128,
+           "intermediate_size": 14336, "vocab_size": 131072, "hidden_act": "silu"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    raw = {**tiny(), "model": {"hf_config": str(tmp_path / "config.json")}}
+    m = load_scenario(raw).model
+    assert (m.num_kv_heads, m.head_dim, m.activation, m.tied_embeddings) == (32, 128, "swiglu", False)
+
+
+def test_hf_unknown_model_type(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "t5"}')
+    err = error_of({**tiny(), "model": {"hf_config": str(tmp_path)}})
+    assert err.path == "model.hf_config" and "'t5' is not supported" in str(err) and "llama" in str(err)
+
+
+def test_hf_missing_file(tmp_path):
+    err = error_of({**tiny(), "model": {"hf_config": str(tmp_path / "none.json")}})
+    assert err.path == "model.hf_config" and "file not found" in str(err)
+
+
+def test_hf_missing_field(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama", "hidden_size": 64}')
+    err = error_of({**tiny(), "model": {"hf_config": str(tmp_path)}})
+    assert err.path == "model.hf_config" and "missing 'num_attention_heads'" in str(err)
+
+
+def test_hf_bad_json(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "llama",\n  oops}')
+    err = error_of({**tiny(), "model": {"hf_config": str(tmp_path)}})
+    assert err.path == "model.hf_config" and "invalid JSON at line 2" in str(err)
+
+
+# ---------------------------------------------------------------------------------------------
+# Cluster: units and GPU profile defaults
+
+
+def test_unit_conversions():
+    raw = tiny()
+    raw["cluster"]["intra_node"] = {"bandwidth_GBps": 300, "latency_us": 3}
+    raw["cluster"]["inter_node"] = {"nics_per_node": 8, "nic_bandwidth_Gbps": 200, "latency_us": 5,
+                                    "topology": "fat-tree", "oversubscription": 1, "nodes_per_leaf": 32}
+    c = load_scenario(raw).cluster
+    assert c.intra_node == LinkSpec(bandwidth=3e11, latency=3e-6)
+    assert c.inter_node == InterNodeSpec(nics_per_node=8, nic_bandwidth=2.5e10, topology="fat-tree",
+                                         oversubscription=1.0, latency=5e-6, nodes_per_leaf=32)
+
+
+def test_missing_link_keys_come_from_the_profile(fake_profiles):
+    c = load_scenario(tiny()).cluster
+    assert (c.intra_node, c.inter_node) == (FAKE_INTRA, FAKE_INTER)
+
+
+def test_given_link_keys_override_single_profile_fields(fake_profiles):
+    raw = tiny()
+    raw["cluster"]["intra_node"] = {"latency_us": 1}
+    raw["cluster"]["inter_node"] = {"nic_bandwidth_Gbps": 400, "topology": "rail-optimized"}
+    c = load_scenario(raw).cluster
+    assert c.intra_node == dataclasses.replace(FAKE_INTRA, latency=1e-6)
+    assert c.inter_node == dataclasses.replace(FAKE_INTER, nic_bandwidth=5e10, topology="rail-optimized")
+
+
+def test_unknown_gpu_named_under_cluster_gpu():
+    raw = tiny()
+    raw["cluster"]["gpu"] = "a100-sxm-90gb"
+    err = error_of(raw)
+    assert err.path == "cluster.gpu" and "a100-sxm-80gb" in str(err)
+
+
+def test_gpu_profile_file_resolved_against_scenario_folder(tmp_path, fake_profiles):
+    (tmp_path / "profiles").mkdir()
+    (tmp_path / "profiles" / "mygpu.yaml").write_text("name: mygpu\n")
+    raw = tiny()
+    raw["cluster"]["gpu"] = "profiles/mygpu.yaml"
+    s = load_scenario(write(tmp_path, yaml.safe_dump(raw)))
+    assert s.cluster.gpu == str(tmp_path / "profiles" / "mygpu.yaml")
+    raw["cluster"]["gpu"] = "profiles/other.yaml"
+    err = error_of(write(tmp_path, yaml.safe_dump(raw)))
+    assert err.path == "cluster.gpu" and "not found" in str(err)
+
+
+# ---------------------------------------------------------------------------------------------
+# search
+
+
+def test_search_is_frozen_and_sorted():
+    raw = {**tiny(), "search": {"tp": [1, 2, 4], "budget": 50, "fixed": {"zero_stage": 1, "cp": [1]}}}
+    s = load_scenario(raw)
+    assert s.search == (("budget", 50), ("fixed", (("cp", (1,)), ("zero_stage", 1))), ("tp", (1, 2, 4)))
+    hash(s)
+
+
+def test_search_must_be_a_mapping():
+    assert str(error_of({**tiny(), "search": [1, 2]})) == "search: expected a mapping, got a list"
