@@ -1,0 +1,147 @@
+"""Kernel times on one GPU (seconds): GEMMs, attention, memory-bound kernels. Pure functions of a
+GpuProfile and the kernel's shape; no state.
+
+Each compute kernel's time is FLOPs / (peak x efficiency(FLOPs)), the efficiency read from the
+profile's measured tables (the Calculon approach: roofline x efficiency tables, Isaev et al.,
+SC'23, https://github.com/calculon-ai/calculon).
+"""
+from __future__ import annotations
+
+import bisect
+import math
+
+from hwmodels.curves import Curve
+from hwmodels.profile import GpuProfile
+
+__all__ = ["KERNEL_OVERHEAD", "attention_flops", "attention_time", "dtype_bytes", "gemm_time",
+           "memory_bound_time", "unfused_attention_time"]
+
+KERNEL_OVERHEAD = 3e-6
+"""Seconds a memory-bound kernel costs beyond its bytes: the ~1 us gap between back-to-back
+launches (NVIDIA, "Getting Started with CUDA Graphs": a 2.9 us kernel repeats every 3.8 us) plus
+~2 us for the first wave to ramp up and the last to drain. Small elementwise kernels take 3-5 us
+in PyTorch profiles for this reason. GEMM and attention curves are measured end-to-end and
+already include it."""
+
+_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element; tf32 tensors are stored as fp32."""
+    return _BYTES[dtype]
+
+
+def _compute_time(flops: float, peak: float, curve: Curve) -> float:
+    """flops / (peak x curve(flops)), floored at the time of the largest measured knot below
+    `flops`: the curve interpolates efficiency linearly in log(size), which where it climbs steeply
+    (launch-bound GEMMs) would let a bigger kernel finish sooner than a smaller one."""
+    t = flops / (peak * curve(flops))
+    i = bisect.bisect_right(curve.xs, flops) - 1
+    if i >= 0:
+        t = max(t, curve.xs[i] / (peak * curve.ys[i]))
+    return t
+
+
+def memory_bound_time(gpu: GpuProfile, nbytes: float) -> float:
+    """A kernel that streams `nbytes` through HBM (reads + writes), e.g. an elementwise op, a
+    LayerNorm or an optimizer step: nbytes / (bandwidth x efficiency(nbytes)) + KERNEL_OVERHEAD.
+    The efficiency plateau is the STREAM copy fraction (hardware_specs compute_efficiency.memory_bound)."""
+    if nbytes <= 0:
+        return 0.0
+    return KERNEL_OVERHEAD + nbytes / (gpu.hbm_bandwidth * gpu.hbm_efficiency(nbytes))
+
+
+def gemm_time(gpu: GpuProfile, m: int, n: int, k: int, dtype: str, batch: int = 1) -> float:
+    """C[m,n] = A[m,k] @ B[k,n], `batch` times in one (batched) kernel.
+
+    Compute: 2mnk x batch FLOPs at peak(dtype) x gemm_curve(dtype)(FLOPs); the curve is measured
+    on whole GEMMs, so it already holds launch and wave-quantisation losses.
+    Memory: A, B and C each cross HBM once, batch x (mk + kn + mn) x dtype bytes, at
+    hbm_bandwidth x hbm_efficiency(bytes).
+
+    Combined as sqrt(t_compute^2 + t_memory^2): a smooth roofline between perfect overlap,
+    max(t_c, t_m) (Williams, Waterman, Patterson, CACM 2009), and none, t_c + t_m (Calculon's
+    `no_overlap` processing mode). Where one term dominates it is within 3% of the max, so the
+    square shapes the curves are measured on are unchanged; at the ridge point it is sqrt(2) x the
+    max. Check (tests/test_hwmodels_compute.py): the Azure A100 cuBLASLt shape [802816,192,768]
+    sits on the ridge (153 FLOP/byte) and ran at 157.8 TFLOP/s; max predicts 235 (+49%), the sum
+    121 (-23%), this 171 (+8.5%).
+    """
+    if min(m, n, k, batch) <= 0:
+        return 0.0
+    flops = 2.0 * m * n * k * batch
+    t_compute = _compute_time(flops, gpu.peak(dtype), gpu.gemm_curve(dtype))
+    nbytes = batch * (m * k + k * n + m * n) * dtype_bytes(dtype)
+    t_memory = nbytes / (gpu.hbm_bandwidth * gpu.hbm_efficiency(nbytes))
+    return math.hypot(t_compute, t_memory)
+
+
+def _attention_dtype(dtype: str) -> str:
+    """Attention runs in 16-bit under fp8 training (Transformer Engine keeps dot-product attention
+    in bf16 by default); fp32 training prices it at the TF32 rate."""
+    return "bf16" if dtype == "fp8" else dtype
+
+
+def attention_flops(*, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool,
+                    backward: bool) -> float:
+    """FLOPs of one flash-attention call, the FlashAttention-2/3 papers' convention
+    (arXiv 2307.08691 Sec. 4.1, arXiv 2407.08608 Sec. 4.1): forward 4 x b x h x q x kv x d (two
+    matmuls, QK^T and PV); causal keeps the computed fraction of the mask, 1/2 when q == kv
+    (bottom-right aligned in general: 1 - q/(2 kv) for q <= kv); backward 2.5 x forward (five
+    matmuls instead of two, the forward's QK^T recomputed)."""
+    f = 4.0 * batch * heads * q_len * kv_len * head_dim
+    if causal:
+        f *= 1.0 - q_len / (2.0 * kv_len) if q_len <= kv_len else kv_len / (2.0 * q_len)
+    return 2.5 * f if backward else f
+
+
+def attention_time(gpu: GpuProfile, *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
+                   dtype: str, causal: bool, backward: bool) -> float:
+    """One fused flash-attention call (forward, or backward). Efficiency from the profile's
+    attention curves (FLOPs of the call -> fraction of the 16-bit peak); the bundled profiles carry
+    FlashAttention-2-era figures (A100 0.50-0.73, H100 ~0.23-0.33), see their provenance.
+    Floored at one kernel's overhead."""
+    flops = attention_flops(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
+                            causal=causal, backward=backward)
+    if flops <= 0:
+        return 0.0
+    curve = gpu.attention_bwd_efficiency if backward else gpu.attention_fwd_efficiency
+    return max(_compute_time(flops, gpu.peak(_attention_dtype(dtype)), curve), KERNEL_OVERHEAD)
+
+
+def unfused_attention_time(gpu: GpuProfile, *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
+                           dtype: str, causal: bool, backward: bool, dropout: bool = True) -> float:
+    """Attention as Megatron-LM ran it before FlashAttention: batched GEMMs around a materialised
+    b x a x q x kv score tensor and memory-bound kernels over it. The causal mask is applied to the
+    full score tensor (FusedScaleMaskSoftmax), so nothing is halved.
+
+    Forward: QK^T (q x d @ d x kv) and AV (q x kv @ kv x d), batch b x a each; the fused
+    scale+mask+softmax kernel reads the scores and writes the probabilities (2 passes of e bytes per
+    element); dropout reads them and writes the dropped copy plus a 1-byte mask (2 passes + mask).
+    What the backward keeps is Korthikanti et al. 2022 Sec. 4.1: softmax output 2as^2b, dropout
+    mask as^2b, dropout output 2as^2b bytes.
+    Backward: four GEMMs (dQ = dS K, dK = dS^T Q, dP = dO V^T, dV = P^T dO); dropout backward reads
+    the gradient and the mask and writes a gradient (2 passes + mask); softmax backward reads the
+    gradient and the softmax output and writes the score gradient (3 passes).
+    `dropout=False` drops the dropout kernels (attention dropout 0, as in most models after 2022).
+    """
+    dt = _attention_dtype(dtype)
+    bh = batch * heads
+    if min(bh, q_len, kv_len, head_dim) <= 0:
+        return 0.0
+    e = dtype_bytes(dt)
+    scores = float(bh) * q_len * kv_len
+    if not backward:
+        gemms = gemm_time(gpu, q_len, kv_len, head_dim, dt, batch=bh) + gemm_time(gpu, q_len, head_dim, kv_len, dt, batch=bh)
+        memory = memory_bound_time(gpu, 2 * e * scores)
+        if dropout:
+            memory += memory_bound_time(gpu, (2 * e + 1) * scores)
+        return gemms + memory
+    gemms = (gemm_time(gpu, q_len, head_dim, kv_len, dt, batch=bh)      # dQ = dS @ K
+             + gemm_time(gpu, kv_len, head_dim, q_len, dt, batch=bh)    # dK = dS^T @ Q
+             + gemm_time(gpu, q_len, kv_len, head_dim, dt, batch=bh)    # dP = dO @ V^T
+             + gemm_time(gpu, kv_len, head_dim, q_len, dt, batch=bh))   # dV = P^T @ dO
+    memory = memory_bound_time(gpu, 3 * e * scores)
+    if dropout:
+        memory += memory_bound_time(gpu, (2 * e + 1) * scores)
+    return gemms + memory

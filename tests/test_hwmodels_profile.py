@@ -1,0 +1,283 @@
+"""GPU profiles: the Curve, the bundled datasheet profiles, load/write round trip and errors."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hwmodels.curves import Curve, to_unit
+from hwmodels.profile import BUNDLED, PROFILE_DIR, GpuProfile, load_profile, write_profile
+from paraplan.errors import ConfigError
+from paraplan.specs import InterNodeSpec, LinkSpec
+
+GiB = 2**30
+
+# ----------------------------------------------------------------------------------------- Curve
+
+
+def test_curve_interpolates_linearly_in_log10_of_x():
+    c = Curve((10.0, 1000.0), (0.2, 0.6))
+    assert c(100.0) == pytest.approx(0.4)          # log10 midpoint
+    assert c(10**1.5) == pytest.approx(0.3)        # a quarter of the way in log10
+    assert c(10**2.5) == pytest.approx(0.5)
+
+
+def test_curve_three_knots_picks_the_right_segment():
+    c = Curve((1.0, 10.0, 100.0), (0.0, 1.0, 0.5))
+    assert c(10**0.5) == pytest.approx(0.5)
+    assert c(10**1.5) == pytest.approx(0.75)
+    assert c(10.0) == pytest.approx(1.0)
+
+
+def test_curve_is_clamped_outside_its_knots():
+    c = Curve((10.0, 1000.0), (0.2, 0.6))
+    assert c(1.0) == 0.2 and c(0.0) == 0.2 and c(-5.0) == 0.2
+    assert c(1e9) == 0.6
+
+
+@pytest.mark.parametrize("xs, ys", [
+    ((10.0, 1.0), (0.1, 0.2)),        # decreasing
+    ((1.0, 1.0), (0.1, 0.2)),         # not strictly increasing
+    ((1.0, 2.0), (0.1,)),             # lengths differ
+    ((), ()),                         # empty
+    ((0.0, 1.0), (0.1, 0.2)),         # log10(0)
+    ((1.0, 2.0), (0.1, float("nan"))),
+])
+def test_curve_rejects_malformed_knots(xs, ys):
+    with pytest.raises(ValueError):
+        Curve(xs, ys)
+
+
+def test_curve_is_hashable_and_compares_by_knots():
+    a, b = Curve((1, 2), (3, 4)), Curve((1.0, 2.0), (3.0, 4.0))
+    assert a == b and hash(a) == hash(b)
+    assert a != Curve((1, 2), (3, 5))
+
+
+def test_to_unit_round_trips_exactly():
+    for v, scale in [(0.6e-6, 1e-6), (2.7e-6, 1e-6), (2039e9, 1e9), (989.4e12, 1e12), (1.2345678901e12, 1e9),
+                     (141 * GiB, GiB), (25e9, 1e9 / 8)]:
+        assert to_unit(v, scale) * scale == v
+    assert to_unit(312e12, 1e12) == 312 and isinstance(to_unit(312e12, 1e12), int)
+
+
+# ---------------------------------------------------------------------------- bundled profiles
+
+# Datasheet figures, copied from /work/shared/reference/hardware_specs.yaml (gpus.*).
+DATASHEET = {
+    #                 bf16 TFLOP/s, fp8,   tf32,  HBM GiB, HBM GB/s, NVLink GB/s, NIC Gb/s
+    "a100-sxm-40gb": (312, None, 156, 40, 1555, 300, 200),
+    "a100-sxm-80gb": (312, None, 156, 80, 2039, 300, 200),
+    "h100-sxm-80gb": (989.4, 1978.9, 494.7, 80, 3350, 450, 400),
+    "h200-sxm-141gb": (989.4, 1978.9, 494.7, 141, 4800, 450, 400),
+    "b200-sxm-180gb": (2250, 4500, 1100, 180, 7700, 900, 400),
+}
+
+
+def test_every_bundled_profile_is_listed_and_loads():
+    assert set(BUNDLED) == set(DATASHEET) == {p.stem for p in PROFILE_DIR.glob("*.yaml")}
+    for name in BUNDLED:
+        p = load_profile(name)
+        assert isinstance(p, GpuProfile) and p.name == name and p.calibrated is False
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_peaks_equal_the_datasheet(name):
+    bf16, fp8, tf32, hbm_gib, hbm_gbps, nvlink, nic_gbit = DATASHEET[name]
+    p = load_profile(name)
+    assert p.peak("bf16") == pytest.approx(bf16 * 1e12, rel=1e-12)
+    assert p.peak("fp16") == p.peak("bf16")
+    assert p.peak("tf32") == pytest.approx(tf32 * 1e12, rel=1e-12)
+    assert p.peak("fp32") == p.peak("tf32")  # fp32 GEMMs run on TF32 tensor cores
+    assert p.hbm_capacity == hbm_gib * GiB
+    assert p.hbm_bandwidth == pytest.approx(hbm_gbps * 1e9, rel=1e-12)
+    assert p.nvlink_bandwidth == pytest.approx(nvlink * 1e9, rel=1e-12)
+    assert p.default_inter_node().nic_bandwidth == pytest.approx(nic_gbit * 1e9 / 8, rel=1e-12)
+    if fp8 is None:
+        with pytest.raises(ConfigError) as err:
+            p.peak("fp8")
+        assert err.value.path == "training.precision"
+        with pytest.raises(ConfigError):
+            p.gemm_curve("fp8")
+    else:
+        assert p.peak("fp8") == pytest.approx(fp8 * 1e12, rel=1e-12)
+
+
+def test_fp32_keeps_its_cuda_core_figure_in_peak_flops():
+    assert dict(load_profile("a100-sxm-80gb").peak_flops)["fp32"] == pytest.approx(19.5e12)
+
+
+def test_unknown_dtype_is_a_config_error():
+    with pytest.raises(ConfigError, match="int4"):
+        load_profile("h100-sxm-80gb").peak("int4")
+
+
+def test_default_node_network():
+    a100, h100 = load_profile("a100-sxm-80gb"), load_profile("h100-sxm-80gb")
+    assert a100.default_intra_node() == LinkSpec(bandwidth=300e9, latency=a100.nvlink_latency)
+    assert a100.nvlink_latency == pytest.approx(0.6e-6)
+    assert a100.default_inter_node() == InterNodeSpec(nics_per_node=8, nic_bandwidth=25e9, topology="rail-optimized",
+                                                      oversubscription=1, latency=a100.default_inter_node().latency,
+                                                      nodes_per_leaf=20)
+    assert a100.default_inter_node().latency == pytest.approx(2.7e-6)
+    assert a100.nic_efficiency == pytest.approx(24 / 25) and h100.nic_efficiency == pytest.approx(47 / 50)
+    assert h100.default_inter_node().nics_per_node == 8 and h100.default_inter_node().nodes_per_leaf == 32
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_provenance_covers_every_field_with_a_source(name):
+    p = load_profile(name)
+    prov = dict(p.provenance)
+    needed = {"peak_tflops", "hbm.capacity", "hbm.bandwidth", "hbm.efficiency", "attention_efficiency.fwd",
+              "attention_efficiency.bwd", "nvlink.bandwidth", "nvlink.latency", "nvlink.ring_busbw",
+              "nvlink.allreduce_busbw", "network", "network.nic_efficiency", "network.latency"}
+    needed |= {f"gemm_efficiency.{d}" for d, _ in p.gemm_efficiency}
+    assert needed <= set(prov), needed - set(prov)
+    for field, text in prov.items():
+        assert "https://" in text or text.startswith("derived:"), field
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_bundled_curves_are_sane(name):
+    p = load_profile(name)
+    for _, c in p.gemm_efficiency:
+        assert 0 < min(c.ys) and max(c.ys) < 0.9
+    assert 0.75 <= p.hbm_efficiency.max <= 0.9  # STREAM copy fractions 0.79 .. 0.87
+    assert p.nvlink_ring_busbw <= p.nvlink_busbw.max <= p.nvlink_bandwidth * 1.1
+    assert 0.7 < p.nvlink_ring_busbw / p.nvlink_bandwidth < 0.85  # rules_of_thumb 0.77-0.82
+
+
+# ---------------------------------------------------------------------------- load / write
+
+
+@pytest.mark.parametrize("name", BUNDLED)
+def test_write_then_load_round_trips_every_bundled_profile(tmp_path, name):
+    p = load_profile(name)
+    path = write_profile(p, tmp_path / f"{name}.yaml")
+    assert load_profile(str(path)) == p
+
+
+def test_round_trip_of_a_calibrated_profile_with_awkward_numbers(tmp_path):
+    p = load_profile("h100-sxm-80gb")
+    q = dataclasses.replace(
+        p, name="my-h100", calibrated=True, hbm_bandwidth=3.0123456789e12, nvlink_latency=0.7311e-6,
+        hbm_capacity=79.6 * GiB, gemm_efficiency=(("tf32", Curve((1.1e9, 3.3e11), (0.31, 0.77))),) + p.gemm_efficiency[1:],
+        node_network=dataclasses.replace(p.node_network, latency=3.14159e-6, oversubscription=2.5),
+        provenance=(("gemm_efficiency.bf16", "measured: paraplan calibrate, fit MAPE 2.1%"),))
+    assert load_profile(str(write_profile(q, tmp_path / "mine.yaml"))) == q
+
+
+def test_written_profile_is_human_readable_with_units_in_keys(tmp_path):
+    text = write_profile(load_profile("a100-sxm-80gb"), tmp_path / "a.yaml").read_text()
+    raw = yaml.safe_load(text)
+    assert raw["peak_tflops"]["bf16"] == 312
+    assert raw["hbm"]["capacity_GiB"] == 80 and raw["hbm"]["bandwidth_GBps"] == 2039
+    assert raw["network"]["nic_bandwidth_Gbps"] == 200
+    assert set(raw["gemm_efficiency"]["bf16"]) == {"gflops", "efficiency"}
+
+
+def test_atomic_write_leaves_no_temporary_file(tmp_path):
+    write_profile(load_profile("a100-sxm-80gb"), tmp_path / "a.yaml")
+    assert os.listdir(tmp_path) == ["a.yaml"]
+
+
+def test_failed_write_keeps_the_old_file_and_removes_the_temporary(tmp_path, monkeypatch):
+    target = tmp_path / "a.yaml"
+    target.write_text("old")
+
+    def boom(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", boom)
+    with pytest.raises(OSError):
+        write_profile(load_profile("a100-sxm-80gb"), target)
+    assert target.read_text() == "old" and os.listdir(tmp_path) == ["a.yaml"]
+
+
+def test_rewritten_file_is_reloaded_not_served_from_cache(tmp_path):
+    p = load_profile("a100-sxm-80gb")
+    path = write_profile(p, tmp_path / "x.yaml")
+    assert load_profile(str(path)) is load_profile(str(path))  # cached
+    q = dataclasses.replace(p, hbm_bandwidth=1.9e12, calibrated=True)
+    write_profile(q, path)
+    assert load_profile(str(path)) == q
+
+
+def test_unknown_profile_name_lists_the_bundled_names():
+    with pytest.raises(ConfigError) as err:
+        load_profile("a100-sxm-90gb")
+    assert err.value.path == "cluster.gpu"
+    for name in BUNDLED:
+        assert name in str(err.value)
+
+
+def test_missing_profile_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        load_profile(str(tmp_path / "nope.yaml"))
+    assert err.value.path == "cluster.gpu" and "h100-sxm-80gb" in str(err.value)
+
+
+def _bundled_raw(name="a100-sxm-80gb") -> dict:
+    return yaml.safe_load((PROFILE_DIR / f"{name}.yaml").read_text())
+
+
+def _load_raw(tmp_path: Path, raw: dict):
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return load_profile(str(path))
+
+
+def test_misspelt_key_names_its_path_and_suggests(tmp_path):
+    raw = _bundled_raw()
+    raw["hbm"]["bandwith_GBps"] = raw["hbm"].pop("bandwidth_GBps")
+    with pytest.raises(ConfigError) as err:
+        _load_raw(tmp_path, raw)
+    assert err.value.path == "hbm.bandwith_GBps" and "bandwidth_GBps" in str(err.value)
+
+
+@pytest.mark.parametrize("mutate, path", [
+    (lambda r: r["gemm_efficiency"]["bf16"].update(gflops=[10, 5, 20, 30, 40, 50]), "gemm_efficiency.bf16"),
+    (lambda r: r["gemm_efficiency"]["bf16"]["efficiency"].__setitem__(0, 1.3), "gemm_efficiency.bf16.efficiency"),
+    (lambda r: r["gemm_efficiency"].pop("tf32"), "gemm_efficiency.tf32"),
+    (lambda r: r.update(arch="volta"), "arch"),
+    (lambda r: r["peak_tflops"].update(fp8=624), "peak_tflops.fp8"),
+    (lambda r: r["network"].update(topology="torus"), "network.topology"),
+    (lambda r: r["network"].update(nics_per_node=7.5), "network.nics_per_node"),
+    (lambda r: r["nvlink"].update(latency_us=-1), "nvlink.latency_us"),
+    (lambda r: r["hbm"].update(capacity_GB=80), "hbm"),
+    (lambda r: r.pop("network"), "network"),
+])
+def test_malformed_profile_is_a_config_error_at_its_key(tmp_path, mutate, path):
+    raw = _bundled_raw()
+    mutate(raw)
+    with pytest.raises(ConfigError) as err:
+        _load_raw(tmp_path, raw)
+    assert err.value.path == path
+    assert "bad.yaml" in str(err.value)
+
+
+def test_capacity_may_be_given_in_decimal_gigabytes(tmp_path):
+    raw = _bundled_raw("h200-sxm-141gb")
+    del raw["hbm"]["capacity_GiB"]
+    raw["hbm"]["capacity_GB"] = 141
+    assert _load_raw(tmp_path, raw).hbm_capacity == pytest.approx(141e9)
+
+
+def test_not_yaml_is_a_config_error(tmp_path):
+    path = tmp_path / "x.yaml"
+    path.write_text("name: [unclosed")
+    with pytest.raises(ConfigError) as err:
+        load_profile(str(path))
+    assert err.value.path == "cluster.gpu"
+
+
+def test_hbm_efficiency_plateau_is_the_stream_fraction():
+    # hardware_specs compute_efficiency.memory_bound.stream_like_tbps copy / peak
+    for name, copy_tbps in [("a100-sxm-80gb", 1.61), ("h100-sxm-80gb", 2.9), ("h200-sxm-141gb", 4.01)]:
+        p = load_profile(name)
+        assert p.hbm_efficiency(1e10) * p.hbm_bandwidth == pytest.approx(copy_tbps * 1e12, rel=0.02)
+        assert math.isclose(p.hbm_efficiency(1e8), p.hbm_efficiency.max)
