@@ -234,6 +234,7 @@ PLAN = _schema(
     recompute=Key(_one_of(RECOMPUTE)),
     overlap_grad_reduce=Key(_boolean),
     overlap_param_gather=Key(_boolean),
+    tp_comm_overlap=Key(_boolean),
     first_stage_layers=Key(_optional(POSITIVE)),
     last_stage_layers=Key(_optional(POSITIVE)),
 )

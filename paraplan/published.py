@@ -17,10 +17,14 @@ from paraplan.errors import ConfigError
 ASSUMPTIONS = (
     "micro_batch_size null -> 1 (Megatron's default)",
     "activation_recompute null -> none (Megatron-Core default when the plan fits)",
-    "sequence_parallel null -> on when tp > 1 (Megatron-Core practice since 2022)",
-    "ZeRO: Megatron rows without a distributed optimizer -> 0; with one -> 1; FSDP FULL_SHARD -> 3, SHARD_GRAD_OP -> 2",
+    "sequence_parallel null -> on when tp > 1 for records from 2023 on (Megatron-Core practice), off before",
+    "ZeRO: the record's zero_stage (FSDP FULL_SHARD -> 3, SHARD_GRAD_OP -> 2); else distributed optimizer -> 1; "
+    "null, but the notes list --overlap-param-gather (which needs the distributed optimizer) -> 1; else 0",
+    "Megatron flags named in a record's notes (--overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap) are set",
+    "layers not divisible by pp: DeepSpeed's 'type:transformer|embedding' partition, which counts the two embeddings "
+    "as layers, so the first and last stages hold (L + 2)/pp - 1 layers",
     "tied_embeddings null -> true (Megatron GPT and MPT tie the input embedding and the LM head)",
-    "attention kernel: records dated before 2022-06 (SC'21, MT-NLG, Korthikanti) predate FlashAttention -> unfused; later -> flash",
+    "attention kernel: records from before 2023 -> unfused (Megatron-LM and Megatron-DeepSpeed gained --use-flash-attn in 2023); later -> flash",
     "gradient reduction overlapped with backward from 2023 on (Megatron --overlap-grad-reduce, FSDP); earlier runs reduce after the backward",
     "inter-node network from the record's text (NIC count x rate); unstated -> the GPU generation's typical node (8 NICs, HDR 200G for A100, NDR 400G for H100)",
     "virtual_pipeline_stages null -> 1 (1F1B); > 1 -> interleaved 1F1B",
@@ -91,10 +95,24 @@ def _recompute(text) -> str:
     return "none"
 
 
-def _zero(par: dict) -> int:
+def _zero(par: dict, flags: set[str]) -> int:
     if par.get("zero_stage") is not None:
         return int(par["zero_stage"])
+    if par.get("distributed_optimizer") is None and "--overlap-param-gather" in flags:
+        return 1
     return 1 if par.get("distributed_optimizer") else 0
+
+
+def _flags(rec: dict) -> set[str]:
+    """Megatron command-line flags a record quotes in its notes."""
+    return set(re.findall(r"--[a-z][a-z-]+", str(rec.get("notes") or "")))
+
+
+def _uneven_stages(num_layers: int, pp: int, vpp: int) -> dict:
+    if pp == 1 or num_layers % (pp * vpp) == 0 or (num_layers + 2) % pp or vpp > 1:
+        return {}
+    edge = (num_layers + 2) // pp - 1
+    return {"first_stage_layers": edge, "last_stage_layers": edge}
 
 
 def record_to_scenario(rec: dict) -> dict:
@@ -103,6 +121,9 @@ def record_to_scenario(rec: dict) -> dict:
     date = str((rec.get("source") or {}).get("date") or "")
     tp, vpp = int(par["tp"]), int(par.get("virtual_pipeline_stages") or 1)
     sp = par.get("sequence_parallel")
+    modern = date >= "2023"
+    sp = bool(sp) if sp is not None else (tp > 1 and modern)
+    flags = _flags(rec)
     model = {
         "num_layers": m["num_layers"], "hidden_size": m["hidden_size"],
         "num_attention_heads": m["num_attention_heads"],
@@ -121,16 +142,19 @@ def record_to_scenario(rec: dict) -> dict:
         "cluster": {"gpu": _gpu_name(h["gpu"]), "num_nodes": int(h["num_gpus"]) // gpn,
                     "gpus_per_node": gpn, "inter_node": _inter_node(h.get("inter_node"))},
         "training": {"seq_length": m["seq_length"], "global_batch_size": b["global_batch_size"],
-                     "precision": precision, "attention": "unfused" if date < "2022-06" else "flash"},
+                     "precision": precision, "attention": "flash" if modern else "unfused"},
         "plan": {
             "tp": tp, "pp": int(par["pp"]), "dp": int(par["dp"]), "cp": int(par.get("cp") or 1),
             "micro_batch_size": int(b.get("micro_batch_size") or 1),
             "virtual_pipeline_stages": vpp,
             "schedule": "interleaved-1f1b" if vpp > 1 else "1f1b",
-            "sequence_parallel": bool(sp) if sp is not None else tp > 1,
-            "zero_stage": _zero(par),
+            "sequence_parallel": sp,
+            "zero_stage": _zero(par, flags),
             "recompute": _recompute(rec.get("activation_recompute")),
-            "overlap_grad_reduce": date >= "2023",
+            "overlap_grad_reduce": modern or "--overlap-grad-reduce" in flags,
+            "overlap_param_gather": "--overlap-param-gather" in flags,
+            "tp_comm_overlap": "--tp-comm-overlap" in flags and sp and tp > 1,
+            **_uneven_stages(int(m["num_layers"]), int(par["pp"]), vpp),
         },
     }
 

@@ -133,6 +133,9 @@ class PlanSpec:
     """Bucketed gradient reduction overlapped with backward (Megatron --overlap-grad-reduce, DDP, FSDP)."""
     overlap_param_gather: bool = False
     """ZeRO-1/2: the post-optimizer parameter all-gather overlaps the next forward (Megatron --overlap-param-gather)."""
+    tp_comm_overlap: bool = False
+    """Overlap TP all-gather/reduce-scatter with the adjacent GEMMs (Megatron --tp-comm-overlap,
+    Transformer Engine userbuffers); needs sequence parallelism."""
     first_stage_layers: int | None = None
     """Layers on the first pipeline stage when it differs (Megatron --decoder-first-pipeline-num-layers)."""
     last_stage_layers: int | None = None

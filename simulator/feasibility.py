@@ -31,6 +31,9 @@ def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
         out.append(f"plan.cp: training.seq_length {t.seq_length} is not divisible by 2*cp = {2 * p.cp}")
     if p.sequence_parallel and p.tp > 1 and (t.seq_length // p.cp) % p.tp:
         out.append(f"plan.sequence_parallel: seq_length/cp = {t.seq_length // p.cp} is not divisible by tp = {p.tp}")
+    if p.tp_comm_overlap and not (p.sequence_parallel and p.tp > 1):
+        # Megatron: "Tensor parallel communication/GEMM overlap can happen only when sequence parallelism is enabled"
+        out.append("plan.tp_comm_overlap: needs sequence_parallel: true and tp > 1")
     if p.ep != 1:
         out.append("plan.ep: expert parallelism needs an MoE model (model.moe); this model is dense, use ep: 1")
     if t.precision == "fp8" and gpu_arch == "ampere":

@@ -92,19 +92,41 @@ def _elementwise(ctx: LayerContext, backward: bool) -> float:
     return sum(memory_bound_time(ctx.gpu, factor * nbytes) for nbytes in kernels)
 
 
-def _tp_comm(ctx: LayerContext) -> float:
-    """Tensor-parallel communication of one layer in one direction (forward or backward): two
-    all-reduces of the (tokens, h) activation, or with sequence parallelism two all-gathers and
-    two reduce-scatters of it (Korthikanti et al. 2022, Sec. 4.2.2, Fig. 5)."""
+# Fraction of the GPU's SMs an NVLink collective occupies while it runs beside compute
+# (Calculon systems/*.json nvlink processor_usage = 0.15, hardware_specs comm_sm_stealing_fraction).
+NVLINK_SM_SHARE = 0.15
+
+
+def _tp_collective_pairs(ctx: LayerContext) -> list[float]:
+    """Tensor-parallel collectives of one layer in one direction, one per linear layer in the order
+    QKV, attention projection, MLP up, MLP down: with sequence parallelism an all-gather before each
+    column-parallel and a reduce-scatter after each row-parallel GEMM (Korthikanti et al. 2022,
+    Sec. 4.2.2, Fig. 5); without it an all-reduce after each row-parallel GEMM (Shoeybi et al. 2019)."""
     if ctx.plan.tp == 1:
-        return 0.0
+        return [0.0] * 4
     nbytes = ctx.tokens * ctx.model.hidden_size * ctx.act_bytes
     if ctx.plan.sequence_parallel:
-        return 2 * (
-            collective_time(ctx.network, "all_gather", nbytes, ctx.tp_layout)
-            + collective_time(ctx.network, "reduce_scatter", nbytes, ctx.tp_layout)
-        )
-    return 2 * collective_time(ctx.network, "all_reduce", nbytes, ctx.tp_layout)
+        ag = collective_time(ctx.network, "all_gather", nbytes, ctx.tp_layout)
+        rs = collective_time(ctx.network, "reduce_scatter", nbytes, ctx.tp_layout)
+        return [ag, rs, ag, rs]
+    ar = collective_time(ctx.network, "all_reduce", nbytes, ctx.tp_layout)
+    return [0.0, ar, 0.0, ar]
+
+
+def _tp_comm(ctx: LayerContext, gemms: list[float]) -> float:
+    """Exposed TP communication of one layer in one direction. Without overlap every collective is
+    on the critical path. With --tp-comm-overlap each collective is split into tp chunks pipelined
+    against its GEMM (Transformer Engine userbuffers ring exchange; Wang et al. 2023, "Overlap
+    communication with dependent computation"): the first chunk is exposed, the rest hides behind
+    the GEMM, and while they overlap the collective takes NVLINK_SM_SHARE of the SMs from it."""
+    comms = _tp_collective_pairs(ctx)
+    if not ctx.plan.tp_comm_overlap:
+        return sum(comms)
+    tp = ctx.plan.tp
+    exposed = 0.0
+    for comm, gemm in zip(comms, gemms):
+        exposed += max(comm / tp, comm - gemm) + NVLINK_SM_SHARE * min(comm, gemm)
+    return exposed
 
 
 def _cp_comm(ctx: LayerContext, backward: bool) -> float:
@@ -121,17 +143,22 @@ def _cp_comm(ctx: LayerContext, backward: bool) -> float:
     return (p.cp - 1) * max(0.0, step_comm - step_compute)
 
 
-def layer_forward(ctx: LayerContext) -> Cost:
+def _layer_gemms(ctx: LayerContext, backward: bool) -> list[float]:
+    """The four linear layers: QKV, attention projection, MLP up (+gate), MLP down."""
     m, p = ctx.model, ctx.plan
     h = m.hidden_size
-    gemms = (
-        _linear(ctx, h, (m.q_channels + 2 * m.kv_channels) // p.tp, False)
-        + _linear(ctx, m.q_channels // p.tp, h, False)
-        + _linear(ctx, h, (m.ffn_matrices - 1) * m.ffn_hidden_size // p.tp, False)
-        + _linear(ctx, m.ffn_hidden_size // p.tp, h, False)
-    )
-    compute = gemms + _attention_core(ctx, False) + _elementwise(ctx, False)
-    return Cost().add("compute", compute).add("tp_comm", _tp_comm(ctx)).add("cp_comm", _cp_comm(ctx, False))
+    return [
+        _linear(ctx, h, (m.q_channels + 2 * m.kv_channels) // p.tp, backward),
+        _linear(ctx, m.q_channels // p.tp, h, backward),
+        _linear(ctx, h, (m.ffn_matrices - 1) * m.ffn_hidden_size // p.tp, backward),
+        _linear(ctx, m.ffn_hidden_size // p.tp, h, backward),
+    ]
+
+
+def layer_forward(ctx: LayerContext) -> Cost:
+    gemms = _layer_gemms(ctx, False)
+    compute = sum(gemms) + _attention_core(ctx, False) + _elementwise(ctx, False)
+    return Cost().add("compute", compute).add("tp_comm", _tp_comm(ctx, gemms)).add("cp_comm", _cp_comm(ctx, False))
 
 
 def layer_backward(ctx: LayerContext) -> Cost:
@@ -139,16 +166,10 @@ def layer_backward(ctx: LayerContext) -> Cost:
     full = the whole layer forward (GEMMs, attention, TP communication; Chen et al. 2016 /
     Megatron --recompute-granularity full); selective = the attention core only
     (Korthikanti et al. 2022, Sec. 5)."""
-    m, p = ctx.model, ctx.plan
-    h = m.hidden_size
-    gemms = (
-        _linear(ctx, h, (m.q_channels + 2 * m.kv_channels) // p.tp, True)
-        + _linear(ctx, m.q_channels // p.tp, h, True)
-        + _linear(ctx, h, (m.ffn_matrices - 1) * m.ffn_hidden_size // p.tp, True)
-        + _linear(ctx, m.ffn_hidden_size // p.tp, h, True)
-    )
-    compute = gemms + _attention_core(ctx, True) + _elementwise(ctx, True)
-    cost = Cost().add("compute", compute).add("tp_comm", _tp_comm(ctx)).add("cp_comm", _cp_comm(ctx, True))
+    p = ctx.plan
+    gemms = _layer_gemms(ctx, True)
+    compute = sum(gemms) + _attention_core(ctx, True) + _elementwise(ctx, True)
+    cost = Cost().add("compute", compute).add("tp_comm", _tp_comm(ctx, gemms)).add("cp_comm", _cp_comm(ctx, True))
     if p.recompute == "full":
         fwd = layer_forward(ctx)
         cost.add("recompute", fwd.parts["compute"])
