@@ -524,6 +524,8 @@ def _gpu_profile(gpu: str):
     try:
         return load_profile(gpu)
     except ConfigError as exc:
+        if exc.path.startswith("cluster.gpu"):
+            raise
         raise ConfigError("cluster.gpu", str(exc)) from None
 
 

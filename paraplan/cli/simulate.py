@@ -73,7 +73,10 @@ def format_result(sc, r) -> str:
             lines.append(f"    {k:<12} {v:10.3f} s  {100 * v / r.step_time_s:5.1f} %")
     lines.append("")
     lines.append("  memory per GPU by stage (GiB): weights grads optim activ reserved total")
-    for s in r.stages:
+    for s in _stages_to_show(r.stages):
+        if s is None:
+            lines.append("    ...")
+            continue
         mm = s.memory
         lines.append(
             f"    stage {s.stage:<3} " + " ".join(f"{mm[k] / GiB:6.1f}" for k in
@@ -82,3 +85,18 @@ def format_result(sc, r) -> str:
     lines.append("")
     lines.append(f"  FLOPs: {r.flop_formula}")
     return "\n".join(lines)
+
+
+def _stages_to_show(stages, limit: int = 8):
+    """Every stage when few; else the first two, the largest and the last two (None marks a gap)."""
+    if len(stages) <= limit:
+        return list(stages)
+    big = max(stages, key=lambda s: s.memory["total"]).stage
+    keep = sorted({0, 1, big, len(stages) - 2, len(stages) - 1})
+    out, prev = [], -1
+    for i in keep:
+        if i != prev + 1:
+            out.append(None)
+        out.append(stages[i])
+        prev = i
+    return out

@@ -4,18 +4,22 @@ from __future__ import annotations
 import json
 import statistics
 
+from importlib.resources import files
+
+BUNDLED = str(files("paraplan.data") / "public_runs.yaml")
 HELP = "simulate published training runs and compare predicted with published step time"
 
 
 def add_arguments(p) -> None:
-    p.add_argument("file", help="published runs YAML (a list of records)")
+    p.add_argument("file", nargs="?", default=None,
+                   help="published runs YAML (a list of records); default: the bundled copy of the public runs")
     p.add_argument("--json", action="store_true", help="print rows and summary as JSON")
 
 
 def run(args) -> int:
     from paraplan.published import ASSUMPTIONS, evaluate, load_records
 
-    rows = evaluate(load_records(args.file))
+    rows = evaluate(load_records(args.file or BUNDLED))
     errs = [abs(r.error_pct) for r in rows if r.error_pct is not None]
     summary = {
         "rows": len(rows), "simulated": len(errs),

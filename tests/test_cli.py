@@ -1,0 +1,94 @@
+"""The CLI as a user runs it: `python -m paraplan ...` in a subprocess."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml")
+GPT3 = str(ROOT / "scenarios" / "gpt3-175b-1024xa100.yaml")
+
+
+def paraplan(*args, cwd=ROOT):
+    return subprocess.run([sys.executable, "-m", "paraplan", *args], capture_output=True, text=True, cwd=cwd)
+
+
+def test_simulate_prints_the_table():
+    r = paraplan("simulate", GPT3)
+    assert r.returncode == 0, r.stderr
+    for word in ("step time", "tokens/s", "TFLOP/s per GPU", "MFU", "peak memory", "pp_bubble", "FLOPs:"):
+        assert word in r.stdout
+
+
+def test_json_has_the_documented_keys():
+    r = paraplan("simulate", GPT3, "--set", "plan.pp=4", "--set", "plan.dp=32",
+                 "--set", "plan.virtual_pipeline_stages=3", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    for key in ("step_time_s", "tokens_per_s", "tflops_per_gpu", "mfu", "peak_memory_bytes",
+                "memory_capacity_bytes", "fits", "breakdown"):
+        assert key in out
+    assert out["step_time_s"] > 0 and 0 < out["mfu"] < 1
+    assert len(out["stages"]) == 4
+    assert sum(out["breakdown"].values()) == pytest.approx(out["step_time_s"], rel=1e-9)
+
+
+def test_trace_and_plot_files(tmp_path):
+    trace, plot = tmp_path / "iter.json", tmp_path / "iter.png"
+    r = paraplan("simulate", TINY, "--trace", str(trace), "--plot", str(plot))
+    assert r.returncode == 0, r.stderr
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert {e["pid"] for e in events if e["ph"] == "X"} == {0, 1}  # one track per simulated stage
+    assert {e["cat"] for e in events if e["ph"] == "X"} >= {"forward", "backward", "optimizer"}
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp files left
+
+
+BAD_INPUT = [
+    (["--set", "plan.tpp=4"], "plan.tpp: unknown key, did you mean 'tp'?"),
+    (["--set", "plan.tp=eight"], "plan.tp: expected an integer"),
+    (["--set", "plan.schedule=zb"], "plan.schedule: 'zb' is not one of gpipe, 1f1b, interleaved-1f1b"),
+    (["--set", "plan.dp=4"], "plan: tp*pp*cp*dp = 2*2*1*4 = 16 but the cluster has 8 GPUs"),
+    (["--set", "model.num_attention_heads=12", "--set", "model.head_dim=64", "--set", "plan.tp=8", "--set", "plan.pp=1"],
+     "plan.tp: 8 does not divide model.num_attention_heads (12)"),
+    (["--set", "plan.pp=8", "--set", "plan.tp=1"], "plan.pp: model.num_layers (4) is not divisible by pp x virtual_pipeline_stages"),
+    (["--set", "model.num_layers=400", "--set", "model.hidden_size=8192", "--set", "model.num_attention_heads=64",
+      "--set", "plan.zero_stage=0"], "out of memory: stage 0 needs"),
+    (["--set", "plan"], "--set"),
+    (["--set", "cluster.gpu=a100"], "cluster.gpu: unknown GPU profile 'a100'"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD_INPUT, ids=[m.split(":")[0] for _, m in BAD_INPUT])
+def test_bad_input_is_one_line_exit_2(args, message):
+    r = paraplan("simulate", TINY, *args)
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), r.stderr
+    assert message in lines[0]
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_file_and_bad_flag(tmp_path):
+    r = paraplan("simulate", str(tmp_path / "nope.yaml"))
+    assert r.returncode == 2 and r.stderr.strip() == f"error: scenario file not found: {tmp_path / 'nope.yaml'}"
+    r = paraplan("simulate", TINY, "--bogus")
+    assert r.returncode == 2 and r.stderr.startswith("error: unrecognized arguments: --bogus")
+
+
+def test_no_torch_import_on_simulate():
+    code = ("import sys, runpy; sys.argv=['paraplan','simulate',%r,'--json']\n"
+            "from paraplan.cli.main import main\nmain()\n"
+            "assert 'torch' not in sys.modules and 'optuna' not in sys.modules, 'heavy import'\n") % TINY
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+
+
+def test_validate_published_bundled():
+    r = paraplan("validate-published", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["summary"]["simulated"] >= 35
+    assert out["summary"]["mape_pct"] is not None

@@ -1,0 +1,98 @@
+"""simulate() end to end: every bundled scenario, invariants, and directions every engineer expects."""
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from paraplan.errors import InfeasiblePlanError
+from paraplan.loader import load_scenario
+from simulator.simulate import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = sorted((ROOT / "scenarios").glob("*.yaml"))
+
+
+def plan_variant(sc, **kw):
+    return replace(sc, plan=replace(sc.plan, **kw))
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
+def test_every_bundled_scenario(path):
+    sc = load_scenario(path)
+    r = simulate(sc)
+    assert r.fits, f"{path.name} does not fit: {r.peak_memory_bytes / 2**30:.1f} GiB"
+    assert r.step_time_s > 0 and 0 < r.mfu < 1 and r.hfu >= r.mfu
+    assert sum(r.breakdown.values()) == pytest.approx(r.step_time_s, rel=1e-9)
+    for s in r.stages:
+        assert sum(s.breakdown.values()) == pytest.approx(s.end_time_s, rel=1e-9)
+    assert r.tokens_per_s == pytest.approx(sc.training.global_batch_size * sc.training.seq_length / r.step_time_s)
+    assert simulate(sc).step_time_s == r.step_time_s  # deterministic
+
+
+@pytest.fixture(scope="module")
+def gpt3():
+    return load_scenario(ROOT / "scenarios" / "gpt3-175b-1024xa100.yaml")
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    return load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml")
+
+
+def test_interleaving_shrinks_the_bubble(gpt3):
+    one = simulate(plan_variant(gpt3, schedule="1f1b", virtual_pipeline_stages=1))
+    inter = simulate(gpt3)
+    assert inter.breakdown["pp_bubble"] < one.breakdown["pp_bubble"]
+
+
+def test_gpipe_holds_more_activations_than_1f1b(gpt3):
+    base = dict(virtual_pipeline_stages=1, recompute="full")
+    gpipe = simulate(plan_variant(gpt3, schedule="gpipe", **base))
+    f1b1 = simulate(plan_variant(gpt3, schedule="1f1b", **base))
+    assert gpipe.stages[0].memory["activations"] > 10 * f1b1.stages[0].memory["activations"]
+
+
+def test_recompute_trades_time_for_memory(gpt3):
+    none = simulate(plan_variant(gpt3, recompute="none"))
+    sel = simulate(gpt3)
+    full = simulate(plan_variant(gpt3, recompute="full"))
+    assert none.step_time_s <= sel.step_time_s < full.step_time_s
+    assert none.peak_memory_bytes >= sel.peak_memory_bytes > full.peak_memory_bytes
+
+
+def test_zero_stages_shrink_memory(llama8b):
+    mem = [simulate(plan_variant(llama8b, zero_stage=z)).peak_memory_bytes for z in (0, 1, 2, 3)]
+    assert mem[0] > mem[1] > mem[2] > mem[3]
+
+
+def test_context_parallel_splits_activations(llama8b):
+    cp1 = simulate(plan_variant(llama8b, dp=64, cp=1))
+    cp2 = simulate(plan_variant(llama8b, dp=32, cp=2))
+    assert cp2.stages[0].memory["activations"] < 0.6 * cp1.stages[0].memory["activations"]
+    assert cp2.breakdown["cp_comm"] >= 0
+
+
+def test_more_microbatches_amortise_the_bubble(gpt3):
+    small = simulate(replace(gpt3, training=replace(gpt3.training, global_batch_size=256)))
+    big = simulate(gpt3)
+    assert big.breakdown["pp_bubble"] / big.step_time_s < small.breakdown["pp_bubble"] / small.step_time_s
+
+
+def test_scale_costs_about_the_same(gpt3):
+    """Symmetry: ranks of a TP/DP group are simulated once, so 16x the GPUs costs no more events."""
+    import time
+
+    big = replace(gpt3, cluster=replace(gpt3.cluster, num_nodes=2048), plan=replace(gpt3.plan, dp=256),
+                  training=replace(gpt3.training, global_batch_size=1536 * 16))
+    t0 = time.perf_counter(); simulate(gpt3); t1 = time.perf_counter(); simulate(big); t2 = time.perf_counter()
+    assert (t2 - t1) < 3 * (t1 - t0) + 0.05
+
+
+def test_infeasible_plan_lists_every_reason(gpt3):
+    bad = plan_variant(gpt3, tp=5, dp=16, virtual_pipeline_stages=5)
+    with pytest.raises(InfeasiblePlanError) as e:
+        simulate(bad)
+    reasons = e.value.reasons
+    assert any("plan.tp: 5 does not divide model.num_attention_heads" in r for r in reasons)
+    assert any("plan.pp: model.num_layers (96)" in r for r in reasons)
+    assert any("tp*pp*cp*dp" in r for r in reasons)
