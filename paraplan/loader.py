@@ -31,8 +31,8 @@ import yaml
 
 from paraplan.errors import ConfigError
 from paraplan.specs import (
-    ACTIVATIONS, ATTENTION_KERNELS, PRECISIONS, RECOMPUTE, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
-    ClusterSpec, InterNodeSpec, LinkSpec, ModelSpec, PlanSpec, Scenario, TrainingSpec,
+    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, PRECISIONS, RECOMPUTE, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
+    ClusterSpec, InterNodeSpec, LinkSpec, ModelSpec, PlanSpec, RunSpec, Scenario, TrainingSpec,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -172,6 +172,7 @@ TOP = _schema(
     training=Key(_anything, required=True),
     plan=Key(_anything),
     search=Key(_anything),
+    run=Key(_anything),
 )
 
 # activation is required although ModelSpec defaults it: guessing gelu for a swiglu model silently
@@ -217,6 +218,16 @@ TRAINING = _schema(
     global_batch_size=Key(POSITIVE, required=True),
     precision=Key(_one_of(PRECISIONS), required=True),
     attention=Key(_one_of(ATTENTION_KERNELS)),
+)
+
+RUN = _schema(
+    steps=Key(POSITIVE),
+    warmup_steps=Key(_integer(minimum=0)),
+    seed=Key(_integer(minimum=0)),
+    backend=Key(_one_of(BACKENDS)),
+    timeout_s=Key(_number(positive=True)),
+    num_layers=Key(_optional(POSITIVE)),
+    hidden_size=Key(_optional(POSITIVE)),
 )
 
 # Every plan key is optional; missing ones take PlanSpec's defaults, except dp, which is derived.
@@ -642,4 +653,5 @@ def load_scenario(source: str | os.PathLike | Mapping, overrides: Iterable[str] 
         training=TrainingSpec(**_validate(top["training"], "training", TRAINING)),
         plan=_plan(top.get("plan", {}), cluster),
         search=_search(top.get("search", {})),
+        run=RunSpec(**_validate(top.get("run", {}), "run", RUN)),
     )

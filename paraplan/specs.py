@@ -20,6 +20,45 @@ ATTENTION_KERNELS = ("flash", "unfused")
 DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
 
+ROUTING_DISTRIBUTIONS = ("uniform", "zipf", "histogram")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutingSpec:
+    """How the router spreads tokens over experts (for imbalance): a distribution over experts."""
+
+    distribution: str = "uniform"
+    s: float = 1.2
+    """Zipf exponent (zipf only): expert i gets a share proportional to 1/(i+1)^s."""
+    tokens_per_expert: tuple[float, ...] = ()
+    """A measured router histogram (histogram only), one count per expert."""
+    seed: int = 0
+    """Seed of the generator that places experts on ranks and draws per-rank token counts."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoESpec:
+    """Mixture-of-experts feed-forward layers (Switch/GShard style top-k routing)."""
+
+    num_experts: int
+    top_k: int
+    expert_ffn_hidden_size: int
+    num_shared_experts: int = 0
+    """Always-active experts of the same width (DeepSeek style)."""
+    first_dense_layers: int = 0
+    """Leading layers with a dense FFN of model.ffn_hidden_size (DeepSeek-V3: 3)."""
+    moe_layer_freq: int = 1
+    """Every n-th layer (after the dense ones) is MoE; the others dense (Mixtral/Qwen3: 1)."""
+    capacity_factor: float | None = None
+    """Tokens an expert accepts, as a multiple of the average; None = dropless."""
+    routing: RoutingSpec = field(default_factory=RoutingSpec)
+
+    def is_moe_layer(self, index: int) -> bool:
+        if index < self.first_dense_layers:
+            return False
+        return (index - self.first_dense_layers) % self.moe_layer_freq == 0
+
+
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A decoder-only transformer."""
@@ -38,6 +77,8 @@ class ModelSpec:
     """Per-head width; hidden_size // num_attention_heads unless the model says otherwise."""
     tied_embeddings: bool = False
     """Input embedding and LM head share one matrix (Megatron GPT default); costs a first/last-stage all-reduce under PP."""
+    moe: MoESpec | None = None
+    """Mixture-of-experts FFN; None for a dense model."""
 
     @property
     def kv_channels(self) -> int:
@@ -123,6 +164,9 @@ class PlanSpec:
     dp: int = 1
     cp: int = 1
     ep: int = 1
+    """Expert parallelism, carved out of dp x cp (Megatron-Core): ep divides dp*cp when expert_tp = 1."""
+    expert_tp: int = 1
+    """Tensor parallelism inside each expert (Megatron --expert-tensor-parallel-size)."""
     micro_batch_size: int = 1
     virtual_pipeline_stages: int = 1
     schedule: str = "1f1b"
@@ -146,6 +190,28 @@ class PlanSpec:
         return self.tp * self.pp * self.dp * self.cp
 
 
+BACKENDS = ("nccl", "gloo")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunSpec:
+    """How the bundled executor runs a plan (`paraplan launch`); ignored by the simulator."""
+
+    steps: int = 10
+    """Measured training steps."""
+    warmup_steps: int = 2
+    """Steps run first and left out of the measurement."""
+    seed: int = 0
+    backend: str = "nccl"
+    """nccl on GPUs, gloo on CPUs."""
+    timeout_s: float = 120.0
+    """Process-group timeout: a dead rank ends the job after this long instead of hanging."""
+    num_layers: int | None = None
+    """Run a scaled-down copy of the model with this many layers (None: the model's own)."""
+    hidden_size: int | None = None
+    """Scaled-down hidden size (heads keep their head_dim; ffn and kv scale with it)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Scenario:
     name: str
@@ -155,6 +221,8 @@ class Scenario:
     plan: PlanSpec
     search: tuple = field(default=())
     """The planner's search section (knob -> candidates), kept opaque here."""
+    run: RunSpec = field(default_factory=RunSpec)
+    """Executor settings (the `run:` section of an executor config)."""
 
     @property
     def num_microbatches(self) -> int:

@@ -1,14 +1,23 @@
-"""`paraplan` command line: one module per subcommand; errors are one line and exit code 2."""
+"""`paraplan` command line: one module per subcommand; errors are one line and exit code 2.
+
+Subcommand modules are imported only when chosen, so `paraplan simulate` never loads the
+planner (optuna) or the executor (torch).
+"""
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from paraplan.errors import ParaplanError
 
+# name -> (module with add_arguments(parser) and run(args), one-line help)
 SUBCOMMANDS = {
-    "simulate": "paraplan.cli.simulate",
-    "validate-published": "paraplan.cli.validate_published",
+    "simulate": ("paraplan.cli.simulate", "simulate one training iteration of a scenario's plan"),
+    "validate-published": ("paraplan.cli.validate_published",
+                           "simulate published training runs and compare with their published step time"),
+    "plan": ("paraplan.cli.plan", "search the plan space for the fastest plan that fits"),
+    "launch": ("paraplan.cli.launch", "train a plan with the bundled torch.distributed executor and measure it"),
 }
 
 
@@ -19,25 +28,27 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message} (see '{self.prog} --help')\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    import importlib
-
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="paraplan", description="Simulate, plan and launch parallel training plans.")
     parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
-    for name, module in SUBCOMMANDS.items():
-        mod = importlib.import_module(module)
-        p = sub.add_parser(name, help=mod.HELP, description=mod.HELP)
-        mod.add_arguments(p)
-        p.set_defaults(run=mod.run)
+    for name, (module, help_text) in SUBCOMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        if name == command:
+            mod = importlib.import_module(module)
+            mod.add_arguments(p)
+            p.set_defaults(run=mod.run)
     return parser
+
+
+def _chosen(argv: list[str]) -> str | None:
+    return next((a for a in argv if not a.startswith("-")), None)
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args = build_parser(_chosen(argv)).parse_args(argv)
     try:
         return args.run(args) or 0
     except ParaplanError as e:

@@ -7,7 +7,6 @@ import sys
 from paraplan.errors import ParaplanError
 from paraplan.fileio import write_atomic
 
-HELP = "simulate one training iteration of a scenario's plan"
 
 GiB = 1024**3
 

@@ -7,7 +7,6 @@ import statistics
 from importlib.resources import files
 
 BUNDLED = str(files("paraplan.data") / "public_runs.yaml")
-HELP = "simulate published training runs and compare predicted with published step time"
 
 
 def add_arguments(p) -> None:
