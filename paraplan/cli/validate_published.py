@@ -13,6 +13,7 @@ def add_arguments(p) -> None:
     p.add_argument("file", nargs="?", default=None,
                    help="published runs YAML (a list of records); default: the bundled copy of the public runs")
     p.add_argument("--json", action="store_true", help="print rows and summary as JSON")
+    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
 
 
 def run(args) -> int:
@@ -31,6 +32,9 @@ def run(args) -> int:
              "predicted_step_time_s": r.predicted_s, "error_pct": r.error_pct, "fits": r.fits,
              "error": r.error} for r in rows], "summary": summary, "assumptions": list(ASSUMPTIONS)}, indent=2))
         return 0
+    if args.markdown:
+        print(_markdown(rows, summary))
+        return 0
     print(f"{'record':<46} {'published s':>11} {'predicted s':>11} {'error':>8}  fits")
     for r in rows:
         if r.predicted_s is None:
@@ -45,3 +49,17 @@ def run(args) -> int:
     for a in ASSUMPTIONS:
         print(f"  - {a}")
     return 0
+
+
+def _markdown(rows, summary) -> str:
+    out = ["| record | published step (s) | predicted (s) | error |", "|---|---:|---:|---:|"]
+    for r in rows:
+        pub = f"{r.published_s:.3f}" + ("*" if r.derived else "")
+        if r.predicted_s is None:
+            out.append(f"| {r.id} | {pub} | - | {r.error} |")
+        else:
+            out.append(f"| {r.id} | {pub} | {r.predicted_s:.3f} | {r.error_pct:+.1f}% |")
+    out.append("")
+    out.append(f"MAPE **{summary['mape_pct']:.1f}%** over {summary['simulated']} rows; "
+               f"worst |error| {summary['worst_abs_error_pct']:.1f}%.")
+    return "\n".join(out)
