@@ -1,7 +1,7 @@
 """A GPU hardware profile: datasheet peaks plus measured efficiency tables, with provenance.
 
 Bundled profiles (hwmodels/profiles/<name>.yaml) hold datasheet figures and published
-measurements, every number traceable to /work/shared/reference/hardware_specs.yaml and its source
+measurements, every number traceable to public sources and its source
 URL; `paraplan calibrate` writes measured ones through `write_profile` in the same format.
 Internal units are SI (FLOP/s, bytes, bytes/s, seconds); the YAML keys carry their unit.
 

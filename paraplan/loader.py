@@ -31,8 +31,8 @@ import yaml
 
 from paraplan.errors import ConfigError
 from paraplan.specs import (
-    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, PRECISIONS, RECOMPUTE, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
-    ClusterSpec, InterNodeSpec, LinkSpec, ModelSpec, PlanSpec, RunSpec, Scenario, TrainingSpec,
+    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, ROUTING_DISTRIBUTIONS, PRECISIONS, RECOMPUTE, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
+    ClusterSpec, InterNodeSpec, LinkSpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -188,6 +188,23 @@ MODEL = _schema(
     vocab_size=Key(POSITIVE, required=True),
     activation=Key(_one_of(ACTIVATIONS), required=True),
     tied_embeddings=Key(_boolean),
+    moe=Key(_anything),
+)
+MOE = _schema(
+    num_experts=Key(POSITIVE, required=True),
+    top_k=Key(POSITIVE, required=True),
+    expert_ffn_hidden_size=Key(POSITIVE, required=True),
+    num_shared_experts=Key(_integer(minimum=0)),
+    first_dense_layers=Key(_integer(minimum=0)),
+    moe_layer_freq=Key(POSITIVE),
+    capacity_factor=Key(_optional(_number(positive=True))),
+    routing=Key(_anything),
+)
+ROUTING = _schema(
+    distribution=Key(_one_of(ROUTING_DISTRIBUTIONS)),
+    s=Key(_number(positive=True)),
+    tokens_per_expert=Key(_anything),
+    seed=Key(_integer(minimum=0)),
 )
 MODEL_SOURCES = ("preset", "hf_config")
 
@@ -246,6 +263,7 @@ PLAN = _schema(
     overlap_grad_reduce=Key(_boolean),
     overlap_param_gather=Key(_boolean),
     tp_comm_overlap=Key(_boolean),
+    expert_tp=Key(POSITIVE),
     first_stage_layers=Key(_optional(POSITIVE)),
     last_stage_layers=Key(_optional(POSITIVE)),
 )
@@ -385,9 +403,40 @@ def _hf_llama(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     }
     if cfg.get("head_dim") is not None:
         out["head_dim"] = cfg["head_dim"]
-    # Mixtral's num_local_experts / num_experts_per_tok (intermediate_size is per expert) belong
-    # here once ModelSpec has expert fields; until then the model loads as its dense counterpart.
+    if cfg.get("num_local_experts"):  # Mixtral: every layer MoE, intermediate_size is per expert
+        out["moe"] = {"num_experts": cfg["num_local_experts"], "top_k": need("num_experts_per_tok"),
+                      "expert_ffn_hidden_size": need("intermediate_size")}
     return out
+
+
+def _hf_qwen3_moe(cfg: Mapping, need: Callable[[str], Any]) -> dict:
+    """Qwen3-MoE: Llama-style attention, experts of moe_intermediate_size every decoder_sparse_step."""
+    out = _hf_llama(cfg, need)
+    out["moe"] = {"num_experts": need("num_experts"), "top_k": need("num_experts_per_tok"),
+                  "expert_ffn_hidden_size": need("moe_intermediate_size"),
+                  "moe_layer_freq": cfg.get("decoder_sparse_step") or 1}
+    if cfg.get("mlp_only_layers"):
+        raise ConfigError(HF_PATH, "mlp_only_layers (dense layers between MoE layers) is not supported")
+    return out
+
+
+def _hf_deepseek_v3(cfg: Mapping, need: Callable[[str], Any]) -> dict:
+    """DeepSeek-V3: leading dense layers, routed + shared experts. Multi-head latent attention is
+    modelled as multi-head attention with v_head_dim per head (its low-rank projections are not
+    represented: attention weights are overcounted, about 0.47B vs 0.19B per layer for V3)."""
+    heads = need("num_attention_heads")
+    return {
+        "num_layers": need("num_hidden_layers"), "hidden_size": need("hidden_size"),
+        "num_attention_heads": heads, "num_kv_heads": heads,
+        "head_dim": cfg.get("v_head_dim") or need("hidden_size") // heads,
+        "ffn_hidden_size": need("intermediate_size"), "vocab_size": need("vocab_size"),
+        "activation": "swiglu", "tied_embeddings": cfg.get("tie_word_embeddings", False),
+        "moe": {"num_experts": need("n_routed_experts"), "top_k": need("num_experts_per_tok"),
+                "expert_ffn_hidden_size": need("moe_intermediate_size"),
+                "num_shared_experts": cfg.get("n_shared_experts") or 0,
+                "first_dense_layers": cfg.get("first_k_dense_replace") or 0,
+                "moe_layer_freq": cfg.get("moe_layer_freq") or 1},
+    }
 
 
 GPT2_ACTIVATIONS = ("gelu", "gelu_new", "gelu_fast", "gelu_pytorch_tanh")
@@ -413,6 +462,7 @@ def _hf_gpt2(cfg: Mapping, need: Callable[[str], Any]) -> dict:
 
 HF_PARSERS = MappingProxyType({
     "llama": _hf_llama, "mistral": _hf_llama, "mixtral": _hf_llama, "qwen2": _hf_llama,
+    "qwen3": _hf_llama, "qwen3_moe": _hf_qwen3_moe, "deepseek_v3": _hf_deepseek_v3,
     "gpt2": _hf_gpt2,
 })
 
@@ -465,7 +515,37 @@ def _model(raw: Any, base_dir: Path) -> ModelSpec:
         raise ConfigError("model", f"expected a preset name or a mapping, got {_show(raw)}")
     values = _validate(mapping, "model", MODEL, also_known=MODEL_SOURCES)
     values.setdefault("name", name)
+    if values.get("moe") is not None:
+        values["moe"] = _moe(values["moe"], values["num_layers"])
     return ModelSpec(**_derive_model_defaults(values))
+
+
+def _moe(raw: Any, num_layers: int) -> MoESpec:
+    """model.moe with its cross-field rules: top_k <= num_experts, a histogram with one count per
+    expert, leading dense layers fewer than the model's."""
+    values = _validate(raw, "model.moe", MOE)
+    experts = values["num_experts"]
+    if values["top_k"] > experts:
+        raise ConfigError("model.moe.top_k", f"{values['top_k']} is more than num_experts ({experts})")
+    if values.get("first_dense_layers", 0) >= num_layers:
+        raise ConfigError("model.moe.first_dense_layers",
+                          f"{values['first_dense_layers']} leaves no MoE layer of num_layers ({num_layers})")
+    routing = _validate(values.get("routing", {}), "model.moe.routing", ROUTING)
+    hist = routing.get("tokens_per_expert")
+    if hist is not None:
+        path = "model.moe.routing.tokens_per_expert"
+        if not isinstance(hist, list) or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in hist):
+            raise ConfigError(path, "expected a list of non-negative token counts, one per expert")
+        if len(hist) != experts:
+            raise ConfigError(path, f"has {len(hist)} counts but model.moe.num_experts is {experts}")
+        if sum(hist) <= 0:
+            raise ConfigError(path, "all counts are zero")
+        routing["tokens_per_expert"] = tuple(float(x) for x in hist)
+    if routing.get("distribution") == "histogram" and hist is None:
+        raise ConfigError("model.moe.routing.tokens_per_expert", "required when distribution is histogram")
+    values["routing"] = RoutingSpec(**routing)
+    return MoESpec(**values)
 
 
 def _expand_model_source(raw: dict, base_dir: Path) -> tuple[dict, str]:

@@ -92,20 +92,35 @@ class ModelSpec:
     def ffn_matrices(self) -> int:
         return 3 if self.activation == "swiglu" else 2
 
-    def layer_params(self) -> int:
-        """Weights of one transformer layer (biases and norms included, tiny)."""
+    def attention_params(self) -> int:
+        """QKV and output projections of one layer, plus its two norms."""
         h = self.hidden_size
-        attn = h * (self.q_channels + 2 * self.kv_channels) + self.q_channels * h
-        mlp = self.ffn_matrices * h * self.ffn_hidden_size
-        norms = 4 * h
-        return attn + mlp + norms
+        return h * (self.q_channels + 2 * self.kv_channels) + self.q_channels * h + 4 * h
+
+    def expert_params(self) -> int:
+        """One expert FFN (same activation as the model)."""
+        assert self.moe is not None
+        return self.ffn_matrices * self.hidden_size * self.moe.expert_ffn_hidden_size
+
+    def layer_params(self, index: int = 0) -> int:
+        """Weights of layer `index`: attention + a dense FFN, or the router, every routed expert
+        and the shared experts when it is an MoE layer."""
+        if self.is_moe_layer(index):
+            e = self.moe
+            return (self.attention_params() + self.hidden_size * e.num_experts
+                    + (e.num_experts + e.num_shared_experts) * self.expert_params())
+        return self.attention_params() + self.ffn_matrices * self.hidden_size * self.ffn_hidden_size
+
+    def is_moe_layer(self, index: int) -> bool:
+        return self.moe is not None and self.moe.is_moe_layer(index)
 
     def embedding_params(self) -> int:
         return self.vocab_size * self.hidden_size
 
     def total_params(self) -> int:
         head = 0 if self.tied_embeddings else self.embedding_params()
-        return self.num_layers * self.layer_params() + self.embedding_params() + head + 2 * self.hidden_size
+        layers = sum(self.layer_params(i) for i in range(self.num_layers))
+        return layers + self.embedding_params() + head + 2 * self.hidden_size
 
 
 @dataclass(frozen=True, kw_only=True)

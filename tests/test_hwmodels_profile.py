@@ -67,7 +67,7 @@ def test_to_unit_round_trips_exactly():
 
 # ---------------------------------------------------------------------------- bundled profiles
 
-# Datasheet figures, copied from /work/shared/reference/hardware_specs.yaml (gpus.*).
+# Datasheet figures, copied from public sources (gpus.*).
 DATASHEET = {
     #                 bf16 TFLOP/s, fp8,   tf32,  HBM GiB, HBM GB/s, NVLink GB/s, NIC Gb/s
     "a100-sxm-40gb": (312, None, 156, 40, 1555, 300, 200),
