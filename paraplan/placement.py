@@ -96,3 +96,25 @@ def pp_neighbour_layout(plan: PlanSpec, gpus_per_node: int) -> GroupLayout:
     b = coords_to_rank(Coords(tp=0, cp=0, dp=0, pp=1), plan)
     same = a // gpus_per_node == b // gpus_per_node
     return GroupLayout(size=2, ranks_per_node=2 if same else 1, num_nodes=1 if same else 2)
+
+
+def expert_group_layouts(plan: PlanSpec, gpus_per_node: int) -> tuple[GroupLayout, GroupLayout, GroupLayout]:
+    """(expert-TP, expert-parallel, expert-data-parallel) group layouts of MoE layers.
+
+    Megatron-Core "MoE parallel folding" (Liu et al. 2025, megatron/core/parallel_state.py,
+    expert RankGenerator order tp-ep-dp): inside one pipeline stage the tp x cp x dp ranks that
+    attention uses are re-divided into expert_tp x ep x edp, expert_tp fastest. With expert_tp = 1
+    an EP group is ep consecutive ranks, so EP 8 stays in an 8-GPU node and EP 32 spans 4 nodes.
+    """
+    block = plan.tp * plan.cp * plan.dp
+    etp, ep = plan.expert_tp, plan.ep
+    edp = block // (etp * ep)
+
+    def layout(stride: int, size: int) -> GroupLayout:
+        nodes: dict[int, int] = {}
+        for i in range(size):
+            node = (i * stride) // gpus_per_node
+            nodes[node] = nodes.get(node, 0) + 1
+        return GroupLayout(size=size, ranks_per_node=max(nodes.values()), num_nodes=len(nodes))
+
+    return layout(1, etp), layout(etp, ep), layout(etp * ep, edp)

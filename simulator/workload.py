@@ -67,33 +67,42 @@ def _attention_core(ctx: LayerContext, backward: bool) -> float:
     return t / p.cp
 
 
-def _elementwise(ctx: LayerContext, backward: bool) -> float:
-    """Memory-bound kernels of one layer (norms, residual adds, dropout, activation, rotary).
-    Bytes read+written per token (elements x act_bytes), after Korthikanti et al. 2022 Sec. 4.1:
-    each LayerNorm reads and writes h; each bias-dropout-add reads 2h and writes h (+ a 1-byte
-    mask); the activation reads f (2f for SwiGLU's gate and up) and writes f. Under sequence
-    parallelism the h-wide kernels run on tokens/tp. Backward moves about twice the bytes
-    (reads the saved input and the incoming gradient, writes the gradient)."""
-    m, p = ctx.model, ctx.plan
-    h, f = m.hidden_size, m.ffn_hidden_size // p.tp
-    b = ctx.act_bytes
-    seq_share = p.tp if p.sequence_parallel else 1
-    tokens_h = ctx.tokens / seq_share
-    kernels = [
-        tokens_h * 2 * h * b,  # input LayerNorm
-        tokens_h * (3 * h * b + h),  # attention bias-dropout-add (+ mask)
-        tokens_h * 2 * h * b,  # post-attention LayerNorm
-        tokens_h * (3 * h * b + h),  # MLP bias-dropout-add (+ mask)
-        ctx.tokens * (3 if m.activation == "swiglu" else 2) * f * b,  # activation
-    ]
-    if m.activation == "swiglu":  # rotary embedding on q and k (Llama family)
-        kernels.append(ctx.tokens * 2 * (m.q_channels + m.kv_channels) // p.tp * b)
+def _memory_bound(ctx: LayerContext, kernels: list[float], backward: bool) -> float:
+    """Memory-bound kernels, each moving the given bytes forward; backward moves about twice the
+    bytes (reads the saved input and the incoming gradient, writes the gradient)."""
     factor = 2 if backward else 1
     return sum(memory_bound_time(ctx.gpu, factor * nbytes) for nbytes in kernels)
 
 
+def _h_wide_tokens(ctx: LayerContext) -> float:
+    """Tokens the h-wide kernels (norms, residuals) see: tokens/tp under sequence parallelism."""
+    return ctx.tokens / (ctx.plan.tp if ctx.plan.sequence_parallel else 1)
+
+
+def _attention_elementwise(ctx: LayerContext, backward: bool) -> float:
+    """Bytes per token after Korthikanti et al. 2022 Sec. 4.1: the input LayerNorm reads and writes
+    h; the bias-dropout-add reads 2h and writes h plus a 1-byte mask; Llama-family models apply
+    rotary embeddings to q and k (read + write)."""
+    m, p, b = ctx.model, ctx.plan, ctx.act_bytes
+    h, th = m.hidden_size, _h_wide_tokens(ctx)
+    kernels = [th * 2 * h * b, th * (3 * h * b + h)]
+    if m.activation == "swiglu":
+        kernels.append(ctx.tokens * 2 * (m.q_channels + m.kv_channels) // p.tp * b)
+    return _memory_bound(ctx, kernels, backward)
+
+
+def _ffn_elementwise(ctx: LayerContext, tokens: float, width: int, backward: bool) -> float:
+    """The FFN side: post-attention LayerNorm (2h) and bias-dropout-add (3h + mask) on the h-wide
+    tokens, and the activation over `tokens` x `width` (GELU reads f and writes f; SwiGLU reads
+    the gate and up halves, 2f, and writes f)."""
+    m, b = ctx.model, ctx.act_bytes
+    h, th = m.hidden_size, _h_wide_tokens(ctx)
+    act = (3 if m.activation == "swiglu" else 2) * width * b
+    return _memory_bound(ctx, [th * 2 * h * b, th * (3 * h * b + h), tokens * act], backward)
+
+
 # Fraction of the GPU's SMs an NVLink collective occupies while it runs beside compute
-# (Calculon systems/*.json nvlink processor_usage = 0.15, hardware_specs comm_sm_stealing_fraction).
+# (Calculon systems/*.json nvlink processor_usage = 0.15).
 NVLINK_SM_SHARE = 0.15
 
 
@@ -113,22 +122,6 @@ def _tp_collective_pairs(ctx: LayerContext) -> list[float]:
     return [0.0, ar, 0.0, ar]
 
 
-def _tp_comm(ctx: LayerContext, gemms: list[float]) -> float:
-    """Exposed TP communication of one layer in one direction. Without overlap every collective is
-    on the critical path. With --tp-comm-overlap each collective is split into tp chunks pipelined
-    against its GEMM (Transformer Engine userbuffers ring exchange; Wang et al. 2023, "Overlap
-    communication with dependent computation"): the first chunk is exposed, the rest hides behind
-    the GEMM, and while they overlap the collective takes NVLINK_SM_SHARE of the SMs from it."""
-    comms = _tp_collective_pairs(ctx)
-    if not ctx.plan.tp_comm_overlap:
-        return sum(comms)
-    tp = ctx.plan.tp
-    exposed = 0.0
-    for comm, gemm in zip(comms, gemms):
-        exposed += max(comm / tp, comm - gemm) + NVLINK_SM_SHARE * min(comm, gemm)
-    return exposed
-
-
 def _cp_comm(ctx: LayerContext, backward: bool) -> float:
     """Ring attention KV exchange (Megatron-Core context parallelism): cp-1 steps, each sending
     this rank's K and V chunk to the next rank while computing on the current one; the backward
@@ -143,39 +136,60 @@ def _cp_comm(ctx: LayerContext, backward: bool) -> float:
     return (p.cp - 1) * max(0.0, step_comm - step_compute)
 
 
-def _layer_gemms(ctx: LayerContext, backward: bool) -> list[float]:
-    """The four linear layers: QKV, attention projection, MLP up (+gate), MLP down."""
+def _comm_exposed(ctx: LayerContext, comms: list[float], gemms: list[float]) -> float:
+    """Exposed TP communication: every collective without --tp-comm-overlap; with it each is split
+    into tp chunks pipelined against its GEMM (Transformer Engine userbuffers; Wang et al. 2023,
+    "Overlap communication with dependent computation"): the first chunk is exposed, the rest
+    hides behind the GEMM, and while they overlap the collective takes NVLINK_SM_SHARE of the SMs."""
+    if not ctx.plan.tp_comm_overlap:
+        return sum(comms)
+    tp = ctx.plan.tp
+    return sum(max(c / tp, c - g) + NVLINK_SM_SHARE * min(c, g) for c, g in zip(comms, gemms))
+
+
+def attention_block(ctx: LayerContext, backward: bool) -> Cost:
+    """Input norm, QKV (column-parallel), attention core, output projection (row-parallel) and the
+    residual; with its TP collectives and the context-parallel exchange."""
     m, p = ctx.model, ctx.plan
     h = m.hidden_size
-    return [
-        _linear(ctx, h, (m.q_channels + 2 * m.kv_channels) // p.tp, backward),
-        _linear(ctx, m.q_channels // p.tp, h, backward),
-        _linear(ctx, h, (m.ffn_matrices - 1) * m.ffn_hidden_size // p.tp, backward),
-        _linear(ctx, m.ffn_hidden_size // p.tp, h, backward),
-    ]
+    gemms = [_linear(ctx, h, (m.q_channels + 2 * m.kv_channels) // p.tp, backward),
+             _linear(ctx, m.q_channels // p.tp, h, backward)]
+    compute = sum(gemms) + _attention_core(ctx, backward) + _attention_elementwise(ctx, backward)
+    tp = _comm_exposed(ctx, _tp_collective_pairs(ctx)[:2], gemms)
+    return Cost().add("compute", compute).add("tp_comm", tp).add("cp_comm", _cp_comm(ctx, backward))
 
 
-def layer_forward(ctx: LayerContext) -> Cost:
-    gemms = _layer_gemms(ctx, False)
-    compute = sum(gemms) + _attention_core(ctx, False) + _elementwise(ctx, False)
-    return Cost().add("compute", compute).add("tp_comm", _tp_comm(ctx, gemms)).add("cp_comm", _cp_comm(ctx, False))
+def dense_ffn_block(ctx: LayerContext, backward: bool) -> Cost:
+    """Post-attention norm, MLP up (+gate, column-parallel), activation, MLP down (row-parallel)."""
+    m, p = ctx.model, ctx.plan
+    h, f = m.hidden_size, m.ffn_hidden_size // p.tp
+    gemms = [_linear(ctx, h, (m.ffn_matrices - 1) * f, backward), _linear(ctx, f, h, backward)]
+    compute = sum(gemms) + _ffn_elementwise(ctx, ctx.tokens, f, backward)
+    tp = _comm_exposed(ctx, _tp_collective_pairs(ctx)[2:], gemms)
+    return Cost().add("compute", compute).add("tp_comm", tp)
 
 
-def layer_backward(ctx: LayerContext) -> Cost:
+def layer_forward(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
+    """One layer's forward; `ffn(ctx, backward)` is its FFN block (dense, or an MoE block)."""
+    cost = attention_block(ctx, False)
+    cost += ffn(ctx, False)
+    return cost
+
+
+def layer_backward(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
     """Backward of one layer plus what the recompute mode re-runs first:
-    full = the whole layer forward (GEMMs, attention, TP communication; Chen et al. 2016 /
-    Megatron --recompute-granularity full); selective = the attention core only
-    (Korthikanti et al. 2022, Sec. 5)."""
-    p = ctx.plan
-    gemms = _layer_gemms(ctx, True)
-    compute = sum(gemms) + _attention_core(ctx, True) + _elementwise(ctx, True)
-    cost = Cost().add("compute", compute).add("tp_comm", _tp_comm(ctx, gemms)).add("cp_comm", _cp_comm(ctx, True))
-    if p.recompute == "full":
-        fwd = layer_forward(ctx)
+    full = the whole layer forward (GEMMs, attention, TP/EP communication; Chen et al. 2016 /
+    Megatron --recompute-granularity full), booked as compute under `recompute` and its
+    communication under its own kind; selective = the attention core only (Korthikanti et al. 2022,
+    Sec. 5)."""
+    cost = attention_block(ctx, True)
+    cost += ffn(ctx, True)
+    if ctx.plan.recompute == "full":
+        fwd = layer_forward(ctx, ffn)
         cost.add("recompute", fwd.parts["compute"])
-        cost.add("tp_comm", fwd.parts["tp_comm"])
-        cost.add("cp_comm", fwd.parts["cp_comm"])
-    elif p.recompute == "selective":
+        fwd.parts["compute"] = 0.0
+        cost += fwd
+    elif ctx.plan.recompute == "selective":
         cost.add("recompute", _attention_core(ctx, False))
     return cost
 
