@@ -31,7 +31,7 @@ import yaml
 
 from paraplan.errors import ConfigError
 from paraplan.specs import (
-    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, ROUTING_DISTRIBUTIONS, PRECISIONS, RECOMPUTE, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
+    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, MOE_DISPATCHERS, ROUTING_DISTRIBUTIONS, PRECISIONS, RECOMPUTE, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
     ClusterSpec, InterNodeSpec, LinkSpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
 )
 
@@ -264,6 +264,8 @@ PLAN = _schema(
     overlap_param_gather=Key(_boolean),
     tp_comm_overlap=Key(_boolean),
     expert_tp=Key(POSITIVE),
+    moe_shared_expert_overlap=Key(_boolean),
+    moe_dispatcher=Key(_one_of(MOE_DISPATCHERS)),
     first_stage_layers=Key(_optional(POSITIVE)),
     last_stage_layers=Key(_optional(POSITIVE)),
 )

@@ -21,8 +21,9 @@ ASSUMPTIONS = (
     "ZeRO: the record's zero_stage (FSDP FULL_SHARD -> 3, SHARD_GRAD_OP -> 2); else distributed optimizer -> 1; "
     "null, but the notes list --overlap-param-gather (which needs the distributed optimizer) -> 1; else 0",
     "Megatron flags named in a record's notes (--overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap) are set",
-    "layers not divisible by pp: DeepSpeed's 'type:transformer|embedding' partition, which counts the two embeddings "
-    "as layers, so the first and last stages hold (L + 2)/pp - 1 layers",
+    "layers not divisible by pp x vpp: the embedding and the loss count as one layer each (DeepSpeed's "
+    "'type:transformer|embedding' partition, Megatron-Core --account-for-embedding/loss-in-pipeline-split), "
+    "so the first and last virtual stages hold (L + 2)/(pp x vpp) - 1 layers",
     "tied_embeddings null -> true (Megatron GPT and MPT tie the input embedding and the LM head)",
     "attention kernel: records from before 2023 -> unfused (Megatron-LM and Megatron-DeepSpeed gained --use-flash-attn in 2023); later -> flash",
     "gradient reduction overlapped with backward from 2023 on (Megatron --overlap-grad-reduce, FSDP); earlier runs reduce after the backward",
@@ -34,7 +35,8 @@ _GPUS = (("a100", "40gb", "a100-sxm-40gb"), ("a100", "", "a100-sxm-80gb"), ("h10
          ("h200", "", "h200-sxm-141gb"), ("b200", "", "b200-sxm-180gb"))
 # (pattern, nics, Gb/s per NIC) read off the record's inter_node text
 _NIC_PATTERNS = (
-    (re.compile(r"(\d+)\s*x\s*(\d+)\s*(?:Gb/s|Gbit|Gbps)", re.I), lambda m: (int(m[1]), float(m[2]))),
+    (re.compile(r"(\d+)\s*x\s*(\d+)\s*(?:Gb/s|Gbit|Gbps)"), lambda m: (int(m[1]), float(m[2]))),  # bits
+    (re.compile(r"(\d+)\s*x\s*(\d+)\s*GB/s"), lambda m: (int(m[1]), 8 * float(m[2]))),  # bytes
     (re.compile(r"(\d+)\s*Gbps node-to-node", re.I), lambda m: (8, float(m[1]) / 8)),
     # Intel Omni-Path links run at 100 Gb/s
     (re.compile(r"(\d+)\s*OPA links", re.I), lambda m: (int(m[1]), 100.0)),
@@ -44,6 +46,7 @@ _NIC_PATTERNS = (
 @dataclass(frozen=True)
 class Row:
     id: str
+    moe: bool
     published_s: float
     derived: bool
     predicted_s: float | None
@@ -58,12 +61,35 @@ class Row:
 
 
 def published_step_time(rec: dict) -> tuple[float, bool] | None:
+    """(step time, whether it was derived rather than published as a time)."""
     met = rec.get("metrics") or {}
     if met.get("iteration_time_s"):
         return float(met["iteration_time_s"]), "metrics.iteration_time_s" in " ".join(rec.get("derived_fields") or [])
     if met.get("derived_iteration_time_s"):
         return float(met["derived_iteration_time_s"]), True
+    if met.get("tflops_per_gpu") and "Megatron-Core" in str(rec.get("flop_formula")) and not is_dense(rec):
+        flops = megatron_core_moe_flops(rec)
+        return flops / (float(met["tflops_per_gpu"]) * 1e12 * int(rec["hardware"]["num_gpus"])), True
     return None
+
+
+def megatron_core_moe_flops(rec: dict) -> float:
+    """FLOPs per iteration as Megatron-Core counts them for an MoE model (megatron/training/training.py,
+    num_floating_point_operations): 12 B s L h^2 x [(1 + g/a + s/(2h)) q/h + (f_moe/h) k (3/2 if SwiGLU)
+    + (f_shared/h)(3/2) + V/(2Lh)], the attention s/h term halved for the causal mask as the MoE
+    records' source counts it; used only to turn a published TFLOP/s into a step time."""
+    m, b = rec["model"], rec["batch"]
+    e = m["moe"]
+    h, layers, s = m["hidden_size"], m["num_layers"], m["seq_length"]
+    heads, groups = m["num_attention_heads"], m.get("num_kv_heads") or m["num_attention_heads"]
+    q = (m.get("head_dim") or h // heads) * heads
+    gated = 1.5 if m.get("activation") == "swiglu" else 1.0
+    shared = (e.get("num_shared_experts") or 0) * e["expert_ffn_hidden_size"]
+    per = ((1 + groups / heads + s / h / 2) * q / h
+           + e["expert_ffn_hidden_size"] / h * e["top_k"] * gated
+           + shared / h * gated
+           + m["vocab_size"] / (2 * layers * h))
+    return 12 * b["global_batch_size"] * s * layers * h * h * per
 
 
 def is_dense(rec: dict) -> bool:
@@ -109,9 +135,10 @@ def _flags(rec: dict) -> set[str]:
 
 
 def _uneven_stages(num_layers: int, pp: int, vpp: int) -> dict:
-    if pp == 1 or num_layers % (pp * vpp) == 0 or (num_layers + 2) % pp or vpp > 1:
+    v = pp * vpp
+    if v == 1 or num_layers % v == 0 or (num_layers + 2) % v:
         return {}
-    edge = (num_layers + 2) // pp - 1
+    edge = (num_layers + 2) // v - 1
     return {"first_stage_layers": edge, "last_stage_layers": edge}
 
 
@@ -134,6 +161,12 @@ def record_to_scenario(rec: dict) -> dict:
     }
     if m.get("head_dim"):
         model["head_dim"] = m["head_dim"]
+    if m.get("moe"):
+        e = m["moe"]
+        model["moe"] = {"num_experts": e["num_experts"], "top_k": e["top_k"],
+                        "expert_ffn_hidden_size": e["expert_ffn_hidden_size"],
+                        "num_shared_experts": e.get("num_shared_experts") or 0,
+                        "first_dense_layers": e.get("num_dense_layers") or 0}
     gpn = int(h.get("gpus_per_node") or 8)
     precision = "fp16" if "fp16" in str(rec.get("precision")).lower() else "bf16"
     return {
@@ -154,6 +187,9 @@ def record_to_scenario(rec: dict) -> dict:
             "overlap_grad_reduce": modern or "--overlap-grad-reduce" in flags,
             "overlap_param_gather": "--overlap-param-gather" in flags,
             "tp_comm_overlap": "--tp-comm-overlap" in flags and sp and tp > 1,
+            "ep": int(par.get("ep") or 1),
+            "expert_tp": int(par.get("expert_tp") or 1),
+            **({"moe_dispatcher": "deepep"} if "deepep" in str(par.get("moe_dispatcher")).lower() else {}),
             **_uneven_stages(int(m["num_layers"]), int(par["pp"]), vpp),
         },
     }
@@ -172,7 +208,7 @@ def load_records(path: str) -> list[dict]:
     return data
 
 
-def evaluate(records: list[dict], *, include_moe: bool = False) -> list[Row]:
+def evaluate(records: list[dict], *, include_moe: bool = True) -> list[Row]:
     from paraplan.errors import ParaplanError
     from paraplan.loader import load_scenario
     from simulator.simulate import simulate
@@ -184,7 +220,7 @@ def evaluate(records: list[dict], *, include_moe: bool = False) -> list[Row]:
             continue
         try:
             res = simulate(load_scenario(record_to_scenario(rec)))
-            rows.append(Row(rec["id"], target[0], target[1], res.step_time_s, res.fits))
+            rows.append(Row(rec["id"], not is_dense(rec), target[0], target[1], res.step_time_s, res.fits))
         except ParaplanError as e:
-            rows.append(Row(rec["id"], target[0], target[1], None, None, str(e)))
+            rows.append(Row(rec["id"], not is_dense(rec), target[0], target[1], None, None, str(e)))
     return rows

@@ -21,6 +21,7 @@ DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
 
 ROUTING_DISTRIBUTIONS = ("uniform", "zipf", "histogram")
+MOE_DISPATCHERS = ("alltoall", "deepep")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +183,12 @@ class PlanSpec:
     """Expert parallelism, carved out of dp x cp (Megatron-Core): ep divides dp*cp when expert_tp = 1."""
     expert_tp: int = 1
     """Tensor parallelism inside each expert (Megatron --expert-tensor-parallel-size)."""
+    moe_shared_expert_overlap: bool = False
+    """Run the shared experts while the tokens are dispatched (Megatron --moe-shared-expert-overlap)."""
+    moe_dispatcher: str = "alltoall"
+    """alltoall: NCCL all-to-all-v of every token copy (Megatron --moe-token-dispatcher-type alltoall);
+    deepep: DeepEP's kernels, which send a token over the network once per destination node and fan
+    it out to that node's experts over NVLink (Megatron flex dispatcher with DeepEP)."""
     micro_batch_size: int = 1
     virtual_pipeline_stages: int = 1
     schedule: str = "1f1b"
@@ -196,9 +203,9 @@ class PlanSpec:
     """Overlap TP all-gather/reduce-scatter with the adjacent GEMMs (Megatron --tp-comm-overlap,
     Transformer Engine userbuffers); needs sequence parallelism."""
     first_stage_layers: int | None = None
-    """Layers on the first pipeline stage when it differs (Megatron --decoder-first-pipeline-num-layers)."""
+    """Layers on the first (virtual) pipeline stage when it differs (Megatron --decoder-first-pipeline-num-layers)."""
     last_stage_layers: int | None = None
-    """Layers on the last pipeline stage when it differs (Megatron --decoder-last-pipeline-num-layers)."""
+    """Layers on the last (virtual) pipeline stage when it differs (Megatron --decoder-last-pipeline-num-layers)."""
 
     @property
     def world_size(self) -> int:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-COMPONENTS = ("compute", "recompute", "tp_comm", "cp_comm", "dp_comm")
+COMPONENTS = ("compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "dp_comm")
 
 
 @dataclass
@@ -11,6 +11,9 @@ class Cost:
     """Seconds spent per component; `total` is the op's duration on the compute stream."""
 
     parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0.0))
+    nic: float = 0.0
+    """Seconds inside the op during which its traffic saturates this GPU's NIC share (MoE
+    all-to-all across nodes); the engine shares the NIC with gradient reduction over them."""
 
     def add(self, component: str, seconds: float) -> "Cost":
         self.parts[component] += seconds
@@ -19,10 +22,11 @@ class Cost:
     def __iadd__(self, other: "Cost") -> "Cost":
         for k, v in other.parts.items():
             self.parts[k] += v
+        self.nic += other.nic
         return self
 
     def scaled(self, factor: float) -> "Cost":
-        return Cost({k: v * factor for k, v in self.parts.items()})
+        return Cost({k: v * factor for k, v in self.parts.items()}, self.nic * factor)
 
     @property
     def total(self) -> float:

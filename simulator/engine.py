@@ -7,6 +7,10 @@ per stage runs its data-parallel gradient stream, which starts bucket reductions
 produces them. Cross-stage dependencies are SimPy events; a pipeline send arrives `p2p` seconds
 after the producer finishes. At the end every stage waits for the global gradient-norm sync
 (Megatron clips gradients with a norm reduced over all ranks), then runs its optimizer step.
+
+NIC sharing (flow-level, max-min fair): an op whose traffic crosses nodes (an MoE all-to-all) and a
+gradient bucket reduced over the network at the same time each get half the GPU's NIC share while
+both are active, so each is delayed by the smaller of the two overlapping transfers.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ class StageWork:
     grad_buckets: dict  # chunk -> list of bucket reduction times (seconds)
     optimizer_time: float
     param_gather_time: float  # ZeRO-1/2 all-gather after the step, exposed; 0 when overlapped
+    grad_bucket_nic: dict = field(default_factory=dict)  # chunk -> seconds of each bucket on the NIC
 
 
 @dataclass
@@ -75,6 +80,12 @@ def run_iteration(
     spans: list[Span] = []
     traces = [StageTrace() for _ in range(pp)]
     grad_ready = [{c: env.event() for c in w.grad_buckets} for w in works]
+    # NIC state per stage: until when the current gradient bucket holds the NIC, the running op's
+    # (end, NIC seconds, duration), and delays one stream owes the other from sharing.
+    bucket_nic_until = [0.0] * pp
+    op_nic = [(0.0, 0.0, 0.0)] * pp
+    owed_compute = [0.0] * pp
+    owed_grad = [0.0] * pp
 
     def event(key):
         ev = done.get(key)
@@ -117,10 +128,19 @@ def run_iteration(
             start = env.now
             if i in final_b:  # this chunk's gradients start flowing now
                 grad_ready[stage][final_b[i]].succeed((start, start + cost.total))
-            yield env.timeout(cost.total)
+            shared = min(cost.nic, max(0.0, bucket_nic_until[stage] - start)) if cost.nic else 0.0
+            owed_grad[stage] += shared
+            op_nic[stage] = (start + cost.total + shared, cost.nic, cost.total)
+            yield env.timeout(cost.total + shared)
+            while owed_compute[stage] > 0:  # a bucket that started during this op took NIC time
+                extra, owed_compute[stage] = owed_compute[stage], 0.0
+                shared += extra
+                yield env.timeout(extra)
             for k, v in cost.parts.items():
                 if v:
                     _add(bd, k, v)
+            if shared:
+                _add(bd, "ep_comm", shared)
             name = f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "")
             spans.append(Span(stage, "compute", name, "forward" if op.kind == "F" else "backward", start, env.now))
             if consumed_elsewhere(stage, op):
@@ -138,15 +158,28 @@ def run_iteration(
         for c in order:
             start, end = yield grad_ready[stage][c]
             buckets = work.grad_buckets[c]
+            nics = work.grad_bucket_nic.get(c, [0.0] * len(buckets))
             n = len(buckets)
-            for j, seconds in enumerate(buckets):
+            for j, (seconds, nic) in enumerate(zip(buckets, nics)):
                 # bucket j is complete once the backward has produced (j+1)/n of this chunk's
                 # gradients (buckets fill in reverse layer order, Megatron DDP / PyTorch DDP)
                 ready = start + (j + 1) / n * (end - start) if overlap_grad_reduce else env.now
                 if ready > env.now:
                     yield env.timeout(ready - env.now)
                 t0 = env.now
+                if nic:
+                    op_end, op_nic_s, op_dur = op_nic[stage]
+                    # the running op's NIC traffic still to come, spread evenly over the op
+                    left = op_nic_s * max(0.0, op_end - t0) / op_dur if op_dur else 0.0
+                    clash = min(nic, left)
+                    owed_compute[stage] += clash
+                    seconds += clash
+                    bucket_nic_until[stage] = t0 + seconds
                 yield env.timeout(seconds)
+                while owed_grad[stage] > 0:  # an op that started during this bucket took NIC time
+                    extra, owed_grad[stage] = owed_grad[stage], 0.0
+                    bucket_nic_until[stage] = env.now + extra
+                    yield env.timeout(extra)
                 spans.append(Span(stage, "dp-comm", f"grad-reduce c{c} b{j}", "dp_comm", t0, env.now))
         traces[stage].comm_end = env.now
 

@@ -34,8 +34,7 @@ def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
     if p.tp_comm_overlap and not (p.sequence_parallel and p.tp > 1):
         # Megatron: "Tensor parallel communication/GEMM overlap can happen only when sequence parallelism is enabled"
         out.append("plan.tp_comm_overlap: needs sequence_parallel: true and tp > 1")
-    if p.ep != 1:
-        out.append("plan.ep: expert parallelism needs an MoE model (model.moe); this model is dense, use ep: 1")
+    out += _moe_problems(sc)
     if t.precision == "fp8" and gpu_arch == "ampere":
         out.append("training.precision: fp8 needs Hopper or newer; this GPU is Ampere")
     return out
@@ -52,21 +51,19 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
     if p.schedule == "interleaved-1f1b" and p.pp < 2:
         out.append("plan.schedule: interleaved-1f1b needs pp >= 2")
     uneven = p.first_stage_layers is not None or p.last_stage_layers is not None
+    virtual = p.pp * vpp
     if uneven:
-        if vpp > 1:
-            out.append("plan.first_stage_layers: uneven first/last stages are not supported with virtual stages")
-        elif p.pp < 2:
-            out.append("plan.first_stage_layers: uneven first/last stages need pp >= 2")
-        else:
-            fixed = (p.first_stage_layers or 0) + (p.last_stage_layers or 0)
-            middle = p.pp - (p.first_stage_layers is not None) - (p.last_stage_layers is not None)
-            rest = m.num_layers - fixed
-            if rest < 0 or (middle and rest % middle) or (not middle and rest):
-                out.append(
-                    f"plan.first_stage_layers/last_stage_layers: the {rest} remaining of model.num_layers "
-                    f"({m.num_layers}) do not split evenly over the {middle} middle stages"
-                )
-    elif m.num_layers % (p.pp * vpp):
+        given = (p.first_stage_layers is not None) + (p.last_stage_layers is not None)
+        rest = m.num_layers - (p.first_stage_layers or 0) - (p.last_stage_layers or 0)
+        middle = virtual - given
+        if virtual < 2:
+            out.append("plan.first_stage_layers: uneven first/last stages need pp x virtual_pipeline_stages >= 2")
+        elif rest < 0 or (middle and rest % middle) or (not middle and rest):
+            out.append(
+                f"plan.first_stage_layers/last_stage_layers: the {rest} remaining of model.num_layers "
+                f"({m.num_layers}) do not split evenly over the other {middle} (virtual) stages"
+            )
+    elif m.num_layers % virtual:
         out.append(
             f"plan.pp: model.num_layers ({m.num_layers}) is not divisible by pp x virtual_pipeline_stages "
             f"= {p.pp} x {vpp}"
@@ -82,4 +79,32 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
             )
         if p.schedule in ("1f1b", "interleaved-1f1b") and mbs < p.pp:
             out.append(f"plan.schedule: {p.schedule} needs at least pp = {p.pp} microbatches, got {mbs}")
+    return out
+
+
+def _moe_problems(sc: Scenario) -> list[str]:
+    m, p = sc.model, sc.plan
+    if m.moe is None:
+        out = []
+        if p.ep != 1:
+            out.append("plan.ep: expert parallelism needs an MoE model (model.moe); this model is dense, use ep: 1")
+        if p.expert_tp != 1:
+            out.append("plan.expert_tp: needs an MoE model (model.moe); this model is dense, use expert_tp: 1")
+        return out
+    e = m.moe
+    out = []
+    if e.num_experts % p.ep:
+        out.append(f"plan.ep: {p.ep} does not divide model.moe.num_experts ({e.num_experts})")
+    block = p.tp * p.cp * p.dp
+    if block % (p.ep * p.expert_tp):
+        # Megatron-Core MoE parallel folding: expert_tp x ep x expert-dp = tp x cp x dp
+        out.append(f"plan.ep: ep x expert_tp = {p.ep} x {p.expert_tp} does not divide the {block} ranks of a "
+                   f"pipeline stage (tp x cp x dp = {p.tp} x {p.cp} x {p.dp})")
+    if e.expert_ffn_hidden_size % p.expert_tp:
+        out.append(f"plan.expert_tp: {p.expert_tp} does not divide model.moe.expert_ffn_hidden_size "
+                   f"({e.expert_ffn_hidden_size})")
+    if p.tp > 1 and not p.sequence_parallel:
+        # Megatron-Core: "During training, performance may degrade if MoE and tensor parallelism
+        # are enabled without also enabling sequence parallelism" -- it requires it.
+        out.append("plan.sequence_parallel: MoE with tp > 1 needs sequence_parallel: true (Megatron-Core)")
     return out

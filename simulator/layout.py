@@ -3,23 +3,23 @@ from __future__ import annotations
 
 
 def layers_per_chunk(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> list[list[int]]:
-    """layers[stage][chunk]. Even split over pp x vpp virtual stages (Megatron), or, with
-    first/last overrides (Megatron --decoder-first/last-pipeline-num-layers, as the Llama 3 paper
-    does to make room for the embedding and the head), the rest spread evenly over the middle.
+    """layers[stage][chunk]. Virtual stage g = chunk x pp + stage holds a contiguous block of layers
+    (Megatron's interleaved layout). Even split over the pp x vpp virtual stages, or, with
+    first/last overrides, those layers on the first virtual stage (stage 0, chunk 0) and the last
+    (stage pp-1, chunk vpp-1) and the rest spread evenly over the others: Megatron-Core's
+    --decoder-first/last-pipeline-num-layers, and what --account-for-embedding/loss-in-pipeline-split
+    and DeepSpeed's 'type:transformer|embedding' partition amount to (one layer fewer at each end
+    to make room for the embedding and the loss, as the Llama 3 paper also does).
     Callers check divisibility first (simulator.feasibility)."""
-    if first is None and last is None:
-        per = num_layers // (pp * vpp)
-        return [[per] * vpp for _ in range(pp)]
-    if pp == 1:
-        return [[num_layers]]
-    f = first if first is not None else None
-    l_ = last if last is not None else None
-    middle_stages = pp - (f is not None) - (l_ is not None)
-    rest = num_layers - (f or 0) - (l_ or 0)
-    per = rest // middle_stages if middle_stages else 0
-    out = [[per] for _ in range(pp)]
-    if f is not None:
-        out[0] = [f]
-    if l_ is not None:
-        out[-1] = [l_]
-    return out
+    v = pp * vpp
+    sizes = [0] * v
+    fixed = {}
+    if first is not None:
+        fixed[0] = first
+    if last is not None:
+        fixed[v - 1] = last
+    rest = num_layers - sum(fixed.values())
+    per = rest // (v - len(fixed)) if v > len(fixed) else 0
+    for g in range(v):
+        sizes[g] = fixed.get(g, per)
+    return [[sizes[c * pp + s] for c in range(vpp)] for s in range(pp)]

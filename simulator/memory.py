@@ -51,14 +51,17 @@ def state_bytes_per_param(precision: str) -> tuple[float, float, float]:
     return 2.0, 4.0, 12.0  # fp16/bf16 weights, fp32 main grads, K=12
 
 
-def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: str) -> float:
+def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: str,
+                               moe_ffn_bytes: float | None = None) -> float:
     """Stored activations of one layer for one microbatch on one rank (Korthikanti et al. 2022,
     Sec. 4.1 and Table 2; with 2-byte activations and 1-byte dropout masks):
     h-wide tensors (LayerNorm inputs 4h, QKV and MLP inputs 4h, two dropout masks 2h) = 10h,
     divided by tp only under sequence parallelism; tensor-parallel tensors (Q, K, V, attention
     output, MLP intermediates: 24h for GPT's MHA + 4h GELU MLP) divided by tp; the s^2 softmax
     terms (5as) unless the attention is fused (FlashAttention keeps only the fp32 logsumexp) or
-    recomputed (selective). Full recompute keeps only each layer's input (2h)."""
+    recomputed (selective). Full recompute keeps only each layer's input (2h).
+    For an MoE layer `moe_ffn_bytes` (this rank's router, dispatch and expert tensors, from
+    simulator.moe.moe_activation_bytes) replaces the dense MLP intermediates."""
     t = plan.tp
     s = seq_length // plan.cp
     tokens = plan.micro_batch_size * s
@@ -69,56 +72,68 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
         return tokens * 2 * h / sp
     h_wide = 10 * h / sp
     mlp_mats = model.ffn_matrices - 1
-    tp_sharded = 2 * (model.q_channels + 2 * model.kv_channels + model.q_channels + mlp_mats * f + f) / t
+    mlp = 2 * (mlp_mats * f + f) / t if moe_ffn_bytes is None else 0.0
+    tp_sharded = 2 * (model.q_channels + 2 * model.kv_channels + model.q_channels) / t + mlp
     if attention_kernel == "flash":
         scores = 4 * a / t  # fp32 logsumexp per head
     elif plan.recompute == "selective":
         scores = 0.0
     else:
         scores = 5 * a * seq_length / t  # softmax out (2), dropout mask (1), dropout out (2)
-    return tokens * (h_wide + tp_sharded + scores)
+    return tokens * (h_wide + tp_sharded + scores) + (moe_ffn_bytes or 0.0)
 
 
 def stage_memory(
     *,
-    model,
     plan,
     precision: str,
-    seq_length: int,
-    attention_kernel: str,
-    stage_params: float,
+    dense_params: float,
+    expert_params: float = 0.0,
     max_layer_params: float,
-    in_flight_layers: float,
-    is_last_stage: bool,
+    activations: float,
+    working_set: float = 0.0,
 ) -> StageMemory:
-    """Memory of one rank of a stage. `stage_params` are the parameters this rank holds (already
-    divided by tp); `in_flight_layers` is the peak of (microbatches in flight x their layers)
-    read from the schedule."""
+    """Memory of one rank of a stage.
+    `dense_params`: parameters this rank holds whose states shard over dp x cp (already divided by
+    tp); `expert_params`: its local experts, whose states shard over the expert-data-parallel group
+    (dp x cp x tp / (ep x expert_tp), Megatron-Core parallel folding); `activations`: the peak of
+    microbatches in flight x their activation bytes, read off the schedule; `working_set`:
+    transient buffers on top (the layer being recomputed, logits, all-to-all buffers)."""
     w, g, o = state_bytes_per_param(precision)
     shard = plan.dp * plan.cp
+    expert_shard = max(1, plan.tp * plan.cp * plan.dp // (plan.ep * plan.expert_tp))
     zero = plan.zero_stage
-    weights = stage_params * w
-    grads = stage_params * g
-    optim = stage_params * o
-    if zero >= 1:
-        optim /= shard
-    if zero >= 2:
-        grads /= shard
-    if zero >= 3:
-        # sharded weights + the current and the prefetched layer gathered in full
-        weights = weights / shard + 2 * max_layer_params * w
-    per_layer = activation_bytes_per_layer(model, plan, seq_length, attention_kernel)
-    acts = in_flight_layers * per_layer
-    if plan.recompute == "full":
-        # the layer being recomputed holds its full activations during its backward
-        acts += _one_layer_working_set(model, plan, seq_length, attention_kernel)
-    if is_last_stage:
-        # logits of one microbatch: 16-bit GEMM output + fp32 copy for the cross-entropy
-        tokens = plan.micro_batch_size * seq_length // plan.cp
-        acts += tokens * (model.vocab_size / plan.tp) * 6
+
+    def states(params: float, n: int) -> tuple[float, float, float]:
+        weights, grads, optim = params * w, params * g, params * o
+        if zero >= 1:
+            optim /= n
+        if zero >= 2:
+            grads /= n
+        if zero >= 3:
+            weights /= n
+        return weights, grads, optim
+
+    dw, dg, do = states(dense_params, shard)
+    ew, eg, eo = states(expert_params, expert_shard)
+    weights = dw + ew
+    if zero >= 3:  # the current and the prefetched layer gathered in full (FSDP prefetch)
+        weights += 2 * max_layer_params * w
+    acts = activations + working_set
     reserved = RESERVED_BYTES + FRAGMENTATION * acts
-    return StageMemory(weights=weights, gradients=grads, optimizer=optim, activations=acts, reserved=reserved)
+    return StageMemory(weights=weights, gradients=dg + eg, optimizer=do + eo, activations=acts, reserved=reserved)
 
 
-def _one_layer_working_set(model, plan, seq_length: int, attention_kernel: str) -> float:
-    return activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel)
+def working_set_bytes(model, plan, seq_length: int, attention_kernel: str, is_last_stage: bool,
+                      moe_ffn_bytes: float | None = None) -> float:
+    """Transient buffers on top of the stored activations: under full recompute the layer being
+    recomputed holds its full activations during its backward; the last stage holds one
+    microbatch of logits (16-bit GEMM output + fp32 copy for the cross-entropy)."""
+    out = 0.0
+    if plan.recompute == "full":
+        out += activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length,
+                                          attention_kernel, moe_ffn_bytes)
+    if is_last_stage:
+        tokens = plan.micro_batch_size * seq_length // plan.cp
+        out += tokens * (model.vocab_size / plan.tp) * 6
+    return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 BREAKDOWN_KEYS = (
-    "compute", "recompute", "tp_comm", "cp_comm", "pp_comm", "dp_comm", "pp_bubble", "optimizer",
+    "compute", "recompute", "tp_comm", "cp_comm", "ep_comm", "pp_comm", "dp_comm", "pp_bubble", "optimizer",
 )
 
 
@@ -15,6 +15,27 @@ class StageResult:
     end_time_s: float
     memory: dict  # component -> bytes, with 'total'
     breakdown: dict  # component -> seconds, summing to end_time_s
+
+
+@dataclass(frozen=True, kw_only=True)
+class MoEReport:
+    """What routing did to an MoE model's iteration."""
+
+    routing: str
+    imbalance: float
+    """Tokens of the most loaded EP rank over the mean."""
+    dropped_fraction: float
+    moe_layer_time_s: float
+    """One MoE layer, forward + backward, on the most loaded rank."""
+    balanced_moe_layer_time_s: float
+    """The same with a perfectly balanced router."""
+    balanced_step_time_s: float
+    ep_group: str
+    ep_tiers: tuple[str, ...]
+    expert_data_parallel: int
+
+    def to_json(self) -> dict:
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(self).items()}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,6 +57,7 @@ class SimResult:
     stages: tuple[StageResult, ...]
     spans: list = field(default_factory=list, repr=False, compare=False)
     notes: tuple[str, ...] = ()
+    moe: MoEReport | None = None
 
     def to_json(self) -> dict:
         return {
@@ -64,4 +86,5 @@ class SimResult:
                 for s in self.stages
             ],
             "notes": list(self.notes),
+            "moe": self.moe.to_json() if self.moe else None,
         }

@@ -2,21 +2,25 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 from hwmodels.compute import memory_bound_time
 from hwmodels.network import build_network, collective_time
 from hwmodels.profile import load_profile
 from paraplan.errors import InfeasiblePlanError
-from paraplan.placement import GroupLayout, group_layout, pp_neighbour_layout
+from paraplan.placement import GroupLayout, expert_group_layouts, group_layout, pp_neighbour_layout
 from paraplan.specs import Scenario
+from simulator.cost import Cost
 from simulator.engine import StageWork, run_iteration
 from simulator.feasibility import structural_problems
 from simulator.flops import MODEL_FLOPS_FORMULA, hardware_flops, model_flops
 from simulator.layout import layers_per_chunk
-from simulator.memory import stage_memory, state_bytes_per_param
-from simulator.result import BREAKDOWN_KEYS, SimResult, StageResult
+from simulator.memory import activation_bytes_per_layer, stage_memory, state_bytes_per_param, working_set_bytes
+from simulator.moe import (
+    dispatch_buffer_bytes, draw_routing, moe_activation_bytes, moe_block, routed_tokens_per_rank,
+)
+from simulator.result import BREAKDOWN_KEYS, MoEReport, SimResult, StageResult
 from simulator.schedules import build_schedule, peak_in_flight
-from simulator.cost import Cost
 from simulator.workload import LayerContext, embedding_cost, head_cost, layer_backward, layer_forward
 
 # Megatron DDP bucket size: max(40M, 1M x dp) parameters (megatron/core/distributed/distributed_data_parallel.py)
@@ -25,6 +29,7 @@ BUCKET_PARAMS = 40_000_000
 # read grad, master, m, v (16), write master, m, v (12), write the 16-bit weight copy (2), plus the
 # gradient-norm read (4) and the grad-buffer zeroing (4) (Megatron clip_grad_norm + zero_grad).
 ADAM_BYTES_PER_PARAM = 38
+GRAD_REDUCE_BYTES = 4  # fp32 gradient reduction (Megatron accumulate_allreduce_grads_in_fp32)
 
 
 def compute_dtype(precision: str) -> str:
@@ -32,7 +37,18 @@ def compute_dtype(precision: str) -> str:
     return "tf32" if precision == "fp32" else precision
 
 
-def simulate(sc: Scenario) -> SimResult:
+@dataclass(frozen=True)
+class _Layers:
+    """Per-layer costs and sizes of the two kinds of layer (dense FFN, MoE FFN) on one rank."""
+
+    fwd: dict
+    bwd: dict
+    params: dict  # kind -> (params sharded over dp x cp, expert params sharded over edp)
+    acts: dict  # kind -> stored activation bytes per microbatch
+    working: float
+
+
+def simulate(sc: Scenario, *, _balanced_routing: bool = False) -> SimResult:
     gpu = load_profile(sc.cluster.gpu)
     problems = structural_problems(sc, gpu.arch)
     if problems:
@@ -46,63 +62,76 @@ def simulate(sc: Scenario) -> SimResult:
         tp_layout=group_layout(("tp",), p, gpn), cp_layout=group_layout(("cp",), p, gpn),
     )
     dp_layout = group_layout(("cp", "dp"), p, gpn)
+    etp_layout, ep_layout, edp_layout = expert_group_layouts(p, gpn)
     shard = p.dp * p.cp
     vpp = p.virtual_pipeline_stages
     layers = layers_per_chunk(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers)
     n_mb = sc.num_microbatches
     schedule = build_schedule(p.schedule, p.pp, n_mb, vpp)
-
-    fwd, bwd = layer_forward(ctx), layer_backward(ctx)
-    layer_params = m.layer_params() / p.tp
-    emb_params = m.embedding_params() / p.tp
+    kinds, draw = _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, balanced=_balanced_routing)
     w_bytes, _, _ = state_bytes_per_param(tr.precision)
-    grad_reduce_bytes = 4  # fp32 gradient reduction (Megatron accumulate_allreduce_grads_in_fp32)
-    if p.zero_stage == 3 and shard > 1:
-        gather = collective_time(net, "all_gather", layer_params * w_bytes, dp_layout)
-        scatter = collective_time(net, "reduce_scatter", layer_params * grad_reduce_bytes, dp_layout)
-    else:
-        gather = scatter = 0.0
+    emb_params = m.embedding_params() / p.tp
+    max_layer = max(sum(kinds.params[k]) for k in kinds.params)
+    zero3 = p.zero_stage == 3 and shard > 1
 
-    works, mems, param_counts = [], [], []
+    works, mems = [], []
+    first_layer = _first_layer_of_vstage(layers, p.pp)
     for s in range(p.pp):
-        op_cost, buckets, stage_params = {}, {}, 0.0
+        op_cost, buckets = {}, {}
+        dense_params = expert_params = 0.0
+        chunk_acts, working = [], 0.0
         for c in range(len(layers[s])):
-            n = layers[s][c]
-            f = _zero3_overlap(fwd, n, gather)
-            b = _zero3_overlap(bwd, n, gather + scatter)
-            params = n * layer_params
+            start = first_layer[c * p.pp + s]
+            kind_count = {"dense": 0, "moe": 0}
+            for i in range(start, start + layers[s][c]):
+                kind_count["moe" if m.is_moe_layer(i) else "dense"] += 1
+            f, b = Cost(), Cost()
+            c_dense, c_expert, acts = 0.0, 0.0, 0.0
+            for kind, n in kind_count.items():
+                if not n:
+                    continue
+                gather = collective_time(net, "all_gather", sum(kinds.params[kind]) * w_bytes, dp_layout) if zero3 else 0.0
+                scatter = collective_time(net, "reduce_scatter", sum(kinds.params[kind]) * GRAD_REDUCE_BYTES, dp_layout) if zero3 else 0.0
+                f += _zero3_overlap(kinds.fwd[kind], n, gather)
+                b += _zero3_overlap(kinds.bwd[kind], n, gather + scatter)
+                c_dense += n * kinds.params[kind][0]
+                c_expert += n * kinds.params[kind][1]
+                acts += n * kinds.acts[kind]
             if s == 0 and c == 0:
                 f += embedding_cost(ctx, backward=False)
                 b += embedding_cost(ctx, backward=True)
-                params += emb_params
-            if s == p.pp - 1 and c == len(layers[s]) - 1:
+                c_dense += emb_params
+            last = s == p.pp - 1 and c == len(layers[s]) - 1
+            if last:
                 f += head_cost(ctx, backward=False)
                 b += head_cost(ctx, backward=True)
                 if not (m.tied_embeddings and p.pp == 1):
-                    params += emb_params
+                    c_dense += emb_params
             op_cost[("F", c)], op_cost[("B", c)] = f, b
-            stage_params += params
-            if shard > 1 and p.zero_stage < 3:
-                op = "all_reduce" if p.zero_stage == 0 else "reduce_scatter"
-                n_buckets = max(1, math.ceil(params / max(BUCKET_PARAMS, 1_000_000 * p.dp)))
-                t = collective_time(net, op, params / n_buckets * grad_reduce_bytes, dp_layout)
-                buckets[c] = [t] * n_buckets
-        local_opt_params = stage_params / (shard if p.zero_stage >= 1 else 1)
+            dense_params += c_dense
+            expert_params += c_expert
+            chunk_acts.append(acts)
+            if p.zero_stage < 3:
+                buckets[c] = (_grad_buckets(net, p, c_dense, dp_layout, shard)
+                              + _grad_buckets(net, p, c_expert, edp_layout, edp_layout.size))
+        bucket_times = {c: [t for t, _ in bl] for c, bl in buckets.items() if bl}
+        bucket_nic = {c: [nic for _, nic in bl] for c, bl in buckets.items() if bl}
+        local_opt = dense_params / (shard if p.zero_stage >= 1 else 1) \
+            + expert_params / (edp_layout.size if p.zero_stage >= 1 else 1)
         opt_bytes = ADAM_BYTES_PER_PARAM - (2 if tr.precision == "fp32" else 0)
         param_gather = 0.0
-        if p.zero_stage in (1, 2) and shard > 1 and not p.overlap_param_gather:
-            param_gather = collective_time(net, "all_gather", stage_params * w_bytes, dp_layout)
+        if p.zero_stage in (1, 2) and not p.overlap_param_gather:
+            param_gather = (collective_time(net, "all_gather", dense_params * w_bytes, dp_layout)
+                            + collective_time(net, "all_gather", expert_params * w_bytes, edp_layout))
         works.append(StageWork(
-            ops=schedule[s], op_cost=op_cost, grad_buckets=buckets,
-            optimizer_time=memory_bound_time(gpu, local_opt_params * opt_bytes),
-            param_gather_time=param_gather,
+            ops=schedule[s], op_cost=op_cost, grad_buckets=bucket_times, grad_bucket_nic=bucket_nic,
+            optimizer_time=memory_bound_time(gpu, local_opt * opt_bytes), param_gather_time=param_gather,
         ))
+        working = kinds.working + working_set_bytes(m, p, tr.seq_length, tr.attention, s == p.pp - 1)
         mems.append(stage_memory(
-            model=m, plan=p, precision=tr.precision, seq_length=tr.seq_length,
-            attention_kernel=tr.attention, stage_params=stage_params, max_layer_params=layer_params,
-            in_flight_layers=peak_in_flight(schedule[s], layers[s]), is_last_stage=s == p.pp - 1,
+            plan=p, precision=tr.precision, dense_params=dense_params, expert_params=expert_params,
+            max_layer_params=max_layer, activations=peak_in_flight(schedule[s], chunk_acts), working_set=working,
         ))
-        param_counts.append(stage_params)
 
     p2p_bytes = ctx.tokens * m.hidden_size * ctx.act_bytes / p.tp  # scatter-gather (SC'21 Sec. 4.1)
     p2p = collective_time(net, "send_recv", p2p_bytes, pp_neighbour_layout(p, gpn)) if p.pp > 1 else 0.0
@@ -124,6 +153,9 @@ def simulate(sc: Scenario) -> SimResult:
     )
     critical = max(range(p.pp), key=lambda s: (eng.stages[s].end, -s))
     peak_mem = max(mm.total for mm in mems)
+    moe = None
+    if draw is not None:
+        moe = _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, eng.step_time, _balanced_routing)
     return SimResult(
         scenario=sc.name,
         step_time_s=eng.step_time,
@@ -141,7 +173,59 @@ def simulate(sc: Scenario) -> SimResult:
         breakdown=dict(stages[critical].breakdown),
         stages=stages,
         spans=eng.spans,
+        moe=moe,
     )
+
+
+def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
+    """Per-layer forward/backward costs, parameters and activations of a dense layer and, for an
+    MoE model, of an MoE layer (whose costs follow the seeded routing draw)."""
+    m, p = ctx.model, ctx.plan
+    attn_params = m.attention_params() / p.tp
+    dense_acts = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel)
+    kinds = _Layers(
+        fwd={"dense": layer_forward(ctx)}, bwd={"dense": layer_backward(ctx)},
+        params={"dense": (attn_params + m.ffn_matrices * m.hidden_size * m.ffn_hidden_size / p.tp, 0.0)},
+        acts={"dense": dense_acts}, working=0.0,
+    )
+    if m.moe is None:
+        return kinds, None
+    e = m.moe
+    draw = draw_routing(e, p.ep, routed_tokens_per_rank(ctx), balanced=balanced)
+    block = moe_block(ctx, draw, ep_layout, etp_layout, overlap_shared=p.moe_shared_expert_overlap)
+    kinds.fwd["moe"] = layer_forward(ctx, block)
+    kinds.bwd["moe"] = layer_backward(ctx, block)
+    shared = e.num_shared_experts * m.expert_params() / p.tp
+    local_experts = e.num_experts // p.ep * m.expert_params() / p.expert_tp
+    kinds.params["moe"] = (attn_params + m.hidden_size * e.num_experts + shared, local_experts)
+    ffn = moe_activation_bytes(ctx, draw)
+    kinds.acts["moe"] = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, ffn)
+    working = dispatch_buffer_bytes(ctx, draw)
+    if p.recompute == "full":
+        working += ffn
+    return _Layers(kinds.fwd, kinds.bwd, kinds.params, kinds.acts, working), draw
+
+
+def _first_layer_of_vstage(layers: list[list[int]], pp: int) -> list[int]:
+    """Global index of the first layer of each virtual stage g = chunk x pp + stage (layers are
+    assigned to virtual stages in order, Megatron's interleaved layout)."""
+    vstages = [layers[g % pp][g // pp] for g in range(pp * len(layers[0]))]
+    out, total = [], 0
+    for n in vstages:
+        out.append(total)
+        total += n
+    return out
+
+
+def _grad_buckets(net, p, params: float, layout: GroupLayout, group: int) -> list[tuple[float, float]]:
+    """(seconds, seconds of it on the NIC) per gradient bucket of `params` over `layout`:
+    all-reduce without ZeRO, reduce-scatter with ZeRO-1/2 (Megatron distributed optimizer)."""
+    if group <= 1 or params <= 0:
+        return []
+    op = "all_reduce" if p.zero_stage == 0 else "reduce_scatter"
+    n = max(1, math.ceil(params / max(BUCKET_PARAMS, 1_000_000 * p.dp)))
+    t = collective_time(net, op, params / n * GRAD_REDUCE_BYTES, layout)
+    return [(t, t if layout.num_nodes > 1 else 0.0)] * n
 
 
 def _zero3_overlap(layer: Cost, n_layers: int, comm_per_layer: float) -> Cost:
@@ -169,3 +253,27 @@ def _sync_time(sc: Scenario, net, emb_params: float, gpn: int) -> float:
         layout = GroupLayout(size=2, ranks_per_node=pair.ranks_per_node, num_nodes=pair.num_nodes)
         t += collective_time(net, "all_reduce", emb_params * 4, layout)
     return t
+
+
+def _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, step_time, balanced) -> MoEReport:
+    """The imbalance effect: the drawn routing against a perfectly balanced router, per MoE layer
+    and for the whole step (a second simulation with balanced routing)."""
+    from hwmodels.network import tier_names_crossed
+
+    m = sc.model
+    ref = draw_routing(m.moe, sc.plan.ep, routed_tokens_per_rank(ctx), balanced=True)
+    ref_block = moe_block(ctx, ref, ep_layout, etp_layout, overlap_shared=sc.plan.moe_shared_expert_overlap)
+    layer = kinds.fwd["moe"].total + kinds.bwd["moe"].total
+    ref_layer = layer_forward(ctx, ref_block).total + layer_backward(ctx, ref_block).total
+    uniform_step = step_time if balanced else simulate(sc, _balanced_routing=True).step_time_s
+    return MoEReport(
+        routing=m.moe.routing.distribution,
+        imbalance=draw.imbalance,
+        dropped_fraction=draw.dropped / max(1.0, draw.expert_tokens.sum() + draw.dropped),
+        moe_layer_time_s=layer,
+        balanced_moe_layer_time_s=ref_layer,
+        balanced_step_time_s=uniform_step,
+        ep_group=f"{ep_layout.size} ranks on {ep_layout.num_nodes} node(s)",
+        ep_tiers=tier_names_crossed(ctx.network, ep_layout),
+        expert_data_parallel=edp_layout.size,
+    )

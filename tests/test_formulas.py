@@ -48,8 +48,7 @@ def test_activation_memory_matches_korthikanti_table2(sp):
 
 def test_zero_stages_shard_model_states():
     plan = PlanSpec(tp=1, pp=1, dp=64, recompute="full")
-    kw = dict(model=GPT3, precision="bf16", seq_length=2048, attention_kernel="flash", stage_params=1e9,
-              max_layer_params=1e7, in_flight_layers=0, is_last_stage=False)
+    kw = dict(precision="bf16", dense_params=1e9, max_layer_params=1e7, activations=0.0)
     z0 = stage_memory(plan=plan, **kw)
     assert (z0.weights, z0.gradients, z0.optimizer) == (2e9, 4e9, 12e9)
     z1 = stage_memory(plan=replace(plan, zero_stage=1), **kw)
@@ -58,6 +57,14 @@ def test_zero_stages_shard_model_states():
     assert z2.gradients == pytest.approx(4e9 / 64)
     z3 = stage_memory(plan=replace(plan, zero_stage=3), **kw)
     assert z3.weights == pytest.approx(2e9 / 64 + 2 * 2 * 1e7)
+
+
+def test_expert_states_shard_over_the_expert_data_parallel_group():
+    # tp 2 x dp 16 = 32 ranks per stage, ep 8 -> expert-data-parallel 4 (parallel folding)
+    plan = PlanSpec(tp=2, pp=1, dp=16, ep=8, zero_stage=1)
+    m = stage_memory(plan=plan, precision="bf16", dense_params=0.0, expert_params=1e9,
+                     max_layer_params=0.0, activations=0.0)
+    assert m.optimizer == pytest.approx(12e9 / 4) and m.gradients == pytest.approx(4e9)
 
 
 def test_placement_is_megatron_order():

@@ -1,0 +1,247 @@
+"""What the executor runs, decided before any process starts (no torch import here).
+
+- `SCHEDULES`: every pipeline schedule the executor can run, how its stages sit on the ranks, and
+  what it needs.
+- `scaled_model`: the scaled-down copy of a model that `run.num_layers` / `run.hidden_size` ask for.
+- `executor_problems`: the plans the executor refuses, each with its reason, beyond the simulator's
+  structural checks (`simulator.feasibility.structural_problems`, run by the launcher).
+- `effective_zero_stage` / `notes`: where the executor runs a plan differently from how it is
+  written (always said in the measurement, never silent).
+- `scenario_to_json` / `scenario_from_json`: how a scenario travels to the worker processes.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from paraplan.errors import ConfigError
+from paraplan.specs import (
+    ClusterSpec, InterNodeSpec, LinkSpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario,
+    TrainingSpec,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleInfo:
+    """One pipeline schedule of `torch.distributed.pipelining`."""
+
+    torch_class: str
+    """Class name in torch.distributed.pipelining."""
+    style: str
+    """Stage-to-rank mapping: "loop" (stage s on pp rank s % pp) or "v" (rank r holds stages r and 2pp-1-r)."""
+    stages_per_rank: tuple[int, int]
+    """Allowed virtual_pipeline_stages (min, max); max 0 = no upper bound."""
+    min_microbatches_per_pp: int
+    """The schedule needs at least this many x pp microbatches (0: no minimum)."""
+    splits_weight_grad: bool
+    """Runs the weight gradient separately from the input gradient (zero-bubble family)."""
+
+
+# Names as PlanSpec.schedule spells them. The first three are paraplan.specs.SCHEDULES (the ones the
+# simulator models); the zero-bubble family is extra, reachable from Python or once the loader lists
+# them. Minimum microbatch counts are those the torch classes raise ValueError for (1F1B: n >= pp,
+# DualPipeV: n >= 2 pp); the Megatron rule for interleaved 1F1B (n a multiple of pp) is the
+# simulator's structural check.
+SCHEDULES = {
+    "gpipe": ScheduleInfo(torch_class="ScheduleGPipe", style="loop", stages_per_rank=(1, 1),
+                          min_microbatches_per_pp=0, splits_weight_grad=False),
+    "1f1b": ScheduleInfo(torch_class="Schedule1F1B", style="loop", stages_per_rank=(1, 1),
+                         min_microbatches_per_pp=1, splits_weight_grad=False),
+    "interleaved-1f1b": ScheduleInfo(torch_class="ScheduleInterleaved1F1B", style="loop", stages_per_rank=(2, 0),
+                                     min_microbatches_per_pp=1, splits_weight_grad=False),
+    "zero-bubble": ScheduleInfo(torch_class="ScheduleInterleavedZeroBubble", style="loop", stages_per_rank=(1, 0),
+                                min_microbatches_per_pp=1, splits_weight_grad=True),
+    "zbv": ScheduleInfo(torch_class="ScheduleZBVZeroBubble", style="v", stages_per_rank=(2, 2),
+                        min_microbatches_per_pp=1, splits_weight_grad=True),
+    "dualpipev": ScheduleInfo(torch_class="ScheduleDualPipeV", style="v", stages_per_rank=(2, 2),
+                              min_microbatches_per_pp=2, splits_weight_grad=True),
+}
+
+PRECISIONS_RUN = ("fp32", "bf16")
+"""Training precisions the executor runs (bf16 as autocast / FSDP mixed precision on GPU)."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Scale-down
+
+
+def scaled_model(model: ModelSpec, run: RunSpec) -> ModelSpec:
+    """The model `run.num_layers` / `run.hidden_size` ask for, or `model` itself.
+
+    hidden_size scales the widths by r = new/old: head_dim stays, so attention heads, kv heads,
+    ffn_hidden_size and expert_ffn_hidden_size scale by r. Heads and kv heads must come out whole
+    (the GQA ratio is kept); ffn widths are rounded to a multiple of 8. Vocabulary, MoE expert count
+    and top-k stay. num_layers replaces the layer count; MoE first_dense_layers is capped by it.
+    """
+    out = model
+    if run.hidden_size is not None and run.hidden_size != model.hidden_size:
+        h0, h1 = model.hidden_size, run.hidden_size
+        heads = model.num_attention_heads * h1 / h0
+        if heads != int(heads) or heads < 1:
+            raise ConfigError("run.hidden_size", f"{h1} gives {heads:g} attention heads (model: {model.num_attention_heads} "
+                                                 f"heads at hidden {h0}, head_dim {model.head_dim} kept); use a multiple "
+                                                 f"of {h0 // _gcd(h0, model.num_attention_heads)}")
+        heads = int(heads)
+        kv = model.num_kv_heads * heads / model.num_attention_heads
+        if kv != int(kv) or kv < 1:
+            raise ConfigError("run.hidden_size", f"{h1} gives {heads} heads but {kv:g} kv heads (GQA ratio "
+                                                 f"{model.num_attention_heads}:{model.num_kv_heads} kept)")
+        moe = model.moe
+        if moe is not None:
+            moe = dataclasses.replace(moe, expert_ffn_hidden_size=_scale_width(moe.expert_ffn_hidden_size, h1 / h0))
+        out = dataclasses.replace(
+            out, hidden_size=h1, num_attention_heads=heads, num_kv_heads=int(kv),
+            ffn_hidden_size=_scale_width(model.ffn_hidden_size, h1 / h0), moe=moe,
+            name=f"{model.name} (hidden {h1})")
+    if run.num_layers is not None and run.num_layers != model.num_layers:
+        moe = out.moe
+        if moe is not None and moe.first_dense_layers > run.num_layers:
+            moe = dataclasses.replace(moe, first_dense_layers=run.num_layers)
+        out = dataclasses.replace(out, num_layers=run.num_layers, moe=moe,
+                                  name=f"{out.name} ({run.num_layers} layers)")
+    return out
+
+
+def _scale_width(width: int, ratio: float) -> int:
+    return max(8, int(round(width * ratio / 8)) * 8)
+
+
+def _gcd(a: int, b: int) -> int:
+    while b:
+        a, b = b, a % b
+    return a
+
+
+def scaled_scenario(sc: Scenario) -> Scenario:
+    """The scenario with its model scaled down as its run section asks."""
+    model = scaled_model(sc.model, sc.run)
+    return sc if model is sc.model else dataclasses.replace(sc, model=model)
+
+
+# ----------------------------------------------------------------------------------------------
+# What the executor refuses, and what it runs differently
+
+
+def executor_problems(sc: Scenario) -> list[str]:
+    """Reasons the executor refuses this (already scaled) plan, each naming the key at fault.
+
+    These come on top of the simulator's structural checks. They are the plans PyTorch 2.13 cannot
+    run correctly (see shared/reference/torch_distributed_on_cpu.md) or features this executor
+    does not implement; every other plan the simulator accepts runs.
+    """
+    m, p, t, r = sc.model, sc.plan, sc.training, sc.run
+    out: list[str] = []
+    info = SCHEDULES.get(p.schedule)
+    if info is None:
+        out.append(f"plan.schedule: {p.schedule!r} is not one of {', '.join(SCHEDULES)}")
+    elif p.pp > 1:
+        lo, hi = info.stages_per_rank
+        v = p.virtual_pipeline_stages
+        if v < lo or (hi and v > hi):
+            want = f"exactly {lo}" if lo == hi else f"at least {lo}"
+            out.append(f"plan.virtual_pipeline_stages: schedule {p.schedule} needs {want} stages per rank, got {v}")
+        if info.min_microbatches_per_pp and p.dp * p.micro_batch_size and \
+                t.global_batch_size % (p.dp * p.micro_batch_size) == 0:
+            need = info.min_microbatches_per_pp * p.pp
+            if sc.num_microbatches < need:
+                out.append(f"plan.schedule: {p.schedule} needs at least {need} microbatches per pipeline, "
+                           f"got {sc.num_microbatches} (global_batch_size / (dp x micro_batch_size))")
+    if t.precision not in PRECISIONS_RUN:
+        out.append(f"training.precision: the executor trains in {' or '.join(PRECISIONS_RUN)}, not {t.precision} "
+                   f"({'no loss scaling' if t.precision == 'fp16' else 'no fp8 GEMMs (Transformer Engine)'}); "
+                   f"use --set training.precision=bf16")
+    if p.expert_tp != 1:
+        out.append("plan.expert_tp: tensor parallelism inside experts is not implemented by the executor; use expert_tp: 1")
+    if p.ep > 1:
+        if m.moe is None:
+            out.append("plan.ep: expert parallelism needs an MoE model (model.moe)")
+        else:
+            if (p.dp * p.cp) % p.ep:
+                out.append(f"plan.ep: {p.ep} does not divide dp x cp = {p.dp * p.cp} (experts are sharded over data-parallel ranks)")
+            if m.moe.num_experts % p.ep:
+                out.append(f"plan.ep: {p.ep} does not divide model.moe.num_experts ({m.moe.num_experts})")
+    if m.moe is not None and m.moe.top_k > m.moe.num_experts:
+        out.append(f"model.moe.top_k: {m.moe.top_k} is more than num_experts ({m.moe.num_experts})")
+    if p.tp_comm_overlap:
+        out.append("plan.tp_comm_overlap: the executor does not overlap TP communication with GEMMs (no "
+                   "Transformer Engine userbuffers), so its step time would not measure this plan; use tp_comm_overlap: false")
+    if p.cp > 1 and (t.seq_length // p.cp) % 2:
+        out.append(f"plan.cp: seq_length / cp = {t.seq_length // p.cp} must be even (two load-balanced chunks per rank)")
+    if r.steps < 1:
+        out.append("run.steps: needs at least 1 measured step")
+    return out
+
+
+def effective_zero_stage(plan: PlanSpec) -> int:
+    """ZeRO stage the executor runs: 2 instead of 3 under a zero-bubble schedule.
+
+    PyTorch 2.13's FSDP2 with reshard_after_forward=True (ZeRO-3) computes wrong weight gradients
+    on some stages under ScheduleInterleavedZeroBubble / ScheduleZBVZeroBubble / ScheduleDualPipeV
+    (split input/weight backward); ZeRO-2 (parameters kept unsharded between forward and backward)
+    is correct with every schedule.
+    """
+    if plan.zero_stage == 3 and plan.pp > 1 and SCHEDULES[plan.schedule].splits_weight_grad:
+        return 2
+    return plan.zero_stage
+
+
+def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
+    """Where this run differs from the plan as written: printed and kept in the measurement."""
+    p, out = sc.plan, []
+    if effective_zero_stage(p) != p.zero_stage:
+        out.append(f"zero_stage 3 runs as ZeRO-2 under schedule {p.schedule}: FSDP2 resharding after forward "
+                   "gives wrong weight gradients with split-backward schedules in PyTorch 2.13")
+    if sc.training.precision == "bf16" and not on_gpu:
+        out.append("training.precision bf16 runs in fp32 on CPU (bf16 mixed precision is for GPUs)")
+    if not p.overlap_grad_reduce and p.dp * p.cp > 1:
+        out.append("plan.overlap_grad_reduce false: DDP / FSDP2 always overlap the gradient reduction with backward")
+    if p.overlap_param_gather and effective_zero_stage(p) == 1 and p.dp * p.cp > 1:
+        out.append("plan.overlap_param_gather: the ZeRO-1 parameter gather after the optimizer step is not overlapped")
+    if sc.model.moe is not None and sc.model.moe.routing.distribution != "uniform":
+        out.append("model.moe.routing is the simulator's routing assumption; the executor's router is learned "
+                   "(its measured tokens per expert are in the measurement)")
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Scenario <-> JSON (how a plan travels to the worker processes)
+
+
+_NESTED = {
+    (Scenario, "model"): ModelSpec, (Scenario, "cluster"): ClusterSpec, (Scenario, "training"): TrainingSpec,
+    (Scenario, "plan"): PlanSpec, (Scenario, "run"): RunSpec, (ModelSpec, "moe"): MoESpec,
+    (MoESpec, "routing"): RoutingSpec, (ClusterSpec, "intra_node"): LinkSpec,
+    (ClusterSpec, "inter_node"): InterNodeSpec,
+}
+
+
+def scenario_to_json(sc: Scenario) -> dict:
+    """A JSON-able mapping of the scenario (the planner's opaque search section is left out)."""
+    return _to_json(dataclasses.replace(sc, search=()))
+
+
+def _to_json(obj):
+    if dataclasses.is_dataclass(obj):
+        return {f.name: _to_json(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, tuple):
+        return [_to_json(v) for v in obj]
+    return obj
+
+
+def scenario_from_json(raw: dict) -> Scenario:
+    return _from_json(Scenario, raw)
+
+
+def _from_json(cls, raw: dict):
+    kwargs = {}
+    for f in dataclasses.fields(cls):
+        if f.name not in raw:
+            continue
+        value = raw[f.name]
+        nested = _NESTED.get((cls, f.name))
+        if nested is not None and value is not None:
+            value = _from_json(nested, value)
+        elif isinstance(value, list):
+            value = tuple(value)
+        kwargs[f.name] = value
+    return cls(**kwargs)

@@ -1,0 +1,128 @@
+"""The MoE feed-forward layer: top-k router, experts, optional shared experts, and EP dispatch/combine.
+
+Routing (per token): softmax over the router logits (fp32), the top-k experts, their weights
+renormalised to sum to 1 when k > 1 (Mixtral; k = 1 keeps the raw probability, as Switch does, so
+the router still gets a gradient). No auxiliary load-balancing loss: the measurement reports the
+tokens each expert received instead. With a capacity factor, each rank keeps, per expert, the first
+ceil(cf x tokens x k / E) assignments of its local tokens (GShard's per-group capacity) and drops the
+rest (their expert output is zero); capacity None is dropless.
+
+Expert parallelism: experts are split contiguously over the EP group (rank j holds experts
+[j E/ep, (j+1) E/ep)). Dispatch and combine are `all_to_all_single` with uneven (possibly zero)
+splits, made differentiable by `_functional_collectives.all_to_all_single_autograd` (its backward is
+the reverse all-to-all). The per-expert token counts travel first in a small integer all-to-all.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paraplan.specs import ModelSpec
+
+
+class GroupedExperts(nn.Module):
+    """E_local experts' weights stacked on dim 0; tokens arrive grouped by expert."""
+
+    def __init__(self, num_local: int, hidden: int, ffn: int, activation: str):
+        super().__init__()
+        self.swiglu = activation == "swiglu"
+        self.w1 = nn.Parameter(torch.empty(num_local, ffn, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden, ffn))
+        self.w3 = nn.Parameter(torch.empty(num_local, ffn, hidden)) if self.swiglu else None
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        outs, start = [], 0
+        for e, n in enumerate(counts):
+            seg = x[start:start + n]
+            start += n
+            if self.swiglu:
+                a = F.silu(seg @ self.w1[e].t()) * (seg @ self.w3[e].t())
+            else:
+                a = F.gelu(seg @ self.w1[e].t(), approximate="tanh")
+            outs.append(a @ self.w2[e].t())
+        if not outs:
+            return x[:0]
+        return torch.cat(outs)
+
+
+class MoE(nn.Module):
+    def __init__(self, spec: ModelSpec):
+        super().__init__()
+        m = spec.moe
+        self.num_experts, self.top_k, self.capacity_factor = m.num_experts, m.top_k, m.capacity_factor
+        self.router = nn.Linear(spec.hidden_size, m.num_experts, bias=False)
+        self.experts = GroupedExperts(m.num_experts, spec.hidden_size, m.expert_ffn_hidden_size, spec.activation)
+        self.shared = None
+        if m.num_shared_experts:
+            from executor.model import MLP
+
+            self.shared = MLP(spec.hidden_size, m.num_shared_experts * m.expert_ffn_hidden_size, spec.activation)
+        self.ep_group = None
+        self.ep_size, self.ep_rank = 1, 0
+        self.tokens_per_expert = torch.zeros(m.num_experts, dtype=torch.long)
+        """Assignments each (global) expert received from this rank's tokens since the last reset."""
+
+    def shard_experts(self, ep_group, ep_size: int, ep_rank: int) -> None:
+        """Keep only this EP rank's experts (call before initialising the parameters)."""
+        n = self.num_experts // ep_size
+        e = self.experts
+        self.experts = GroupedExperts(n, e.w1.shape[2], e.w1.shape[1], "swiglu" if e.swiglu else "gelu").to(e.w1.device)
+        self.ep_group, self.ep_size, self.ep_rank = ep_group, ep_size, ep_rank
+
+    @property
+    def expert_offset(self) -> int:
+        return self.ep_rank * (self.num_experts // self.ep_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        tokens = x.shape[0]
+        probs = torch.softmax(self.router(x).float(), dim=-1)
+        weights, experts = probs.topk(self.top_k, dim=-1)
+        if self.top_k > 1:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        flat_e, flat_w = experts.reshape(-1), weights.reshape(-1)
+        keep = None
+        if self.capacity_factor is not None:
+            capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+            onehot = F.one_hot(flat_e, self.num_experts)
+            position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # rank of each assignment within its expert
+            keep = (position < capacity).nonzero().squeeze(-1)
+            flat_e, flat_w = flat_e[keep], flat_w[keep]
+        order = torch.argsort(flat_e, stable=True)
+        token_of = (keep[order] if keep is not None else order) // self.top_k
+        counts = torch.bincount(flat_e, minlength=self.num_experts)
+        if not torch._C._current_graph_task_id() + 1:  # not a recomputation inside backward
+            self.tokens_per_expert += counts.detach().cpu()
+        routed = x[token_of]
+        if self.ep_size > 1:
+            y = self._expert_parallel(routed, counts)
+        else:
+            y = self.experts(routed, counts.tolist())
+        y = (y * flat_w[order, None]).to(x.dtype)
+        out = torch.zeros_like(x).index_add(0, token_of, y)
+        if self.shared is not None:
+            out = out + self.shared(x)
+        return out.reshape(shape)
+
+    def _expert_parallel(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+        import torch.distributed._functional_collectives as funcol
+
+        ep, n_local = self.ep_size, self.num_experts // self.ep_size
+        send_splits = counts.view(ep, n_local).sum(1).tolist()
+        recv_counts = torch.empty_like(counts)  # [source rank, local expert]
+        dist.all_to_all_single(recv_counts, counts, group=self.ep_group)
+        recv_counts = recv_counts.view(ep, n_local)
+        recv_splits = recv_counts.sum(1).tolist()
+        received = funcol.all_to_all_single_autograd(routed.contiguous(), recv_splits, send_splits, self.ep_group)
+        # rows arrive grouped by source rank, then expert: regroup by expert
+        local_expert = torch.repeat_interleave(
+            torch.arange(n_local, device=routed.device).repeat(ep), recv_counts.reshape(-1))
+        regroup = torch.argsort(local_expert, stable=True)
+        y = self.experts(received[regroup], recv_counts.sum(0).tolist())
+        y = y[torch.argsort(regroup)]
+        return funcol.all_to_all_single_autograd(y.contiguous(), send_splits, recv_splits, self.ep_group)

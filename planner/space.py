@@ -1,0 +1,477 @@
+"""The plan space: which knobs are free, their candidate values, and which combinations are valid.
+
+A scenario's `search:` section names the free knobs and their candidates:
+
+```yaml
+search:
+  tp: [1, 2, 4, 8]             # a plan knob -> its candidate values (a single value fixes it)
+  allow_tp_across_nodes: false
+  trials: 300                  # Optuna budget (trials of every state, pruned ones included)
+  exhaustive_threshold: 3000   # enumerate every valid plan when there are at most this many
+  gpu_hour_cost: 2.5           # currency per GPU-hour, for --objective cost
+  num_nodes: [64, 128]         # optional: let the planner choose the cluster size too
+```
+
+Decision (documented in the README): a knob the section leaves out is **free over its full valid
+range**, so `search: {}` or no section at all means "every valid factorisation of the cluster":
+
+| knob | candidates when absent |
+|---|---|
+| num_nodes | the scenario's own (the cluster size is fixed unless listed) |
+| tp | divisors of the world size that fit in a node (any divisor with allow_tp_across_nodes) |
+| pp | divisors of the world size up to model.num_layers |
+| cp | divisors of the world size |
+| dp | derived: world / (tp x pp x cp); a list filters the derived value |
+| ep | 1 for a dense model; for MoE, divisors of the world size that divide num_experts |
+| micro_batch_size | divisors of training.global_batch_size up to 16 |
+| schedule | gpipe, 1f1b, interleaved-1f1b |
+| virtual_pipeline_stages | divisors of model.num_layers (used by interleaved-1f1b only; others run 1) |
+| sequence_parallel | false, true |
+| zero_stage | 0, 1, 2, 3 |
+| recompute | none, selective, full |
+
+Every other plan field (overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, expert_tp)
+keeps the scenario's value; tp_comm_overlap is applied where it can be (sequence_parallel and
+tp > 1). Uneven first/last stages are not searched: candidates split layers evenly, and the
+scenario's own plan, uneven or not, is evaluated as the baseline.
+
+Candidates are canonicalised so that plans that run identically are one plan (and one
+simulation): virtual_pipeline_stages is 1 unless the schedule is interleaved-1f1b,
+sequence_parallel takes its first candidate when tp = 1 (there is nothing to split), and zero_stage
+its first candidate when dp x cp = 1 (nothing to shard over).
+
+Validity: the planner's own rules (the derived dp, tp inside a node) and then
+`simulator.feasibility.structural_problems`, the simulator's, on the candidate scenario; both give
+reasons that name the key at fault.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import re
+from collections import Counter
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from paraplan.errors import ConfigError
+from paraplan.specs import RECOMPUTE, SCHEDULES, ZERO_STAGES, PlanSpec, Scenario
+
+# Knobs in the order they are enumerated and shown.
+KNOBS = (
+    "num_nodes", "tp", "pp", "dp", "cp", "ep", "micro_batch_size", "schedule",
+    "virtual_pipeline_stages", "sequence_parallel", "zero_stage", "recompute",
+)
+DEGREE_KNOBS = ("num_nodes", "tp", "pp", "dp", "cp", "ep", "micro_batch_size", "virtual_pipeline_stages")
+ENUM_KNOBS = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "recompute": RECOMPUTE,
+              "sequence_parallel": (False, True)}
+SETTINGS = ("allow_tp_across_nodes", "trials", "exhaustive_threshold", "gpu_hour_cost")
+
+DEFAULT_TRIALS = 300
+# simulate() costs 1-150 ms per plan on the big scenarios (about 30 ms on average over a GPT-3
+# space, plus ~5 ms of journal writes): 3,000 plans is about a minute with two workers.
+DEFAULT_EXHAUSTIVE_THRESHOLD = 3000
+# Above this many candidate combinations (after the layout rules), the valid ones are not counted
+# up front: enumeration costs ~8 us a combination, and Optuna needs no list.
+ENUMERATION_LIMIT = 400_000
+MAX_DEFAULT_MICRO_BATCH = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class SearchSpec:
+    """The `search:` section, validated, with every knob's candidates resolved."""
+
+    candidates: tuple[tuple[str, tuple], ...]
+    """(knob, candidate values) for every knob in KNOBS except dp; ascending."""
+    dp_filter: tuple[int, ...] | None = None
+    """search.dp: allowed values of the derived dp (None: any)."""
+    allow_tp_across_nodes: bool = False
+    trials: int = DEFAULT_TRIALS
+    exhaustive_threshold: int = DEFAULT_EXHAUSTIVE_THRESHOLD
+    gpu_hour_cost: float | None = None
+    """Currency per GPU-hour; None prices the cost objective in GPU-hours."""
+    given: tuple[str, ...] = ()
+    """The knobs the section listed (the others took their defaults)."""
+
+    def values(self, knob: str) -> tuple:
+        return dict(self.candidates)[knob]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    """One point of the plan space: a cluster size and a plan. Hashable: the memo key."""
+
+    num_nodes: int
+    plan: PlanSpec
+
+
+# ----------------------------------------------------------------------------------------------
+# Parsing the search section.
+
+
+def _did_you_mean(word: str, known) -> str:
+    close = difflib.get_close_matches(str(word), list(known), n=1)
+    return f", did you mean '{close[0]}'?" if close else f"; expected one of: {', '.join(known)}"
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "null"
+    if isinstance(value, (list, tuple)):
+        return "a list"
+    if isinstance(value, Mapping):
+        return "a mapping"
+    return repr(value)
+
+
+def _thaw(frozen: Any) -> dict:
+    """Scenario.search (sorted (key, value) pairs, lists as tuples) back to a dict."""
+    if isinstance(frozen, Mapping):
+        return dict(frozen)
+    return {k: v for k, v in frozen}
+
+
+def _as_list(path: str, value: Any) -> list:
+    if isinstance(value, (list, tuple)):
+        if not value:
+            raise ConfigError(path, "expected at least one candidate, got an empty list")
+        return list(value)
+    if isinstance(value, Mapping):
+        raise ConfigError(path, "expected a list of candidates (or one value), got a mapping")
+    return [value]
+
+
+def _check_candidates(knob: str, raw: Any) -> tuple:
+    path = f"search.{knob}"
+    values = _as_list(path, raw)
+    out = []
+    for v in values:
+        if knob in DEGREE_KNOBS:
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(path, f"expected positive integers, got {_show(v)}")
+            if v < 1:
+                raise ConfigError(path, f"expected positive integers, got {v}")
+        else:
+            choices = ENUM_KNOBS[knob]
+            if not any(type(v) is type(c) and v == c for c in choices):
+                allowed = ", ".join(_show(c) for c in choices)
+                hint = ""
+                if isinstance(v, str):
+                    close = difflib.get_close_matches(v, [str(c) for c in choices], n=1)
+                    hint = f", did you mean '{close[0]}'?" if close else ""
+                raise ConfigError(path, f"{_show(v)} is not one of {allowed}{hint}")
+        if v in out:
+            raise ConfigError(path, f"candidate {_show(v)} is listed twice")
+        out.append(v)
+    return tuple(sorted(out, key=lambda x: (str(type(x)), x)))
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+def parse_search(scenario: Scenario, raw: Any = None) -> SearchSpec:
+    """Validate `raw` (default: scenario.search) and resolve every knob's candidates.
+
+    Raises ConfigError with paths like `search.tp` for an unknown key (with a did-you-mean), a
+    wrong type, an enum value that is not allowed, or expert parallelism on a dense model.
+    """
+    raw = _thaw(scenario.search if raw is None else raw)
+    for key in raw:
+        if key not in KNOBS and key not in SETTINGS:
+            raise ConfigError(f"search.{key}", f"unknown key{_did_you_mean(key, KNOBS + SETTINGS)}")
+    settings: dict[str, Any] = {}
+    if "allow_tp_across_nodes" in raw:
+        v = raw["allow_tp_across_nodes"]
+        if not isinstance(v, bool):
+            raise ConfigError("search.allow_tp_across_nodes", f"expected true or false, got {_show(v)}")
+        settings["allow_tp_across_nodes"] = v
+    for key, minimum in (("trials", 1), ("exhaustive_threshold", 0)):
+        if key in raw:
+            v = raw[key]
+            if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+                wanted = "a positive integer" if minimum == 1 else "an integer >= 0"
+                raise ConfigError(f"search.{key}", f"expected {wanted}, got {_show(v)}")
+            settings[key] = v
+    if "gpu_hour_cost" in raw:
+        v = raw["gpu_hour_cost"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+            raise ConfigError("search.gpu_hour_cost", f"expected a positive number, got {_show(v)}")
+        settings["gpu_hour_cost"] = float(v)
+
+    given = {k: _check_candidates(k, v) for k, v in raw.items() if k in KNOBS}
+    if scenario.model.moe is None and any(e != 1 for e in given.get("ep", (1,))):
+        raise ConfigError("search.ep", "expert parallelism needs an MoE model (model.moe); this model is dense")
+    allow_tp = settings.get("allow_tp_across_nodes", False)
+    cands = _defaults(scenario, given.get("num_nodes", (scenario.cluster.num_nodes,)), allow_tp)
+    cands.update({k: v for k, v in given.items() if k != "dp"})
+    return SearchSpec(
+        candidates=tuple((k, cands[k]) for k in KNOBS if k != "dp"),
+        dp_filter=given.get("dp"),
+        given=tuple(k for k in KNOBS if k in given),
+        **settings,
+    )
+
+
+def _defaults(sc: Scenario, num_nodes: tuple[int, ...], allow_tp_across_nodes: bool) -> dict[str, tuple]:
+    gpn = sc.cluster.gpus_per_node
+    worlds = [n * gpn for n in num_nodes]
+    divisors = sorted({d for w in worlds for d in _divisors(w)})
+    m, t = sc.model, sc.training
+    if m.moe is None:
+        ep = (1,)
+    else:
+        ep = tuple(d for d in divisors if m.moe.num_experts % d == 0)
+    return {
+        "num_nodes": tuple(num_nodes),
+        "tp": tuple(d for d in divisors if allow_tp_across_nodes or (d <= gpn and gpn % d == 0)),
+        "pp": tuple(d for d in divisors if d <= m.num_layers),
+        "cp": tuple(divisors),
+        "ep": ep,
+        "micro_batch_size": tuple(d for d in _divisors(t.global_batch_size) if d <= MAX_DEFAULT_MICRO_BATCH),
+        "schedule": SCHEDULES,
+        "virtual_pipeline_stages": tuple(_divisors(m.num_layers)),
+        "sequence_parallel": (False, True),
+        "zero_stage": ZERO_STAGES,
+        "recompute": RECOMPUTE,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# The space.
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rejection:
+    """Why some candidate plans are invalid: a reason template, how many, one full example."""
+
+    reason: str
+    """The reason with its numbers replaced by '#', so plans rejected alike count together."""
+    count: int
+    example: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Enumeration:
+    """Every candidate plan, checked: the valid ones and the reasons the rest were rejected."""
+
+    valid: tuple[Candidate, ...]
+    combinations: int
+    """Candidate plans considered (after canonicalisation)."""
+    rejections: tuple[Rejection, ...]
+    """Most frequent first; a plan with several problems counts under each."""
+
+
+def reason_key(reason: str) -> str:
+    """The reason with its numbers replaced by '#': plans rejected for the same rule count together."""
+    return re.sub(r"\b\d+(\.\d+)?\b", "#", reason)
+
+
+class PlanSpace:
+    """The candidates of one scenario's search: canonicalises, checks and enumerates plans."""
+
+    def __init__(self, scenario: Scenario, spec: SearchSpec):
+        from hwmodels.profile import load_profile
+
+        self.scenario = scenario
+        self.spec = spec
+        self._arch = load_profile(scenario.cluster.gpu).arch
+        # every plan field the search does not set keeps the scenario's; uneven stages are dropped
+        self._template = dataclasses.replace(scenario.plan, first_stage_layers=None, last_stage_layers=None)
+        self._cands = dict(spec.candidates)
+
+    # -- points ---------------------------------------------------------------------------------
+
+    def free_knobs(self) -> tuple[str, ...]:
+        """Knobs with more than one candidate: the parameters a sampler chooses."""
+        return tuple(k for k, v in self.spec.candidates if len(v) > 1)
+
+    def candidate(self, params: Mapping[str, Any]) -> Candidate:
+        """The canonical candidate for sampled knob values (knobs not given take their only or
+        first candidate); dp is derived, 0 when the world size is not divisible."""
+        v = {k: params.get(k, vals[0]) for k, vals in self.spec.candidates}
+        world = v["num_nodes"] * self.scenario.cluster.gpus_per_node
+        layout = v["tp"] * v["pp"] * v["cp"]
+        dp = world // layout if world % layout == 0 else 0
+        return self._make(v, dp)
+
+    def _make(self, v: Mapping[str, Any], dp: int) -> Candidate:
+        interleaved = v["schedule"] == "interleaved-1f1b"
+        sp = v["sequence_parallel"] if v["tp"] > 1 else self._cands["sequence_parallel"][0]
+        zero = v["zero_stage"] if dp * v["cp"] != 1 else self._cands["zero_stage"][0]
+        plan = dataclasses.replace(
+            self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], ep=v["ep"],
+            micro_batch_size=v["micro_batch_size"], schedule=v["schedule"],
+            virtual_pipeline_stages=v["virtual_pipeline_stages"] if interleaved else 1,
+            sequence_parallel=sp, zero_stage=zero, recompute=v["recompute"],
+            tp_comm_overlap=self._template.tp_comm_overlap and sp and v["tp"] > 1,
+        )
+        return Candidate(num_nodes=v["num_nodes"], plan=plan)
+
+    def baseline(self) -> Candidate:
+        """The scenario's own plan, exactly as written."""
+        return Candidate(num_nodes=self.scenario.cluster.num_nodes, plan=self.scenario.plan)
+
+    @staticmethod
+    def params_of(cand: Candidate) -> dict[str, Any]:
+        """Every knob value of a candidate except the derived dp (the inverse of `candidate`)."""
+        p = cand.plan
+        return {"num_nodes": cand.num_nodes, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
+                "micro_batch_size": p.micro_batch_size, "schedule": p.schedule,
+                "virtual_pipeline_stages": p.virtual_pipeline_stages,
+                "sequence_parallel": p.sequence_parallel, "zero_stage": p.zero_stage,
+                "recompute": p.recompute}
+
+    def in_space(self, cand: Candidate) -> bool:
+        """Whether the candidate's knob values are all among the candidates (vpp: when interleaved)."""
+        p = cand.plan
+        checks = {"num_nodes": cand.num_nodes, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
+                  "micro_batch_size": p.micro_batch_size, "schedule": p.schedule,
+                  "recompute": p.recompute}
+        if p.schedule == "interleaved-1f1b":
+            checks["virtual_pipeline_stages"] = p.virtual_pipeline_stages
+        if p.tp > 1:
+            checks["sequence_parallel"] = p.sequence_parallel
+        if p.dp * p.cp > 1:
+            checks["zero_stage"] = p.zero_stage
+        return all(val in self._cands[k] for k, val in checks.items())
+
+    def scenario_for(self, cand: Candidate) -> Scenario:
+        """The base scenario with this candidate's cluster size and plan."""
+        sc = self.scenario
+        cluster = sc.cluster
+        if cluster.num_nodes != cand.num_nodes:
+            cluster = dataclasses.replace(cluster, num_nodes=cand.num_nodes)
+        return dataclasses.replace(sc, cluster=cluster, plan=cand.plan)
+
+    # -- validity -------------------------------------------------------------------------------
+
+    def _layout_problems(self, num_nodes: int, tp: int, pp: int, cp: int) -> list[str]:
+        """The planner's own rules, which depend only on the layout: dp derivable, tp in a node."""
+        out = []
+        gpn = self.scenario.cluster.gpus_per_node
+        world = num_nodes * gpn
+        if world % (tp * pp * cp):
+            out.append(f"plan: tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide the "
+                       f"{world} GPUs ({num_nodes} nodes x {gpn}), so no dp completes the plan")
+        elif self.spec.dp_filter is not None and world // (tp * pp * cp) not in self.spec.dp_filter:
+            out.append(f"search.dp: the derived dp = {world // (tp * pp * cp)} is not among the "
+                       f"candidates {', '.join(map(str, self.spec.dp_filter))}")
+        if not self.spec.allow_tp_across_nodes and (tp > gpn or gpn % tp):
+            out.append(f"search.allow_tp_across_nodes: tp = {tp} would span nodes of {gpn} GPUs "
+                       f"(tensor parallelism stays inside a node unless allowed)")
+        return out
+
+    def problems(self, cand: Candidate, *, planner_rules: bool = True) -> list[str]:
+        """Every reason the candidate cannot run; empty when it can (then simulate it).
+        `planner_rules=False` applies only the simulator's (for the scenario's own plan)."""
+        from simulator.feasibility import structural_problems
+
+        p = cand.plan
+        out = self._layout_problems(cand.num_nodes, p.tp, p.pp, p.cp) if planner_rules else []
+        if p.dp == 0:
+            return out
+        return out + structural_problems(self.scenario_for(cand), self._arch)
+
+    # -- enumeration ----------------------------------------------------------------------------
+
+    def _inner(self, tp: int, dp: int | None, cp: int) -> Iterator[dict[str, Any]]:
+        """Canonical combinations of the knobs below the layout."""
+        c = self._cands
+        sps = c["sequence_parallel"] if tp > 1 else c["sequence_parallel"][:1]
+        zeros = c["zero_stage"] if dp is None or dp * cp != 1 else c["zero_stage"][:1]
+        vpps = [v for v in c["virtual_pipeline_stages"] if v >= 2]
+        for ep in c["ep"]:
+            for mbs in c["micro_batch_size"]:
+                for schedule in c["schedule"]:
+                    for vpp in (vpps if schedule == "interleaved-1f1b" else [1]):
+                        for sp in sps:
+                            for zero in zeros:
+                                for rc in c["recompute"]:
+                                    yield {"ep": ep, "micro_batch_size": mbs, "schedule": schedule,
+                                           "virtual_pipeline_stages": vpp, "sequence_parallel": sp,
+                                           "zero_stage": zero, "recompute": rc}
+
+    def _inner_count(self, tp: int, dp: int | None, cp: int) -> int:
+        c = self._cands
+        n_sched = sum(1 for s in c["schedule"] if s != "interleaved-1f1b")
+        if "interleaved-1f1b" in c["schedule"]:
+            n_sched += sum(1 for v in c["virtual_pipeline_stages"] if v >= 2)
+        n_sp = len(c["sequence_parallel"]) if tp > 1 else 1
+        n_zero = len(c["zero_stage"]) if dp is None or dp * cp != 1 else 1
+        return len(c["ep"]) * len(c["micro_batch_size"]) * n_sched * n_sp * n_zero * len(c["recompute"])
+
+    def _layouts(self) -> Iterator[tuple[int, int, int, int]]:
+        c = self._cands
+        for n in c["num_nodes"]:
+            for tp in c["tp"]:
+                for pp in c["pp"]:
+                    for cp in c["cp"]:
+                        yield n, tp, pp, cp
+
+    def count_combinations(self) -> int:
+        """Candidate plans whose layout passes the planner's rules (the enumeration's work)."""
+        gpn = self.scenario.cluster.gpus_per_node
+        total = 0
+        for n, tp, pp, cp in self._layouts():
+            if not self._layout_problems(n, tp, pp, cp):
+                total += self._inner_count(tp, n * gpn // (tp * pp * cp), cp)
+        return total
+
+    def enumerate(self) -> Enumeration:
+        """Check every candidate plan: layouts first by the planner's rules (a rejected layout
+        rejects all its plans without building them), then each plan by the simulator's."""
+        from simulator.feasibility import structural_problems
+
+        gpn = self.scenario.cluster.gpus_per_node
+        counts: Counter = Counter()
+        examples: dict[str, str] = {}
+        valid: list[Candidate] = []
+        combos = 0
+
+        def reject(reasons: list[str], weight: int) -> None:
+            for r in reasons:
+                key = reason_key(r)
+                counts[key] += weight
+                examples.setdefault(key, r)
+
+        for n, tp, pp, cp in self._layouts():
+            world = n * gpn
+            dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else None
+            bad = self._layout_problems(n, tp, pp, cp)
+            if bad:
+                weight = self._inner_count(tp, dp, cp)
+                combos += weight
+                reject(bad, weight)
+                continue
+            sc = self.scenario_for(Candidate(num_nodes=n, plan=self._template))
+            for inner in self._inner(tp, dp, cp):
+                combos += 1
+                cand = self._make({"num_nodes": n, "tp": tp, "pp": pp, "cp": cp, **inner}, dp)
+                problems = structural_problems(dataclasses.replace(sc, plan=cand.plan), self._arch)
+                if problems:
+                    reject(problems, 1)
+                else:
+                    valid.append(cand)
+        rejections = tuple(
+            Rejection(reason=k, count=v, example=examples[k])
+            for k, v in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+        )
+        return Enumeration(valid=tuple(valid), combinations=combos, rejections=rejections)
+
+
+def binding_constraint(enum: Enumeration) -> str:
+    """One line on why a space has no valid plan: the rule every candidate breaks if there is
+    one, else the most frequent."""
+    if not enum.rejections:
+        return "the search section leaves no candidate plan"
+    top = enum.rejections[0]
+    if top.count >= enum.combinations:
+        return f"every one of the {enum.combinations} candidate plans fails: {top.example}"
+    rest = "; ".join(f"{r.example} ({r.count})" for r in enum.rejections[1:3])
+    return (f"none of the {enum.combinations} candidate plans is valid; most fail {top.example} "
+            f"({top.count})" + (f"; also {rest}" if rest else ""))

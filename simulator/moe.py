@@ -1,0 +1,244 @@
+"""Mixture-of-experts FFN block: router, token dispatch all-to-all, grouped expert GEMMs, combine
+all-to-all, shared experts; routing imbalance from a seeded draw.
+
+Megatron-Core's MoE layer (megatron/core/transformer/moe/, the alltoall token dispatcher): each
+rank routes its tokens (the sequence-parallel shard when tp > 1) to top_k experts, permutes them by
+expert, exchanges them with an all-to-all-v over the EP group, runs its local experts as a grouped
+GEMM, and returns the results with a second all-to-all-v. The rank whose experts got the most
+tokens sets the pace of the layer: its expert GEMMs are the longest and it receives the most bytes.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from hwmodels.compute import gemm_time, memory_bound_time
+from hwmodels.network import collective_time
+from simulator.cost import Cost
+
+
+@dataclass(frozen=True)
+class RoutingDraw:
+    """Token copies per expert in one EP group for one microbatch, laid out (ep ranks, local experts)."""
+
+    expert_tokens: np.ndarray
+    sent_per_rank: float
+    """Token copies each rank dispatches (its tokens x top_k): the all-to-all send side."""
+    dropped: float
+    """Copies over an expert's capacity (capacity_factor), dropped as in GShard/Switch."""
+
+    @property
+    def rank_loads(self) -> np.ndarray:
+        return self.expert_tokens.sum(axis=1)
+
+    @property
+    def busiest_rank(self) -> int:
+        return int(np.argmax(self.rank_loads))
+
+    @property
+    def imbalance(self) -> float:
+        """Most loaded rank's tokens over the mean (1.0 = balanced)."""
+        loads = self.rank_loads
+        return float(loads.max() / loads.mean()) if loads.mean() > 0 else 1.0
+
+
+def expert_probabilities(moe, rng: np.random.Generator) -> np.ndarray:
+    """Share of routed token copies each expert receives.
+    uniform: 1/E (what a load-balancing loss aims for);
+    zipf: proportional to 1/(rank+1)^s (Zipf's law over expert popularity), with the popular
+    experts placed on EP ranks at random by the seeded generator;
+    histogram: a measured router histogram, experts in order (Megatron places expert i on EP rank
+    i // (E/ep))."""
+    e = moe.num_experts
+    r = moe.routing
+    if r.distribution == "uniform":
+        return np.full(e, 1.0 / e)
+    if r.distribution == "zipf":
+        p = 1.0 / np.arange(1, e + 1) ** r.s
+        return rng.permutation(p / p.sum())
+    hist = np.asarray(r.tokens_per_expert, dtype=float)
+    return hist / hist.sum()
+
+
+def draw_routing(moe, ep: int, tokens_per_rank: float, *, balanced: bool = False) -> RoutingDraw:
+    """Per-expert token copies for one microbatch of one EP group: tokens_per_rank x top_k copies
+    from each of the ep ranks, drawn from the routing distribution as a multinomial with the
+    scenario's seed (deterministic). `balanced` gives the exact expectation of a uniform router,
+    the reference the imbalance is measured against."""
+    e, k = moe.num_experts, moe.top_k
+    total = tokens_per_rank * k * ep
+    if balanced:
+        counts = np.full(e, total / e)
+    else:
+        rng = np.random.default_rng(moe.routing.seed)
+        counts = rng.multinomial(int(round(total)), expert_probabilities(moe, rng)).astype(float)
+    dropped = 0.0
+    if moe.capacity_factor is not None:
+        # expert capacity = capacity_factor x tokens x top_k / experts (Fedus et al. 2021, Eq. 3)
+        cap = math.ceil(moe.capacity_factor * total / e)
+        dropped = float(np.maximum(counts - cap, 0).sum())
+        counts = np.minimum(counts, cap)
+    return RoutingDraw(counts.reshape(ep, e // ep), tokens_per_rank * k, dropped)
+
+
+def routed_tokens_per_rank(ctx) -> float:
+    """Tokens a rank routes: its sequence-parallel shard when tp > 1 (Megatron-Core requires
+    sequence parallelism for MoE with TP), else all its tokens."""
+    return ctx.tokens / ctx.plan.tp if ctx.plan.tp > 1 else ctx.tokens
+
+
+@dataclass(frozen=True)
+class MoEBlock:
+    """The FFN of an MoE layer for one rank (the busiest of its EP group), forward and backward.
+    Call it as the `ffn` of simulator.workload.layer_forward / layer_backward."""
+
+    forward: Cost
+    backward: Cost
+
+    def __call__(self, ctx, backward: bool) -> Cost:
+        return (self.backward if backward else self.forward).scaled(1.0)
+
+
+def moe_block(ctx, draw: RoutingDraw, ep_layout, etp_layout, *, overlap_shared: bool) -> MoEBlock:
+    return MoEBlock(
+        forward=_moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=False),
+        backward=_moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=True),
+    )
+
+
+def _gemm(ctx, m: float, k: int, n: int, backward: bool) -> float:
+    m = max(1, int(round(m)))
+    if not backward:
+        return gemm_time(ctx.gpu, m, n, k, ctx.dtype)
+    return gemm_time(ctx.gpu, m, k, n, ctx.dtype) + gemm_time(ctx.gpu, k, n, m, ctx.dtype)
+
+
+def expert_compute_time(ctx, tokens_per_expert, backward: bool) -> float:
+    """Grouped expert GEMMs of one rank: per local expert, up(+gate) then down projection on the
+    tokens it received (a grouped GEMM runs each expert's problem at its own size), plus the
+    activation over its intermediate. With expert_tp each expert is column/row split etp ways and
+    works on the etp ranks' tokens together."""
+    m, etp = ctx.model, ctx.plan.expert_tp
+    h, f = m.hidden_size, m.moe.expert_ffn_hidden_size // etp
+    up = (m.ffn_matrices - 1) * f
+    act_bytes = (3 if m.activation == "swiglu" else 2) * f * ctx.act_bytes
+    total = 0.0
+    for n in tokens_per_expert:
+        if n <= 0:
+            continue
+        n = n * etp
+        total += _gemm(ctx, n, h, up, backward) + _gemm(ctx, n, f, h, backward)
+        total += memory_bound_time(ctx.gpu, (2 if backward else 1) * n * act_bytes)
+    return total
+
+
+def nodes_reached(experts: int, top_k: int, nodes: int) -> float:
+    """Expected distinct nodes holding a token's top_k experts, experts spread evenly over `nodes`
+    and picked uniformly without replacement: N x (1 - C(E - E/N, k) / C(E, k))."""
+    per_node = experts // nodes
+    miss = math.comb(experts - per_node, top_k) / math.comb(experts, top_k)
+    return nodes * (1.0 - miss)
+
+
+def deepep_time(ctx, routed: float, skew: float, ep_layout) -> float:
+    """One DeepEP dispatch (or combine) across nodes (DeepSeek-V3 report, Sec. 3.2.2; DeepEP
+    "normal" kernels): a token crosses the network once per destination node (to the GPU with the
+    same local index there) and is forwarded over NVLink to that node's experts. Network bytes per
+    rank: routed tokens x expected remote nodes reached x h; NVLink bytes: the token copies for
+    this node's experts. The two overlap; `skew` scales both for the busiest rank's receive side."""
+    from hwmodels.network import collective_time as coll
+    from paraplan.placement import GroupLayout
+
+    m, b = ctx.model, ctx.act_bytes
+    h, nodes = m.hidden_size, ep_layout.num_nodes
+    remote_nodes = nodes_reached(m.moe.num_experts, m.moe.top_k, nodes) * (nodes - 1) / nodes
+    net_bytes = routed * remote_nodes * h * b * skew
+    # one network hop per destination node, each a point-to-point transfer of its share
+    rdma = coll(ctx.network, "send_recv", net_bytes, GroupLayout(size=2, ranks_per_node=1, num_nodes=2))
+    ppn = ep_layout.ranks_per_node
+    nvl_bytes = routed * m.moe.top_k * h * b * skew
+    nvl = coll(ctx.network, "all_to_all", nvl_bytes * ppn / ep_layout.size, GroupLayout(size=ppn, ranks_per_node=ppn, num_nodes=1))
+    return max(rdma, nvl)
+
+
+def _shared_experts(ctx, backward: bool) -> tuple[float, float]:
+    """(compute, TP communication) of the shared experts: a dense FFN of num_shared x expert width,
+    tensor-parallel like the dense MLP (all-gather in, reduce-scatter out under SP)."""
+    m, p = ctx.model, ctx.plan
+    if not m.moe.num_shared_experts:
+        return 0.0, 0.0
+    from simulator.workload import _tp_collective_pairs  # the dense MLP's collectives
+
+    h = m.hidden_size
+    f = m.moe.num_shared_experts * m.moe.expert_ffn_hidden_size // p.tp
+    compute = _gemm(ctx, ctx.tokens, h, (m.ffn_matrices - 1) * f, backward) + _gemm(ctx, ctx.tokens, f, h, backward)
+    act = (3 if m.activation == "swiglu" else 2) * f * ctx.act_bytes * ctx.tokens
+    compute += memory_bound_time(ctx.gpu, (2 if backward else 1) * act)
+    return compute, sum(_tp_collective_pairs(ctx)[2:])
+
+
+def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: bool, backward: bool) -> Cost:
+    m, b = ctx.model, ctx.act_bytes
+    h, experts = m.hidden_size, m.moe.num_experts
+    routed = routed_tokens_per_rank(ctx)
+    copies = draw.sent_per_rank
+    busiest = draw.expert_tokens[draw.busiest_rank]
+    load = float(busiest.sum())
+    factor = 2 if backward else 1
+    # Router: (tokens, h) x (h, E) logits, then softmax and top-k over fp32 logits.
+    router = _gemm(ctx, routed, h, experts, backward) + memory_bound_time(ctx.gpu, factor * 3 * routed * experts * 4)
+    # Permute copies by expert before dispatch; unpermute and weight-sum after combine.
+    permute = memory_bound_time(ctx.gpu, factor * 2 * copies * h * b)
+    unpermute = memory_bound_time(ctx.gpu, factor * (2 * copies * h * b + routed * h * b))
+    # Post-attention norm and the residual bias-dropout-add on the routed tokens.
+    norms = memory_bound_time(ctx.gpu, factor * routed * (2 * h * b + 3 * h * b + h))
+    experts_t = expert_compute_time(ctx, busiest, backward)
+    # All-to-all-v: every rank sends copies x h; the busiest receives load x h. The exchange ends
+    # when the largest of those has moved (dispatch and combine move the same bytes; backward the
+    # gradients of both).
+    a2a_bytes = max(copies, load) * h * b
+    if ctx.plan.moe_dispatcher == "deepep" and ep_layout.num_nodes > 1:
+        a2a = deepep_time(ctx, routed, max(1.0, load / copies), ep_layout)
+    else:
+        a2a = collective_time(ctx.network, "all_to_all", a2a_bytes, ep_layout)
+    etp_comm = 0.0
+    if etp_layout.size > 1:  # expert-TP: gather the group's tokens in, reduce-scatter them out
+        etp_bytes = load * etp_layout.size * h * b
+        etp_comm = (collective_time(ctx.network, "all_gather", etp_bytes, etp_layout)
+                    + collective_time(ctx.network, "reduce_scatter", etp_bytes, etp_layout))
+    shared, shared_tp = _shared_experts(ctx, backward)
+    dispatch = a2a
+    if overlap_shared:
+        # Megatron --moe-shared-expert-overlap: the shared experts run while tokens are dispatched
+        dispatch = max(0.0, a2a - shared)
+    cost = Cost().add("compute", router + permute + unpermute + norms + experts_t + shared)
+    cost.add("ep_comm", dispatch + a2a + etp_comm).add("tp_comm", shared_tp)
+    if ep_layout.num_nodes > 1:
+        cost.nic += 2 * a2a  # network-bound: the NIC is busy for both exchanges
+    return cost
+
+
+def moe_activation_bytes(ctx, draw: RoutingDraw) -> float:
+    """Tensors one MoE FFN keeps for its backward on the busiest rank, one microbatch: fp32 router
+    logits and probabilities (tokens x E each), the expert outputs kept for the probability-weighted
+    combine (copies x h), the received expert inputs for the weight gradients (load x h), the
+    expert intermediates (up/gate outputs and activation output: load x f x ffn_matrices), and
+    the shared experts' like a dense MLP of their width. The all-to-all inputs are not kept (its
+    backward is another all-to-all)."""
+    m, b, p = ctx.model, ctx.act_bytes, ctx.plan
+    h = m.hidden_size
+    f = m.moe.expert_ffn_hidden_size // p.expert_tp
+    routed = routed_tokens_per_rank(ctx)
+    load = float(draw.rank_loads.max()) * p.expert_tp
+    out = 2 * routed * m.moe.num_experts * 4 + draw.sent_per_rank * h * b
+    out += load * h * b + load * f * m.ffn_matrices * b
+    shared = m.moe.num_shared_experts * m.moe.expert_ffn_hidden_size // p.tp
+    out += ctx.tokens * shared * m.ffn_matrices * b
+    return out
+
+
+def dispatch_buffer_bytes(ctx, draw: RoutingDraw) -> float:
+    """All-to-all send and receive buffers of one MoE layer (transient)."""
+    return (draw.sent_per_rank + float(draw.rank_loads.max())) * ctx.model.hidden_size * ctx.act_bytes
