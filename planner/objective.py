@@ -139,11 +139,15 @@ class Evaluator:
             ev = self._memo[cand] = self._evaluate(cand)
         return ev
 
-    def _evaluate(self, cand: Candidate) -> Evaluation:
+    def evaluate_baseline(self, cand: Candidate) -> Evaluation:
+        """The scenario's own plan: the simulator's rules only (not the search section's), not memoised."""
+        return self._evaluate(cand, planner_rules=False)
+
+    def _evaluate(self, cand: Candidate, *, planner_rules: bool = True) -> Evaluation:
         from simulator.simulate import simulate
 
         world = cand.num_nodes * self.space.scenario.cluster.gpus_per_node
-        problems = self.space.problems(cand)
+        problems = self.space.problems(cand, planner_rules=planner_rules)
         if problems:
             return Evaluation(candidate=cand, status="invalid", reasons=tuple(problems), world_size=world)
         self.simulations += 1

@@ -70,6 +70,8 @@ def format_result(sc, r) -> str:
     for k, v in r.breakdown.items():
         if v > 0:
             lines.append(f"    {k:<12} {v:10.3f} s  {100 * v / r.step_time_s:5.1f} %")
+    if r.moe is not None:
+        lines += ["", *_moe_lines(sc, r.moe)]
     lines.append("")
     lines.append("  memory per GPU by stage (GiB): weights grads optim activ reserved total")
     for s in _stages_to_show(r.stages):
@@ -84,6 +86,23 @@ def format_result(sc, r) -> str:
     lines.append("")
     lines.append(f"  FLOPs: {r.flop_formula}")
     return "\n".join(lines)
+
+
+def _moe_lines(sc, moe) -> list[str]:
+    e, p = sc.model.moe, sc.plan
+    shared = f" + {e.num_shared_experts} shared" if e.num_shared_experts else ""
+    tiers = "+".join(moe.ep_tiers) or "local"
+    out = [
+        f"  MoE: {e.num_experts} experts top-{e.top_k}{shared}; EP {p.ep} = {moe.ep_group} over {tiers}; "
+        f"expert-data-parallel {moe.expert_data_parallel}; dispatcher {p.moe_dispatcher}",
+        f"    routing {moe.routing}: the busiest EP rank gets {moe.imbalance:.2f}x the mean tokens"
+        + (f", {100 * moe.dropped_fraction:.1f}% dropped at capacity" if moe.dropped_fraction else ""),
+        f"    vs a perfectly balanced router: MoE layer {moe.moe_layer_time_s * 1e3:.2f} ms vs "
+        f"{moe.balanced_moe_layer_time_s * 1e3:.2f} ms (x{moe.moe_layer_time_s / moe.balanced_moe_layer_time_s:.2f}); "
+        f"step {moe.balanced_step_time_s:.3f} s balanced",
+        "    FLOPs and MFU count the router and only the active experts (top-k routed + shared)",
+    ]
+    return out
 
 
 def _stages_to_show(stages, limit: int = 8):

@@ -1,0 +1,185 @@
+"""Mixture-of-experts: routing draws, all-to-all costs, imbalance, expert placement, bad input."""
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hwmodels.network import build_network, collective_time
+from hwmodels.profile import load_profile
+from paraplan.errors import ConfigError, InfeasiblePlanError
+from paraplan.loader import load_scenario
+from paraplan.placement import GroupLayout, expert_group_layouts, group_layout
+from paraplan.specs import MoESpec, RoutingSpec
+from simulator.moe import draw_routing, expert_compute_time, moe_block, nodes_reached
+from simulator.simulate import simulate
+from simulator.workload import LayerContext, dense_ffn_block
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def moe(**kw):
+    base = dict(num_experts=64, top_k=8, expert_ffn_hidden_size=2048)
+    return MoESpec(**{**base, **kw})
+
+
+@pytest.mark.parametrize("routing", [RoutingSpec(), RoutingSpec(distribution="zipf", s=1.2, seed=3),
+                                     RoutingSpec(distribution="histogram", tokens_per_expert=tuple(range(1, 65)))])
+def test_token_copies_are_conserved(routing):
+    """Every dispatched copy is received by exactly one expert and combined back: the copies the
+    ranks send equal the copies the experts receive (plus drops, none when dropless)."""
+    draw = draw_routing(moe(routing=routing), ep=8, tokens_per_rank=4096)
+    assert draw.expert_tokens.sum() + draw.dropped == pytest.approx(8 * draw.sent_per_rank)
+    assert draw.dropped == 0 and draw.expert_tokens.shape == (8, 8)
+
+
+def test_capacity_factor_drops_but_conserves():
+    draw = draw_routing(moe(routing=RoutingSpec(distribution="zipf", s=1.2), capacity_factor=1.0), 8, 4096)
+    assert draw.dropped > 0
+    assert draw.expert_tokens.max() <= np.ceil(1.0 * 8 * 4096 * 8 / 64)
+    assert draw.expert_tokens.sum() + draw.dropped == pytest.approx(8 * draw.sent_per_rank)
+
+
+def test_routing_is_deterministic_under_a_seed():
+    a = draw_routing(moe(routing=RoutingSpec(distribution="zipf", seed=7)), 8, 1000)
+    b = draw_routing(moe(routing=RoutingSpec(distribution="zipf", seed=7)), 8, 1000)
+    c = draw_routing(moe(routing=RoutingSpec(distribution="zipf", seed=8)), 8, 1000)
+    assert np.array_equal(a.expert_tokens, b.expert_tokens)
+    assert not np.array_equal(a.expert_tokens, c.expert_tokens)
+
+
+def test_nodes_reached_hand_computed():
+    # 16 experts on 2 nodes, top-2: P(a node is missed) = C(8,2)/C(16,2) = 28/120
+    assert nodes_reached(16, 2, 2) == pytest.approx(2 * (1 - 28 / 120))
+    assert nodes_reached(64, 8, 1) == pytest.approx(1.0)
+
+
+@pytest.fixture(scope="module")
+def h100_net():
+    sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml")
+    gpu = load_profile(sc.cluster.gpu)
+    return sc, gpu, build_network(sc.cluster, gpu)
+
+
+def test_all_to_all_on_two_tiers_hand_computed(h100_net):
+    """16 ranks on 2 nodes (8 per node): the off-node half of each rank's buffer leaves through its
+    1/8 share of the node's 8 x 400 Gb/s NICs at 94% efficiency; that dominates the on-node half."""
+    _, gpu, net = h100_net
+    nbytes = 256e6
+    t = collective_time(net, "all_to_all", nbytes, GroupLayout(size=16, ranks_per_node=8, num_nodes=2))
+    nic_share = 8 * 400e9 / 8 / 8 * 0.94
+    off_node = nbytes * (2 - 1) / 2 / nic_share
+    # latency: NCCL tuning.cc Simple base 8.4 us + network hop 14.0 us + 1 us per peer (15 peers)
+    latency = (8.4 + 14.0 + 15 * 1.0) * 1e-6
+    assert t == pytest.approx(off_node + latency, rel=1e-9)
+    # inside one node the same exchange runs over NVLink and is much faster
+    t1 = collective_time(net, "all_to_all", nbytes, GroupLayout(size=8, ranks_per_node=8, num_nodes=1))
+    assert t1 < t / 3
+
+
+def _ctx(sc, gpu, net, **plan):
+    sc = replace(sc, plan=replace(sc.plan, **plan))
+    p = sc.plan
+    return sc, LayerContext(model=sc.model, plan=p, gpu=gpu, network=net, seq_length=sc.training.seq_length,
+                            dtype="bf16", attention_kernel="flash", tp_layout=group_layout(("tp",), p, 8),
+                            cp_layout=group_layout(("cp",), p, 8))
+
+
+def test_ep1_expert_cost_equals_the_dense_ffn(h100_net):
+    """One expert, top-1, EP 1: the expert GEMMs are exactly the dense MLP's."""
+    sc, gpu, net = h100_net
+    one = replace(sc.model, moe=MoESpec(num_experts=1, top_k=1, expert_ffn_hidden_size=sc.model.ffn_hidden_size))
+    sc, ctx = _ctx(replace(sc, model=one), gpu, net, ep=1, tp=1, pp=1, dp=64, virtual_pipeline_stages=1, schedule="1f1b")
+    draw = draw_routing(one.moe, 1, ctx.tokens)
+    for backward in (False, True):
+        experts = expert_compute_time(ctx, draw.expert_tokens[0], backward)
+        dense = dense_ffn_block(ctx, backward).parts["compute"]
+        # the dense block also runs the post-attention norm and residual kernels
+        from simulator.workload import _ffn_elementwise
+        norms = _ffn_elementwise(ctx, 0, 0, backward)
+        assert experts == pytest.approx(dense - norms, rel=1e-9)
+
+
+@pytest.mark.parametrize("routing", [RoutingSpec(), RoutingSpec(distribution="zipf", s=1.0, seed=1),
+                                     RoutingSpec(distribution="zipf", s=2.0, seed=2)])
+def test_imbalance_never_makes_a_layer_faster(h100_net, routing):
+    sc, gpu, net = h100_net
+    model = replace(sc.model, moe=replace(sc.model.moe, routing=routing))
+    sc, ctx = _ctx(replace(sc, model=model), gpu, net)
+    etp, ep, _ = expert_group_layouts(sc.plan, 8)
+    drawn = moe_block(ctx, draw_routing(model.moe, 8, ctx.tokens), ep, etp, overlap_shared=False)
+    balanced = moe_block(ctx, draw_routing(model.moe, 8, ctx.tokens, balanced=True), ep, etp, overlap_shared=False)
+    for backward in (False, True):
+        assert drawn(ctx, backward).total >= balanced(ctx, backward).total
+
+
+def test_simulated_imbalance_report_and_step(h100_net):
+    sc, _, _ = h100_net
+    zipf = replace(sc, model=replace(sc.model, moe=replace(sc.model.moe, routing=RoutingSpec(distribution="zipf", s=1.2))))
+    r = simulate(zipf)
+    assert r.moe.imbalance > 1.2
+    assert r.step_time_s > r.moe.balanced_step_time_s
+    assert r.moe.moe_layer_time_s > r.moe.balanced_moe_layer_time_s
+
+
+def test_ep_leaving_the_node_costs_more():
+    sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml")
+    inside = simulate(replace(sc, plan=replace(sc.plan, ep=8)))
+    across = simulate(replace(sc, plan=replace(sc.plan, ep=64)))
+    assert inside.moe.ep_tiers == ("nvlink",) and "ib" in across.moe.ep_tiers
+    ep = lambda r: r.breakdown["ep_comm"]
+    assert ep(across) > ep(inside)
+
+
+def test_nic_sharing_slows_overlapping_traffic():
+    """Gradient buckets reduced over the network while all-to-alls cross nodes share the NIC."""
+    from simulator.cost import Cost
+    from simulator.engine import StageWork, run_iteration
+    from simulator.schedules import build_schedule
+
+    def works(nic):
+        op = Cost().add("ep_comm", 1.0)
+        op.nic = nic
+        return [StageWork(ops=build_schedule("1f1b", 1, 2)[0], op_cost={("F", 0): op, ("B", 0): op.scaled(1.0)},
+                          grad_buckets={0: [1.0, 1.0]}, grad_bucket_nic={0: [1.0, 1.0]}, optimizer_time=0.0,
+                          param_gather_time=0.0)]
+    quiet = run_iteration(works(0.0), num_chunks=1, p2p_time=0, overlap_grad_reduce=True, sync_time=0)
+    shared = run_iteration(works(1.0), num_chunks=1, p2p_time=0, overlap_grad_reduce=True, sync_time=0)
+    # bucket 0 starts mid-way through the last backward (3.5 s) and shares the NIC with its
+    # all-to-all for 0.5 s: both are delayed by 0.5 s
+    assert (quiet.step_time, shared.step_time) == (5.5, 6.0)
+
+
+MOE_BASE = {"model": {"preset": "mixtral-8x7b"},
+            "cluster": {"gpu": "h100-sxm-80gb", "num_nodes": 8, "gpus_per_node": 8},
+            "training": {"seq_length": 4096, "global_batch_size": 256, "precision": "bf16"},
+            "plan": {"tp": 1, "pp": 4, "ep": 8}}
+
+
+def with_(section, **kw):
+    raw = {k: dict(v) for k, v in MOE_BASE.items()}
+    raw[section].update(kw)
+    return raw
+
+
+def test_bad_moe_input_is_named():
+    with pytest.raises(ConfigError, match=r"model.moe.top_k: 9 is more than num_experts \(8\)"):
+        load_scenario(with_("model", moe={"num_experts": 8, "top_k": 9, "expert_ffn_hidden_size": 14336}))
+    with pytest.raises(ConfigError, match=r"model.moe.routing.tokens_per_expert: has 3 counts but model.moe.num_experts is 8"):
+        load_scenario(with_("model", moe={"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 14336,
+                                          "routing": {"distribution": "histogram", "tokens_per_expert": [1, 2, 3]}}))
+    with pytest.raises(InfeasiblePlanError, match=r"plan.ep: 16 does not divide model.moe.num_experts \(8\)"):
+        simulate(load_scenario(with_("plan", ep=16)))
+    with pytest.raises(InfeasiblePlanError, match=r"plan.ep: ep x expert_tp = 8 x 1 does not divide the 4 ranks"):
+        simulate(load_scenario(with_("plan", tp=1, pp=16, ep=8)))
+
+
+def test_flops_count_active_experts_only(h100_net):
+    from simulator.flops import forward_flops_per_token
+
+    sc, _, _ = h100_net
+    gemm, _, _ = forward_flops_per_token(sc.model, 4096)
+    m = sc.model
+    attn = 2 * (m.hidden_size * (m.q_channels + 2 * m.kv_channels) + m.q_channels * m.hidden_size)
+    experts = 2 * (2 * 3 * m.hidden_size * 14336 + m.hidden_size * 8)  # top-2 SwiGLU experts + router
+    assert gemm == pytest.approx(32 * (attn + experts))
