@@ -137,7 +137,8 @@ def mask_url(url: str) -> str:
 def open_storage(spec: str) -> optuna.storages.BaseStorage:
     """An Optuna storage from a URL, or a journal file from a path; one-line error if it cannot be opened."""
     from optuna.storages import JournalStorage, RDBStorage
-    from optuna.storages.journal import JournalFileBackend, JournalFileOpenLock
+
+    from planner.journal import JournalFile
 
     shown = mask_url(spec)
     try:
@@ -150,7 +151,7 @@ def open_storage(spec: str) -> optuna.storages.BaseStorage:
         path = os.path.abspath(spec)
         if not os.path.isdir(os.path.dirname(path)):
             raise ParaplanError(f"--storage: the folder of the journal file {spec} does not exist")
-        return JournalStorage(JournalFileBackend(path, lock_obj=JournalFileOpenLock(path)))
+        return JournalStorage(JournalFile(path))
     except ParaplanError:
         raise
     except Exception as e:  # noqa: BLE001  sqlalchemy, drivers, redis: all one line for the user
@@ -376,8 +377,10 @@ def _work(job: _Job, *, evaluator: Evaluator | None, study_storage, progress) ->
     last_report, best = 0.0, None
     objective = job.objective
     while True:
+        if strategy.exhausted(sampler, study):
+            break
         done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)))
-        if done >= job.budget or strategy.exhausted(sampler, study):
+        if done >= job.budget:
             break
         trial = study.ask(dists)
         try:

@@ -37,18 +37,33 @@ class PlanListSampler(BaseSampler):
         self._plans = list(plans)
         self._rng = np.random.RandomState(seed + worker)
         self._worker = worker
+        self._final: set[int] = set()
+        """Plan indices of finished trials (a finished trial never changes)."""
+        self._first_open = 0
+        """Every trial before this position in the study's list is finished and counted."""
 
     def reseed_rng(self) -> None:
         self._rng.seed()
 
     def unvisited(self, study: optuna.Study) -> list[int]:
-        """Indices no trial has finished or is running (failed trials are run again)."""
-        taken = set()
-        for t in study._storage.get_all_trials(study._study_id, deepcopy=False):
+        """Indices no trial has finished or is running (failed trials are run again), in order.
+        Incremental: finished trials are read once."""
+        trials = study._storage.get_all_trials(study._study_id, deepcopy=False)
+        running = set()
+        for pos in range(self._first_open, len(trials)):
+            t = trials[pos]
             idx = t.system_attrs.get(PLAN_INDEX_ATTR)
-            if idx is not None and t.state != TrialState.FAIL:
-                taken.add(idx)
-        return [i for i in range(len(self._plans)) if i not in taken]
+            finished = t.state.is_finished()
+            if finished and pos == self._first_open:
+                self._first_open += 1
+            if idx is None:
+                continue
+            if finished:
+                if t.state != TrialState.FAIL:
+                    self._final.add(idx)
+            else:
+                running.add(idx)
+        return [i for i in range(len(self._plans)) if i not in self._final and i not in running]
 
     def before_trial(self, study: optuna.Study, trial: FrozenTrial) -> None:
         if PLAN_INDEX_ATTR in trial.system_attrs or "fixed_params" in trial.system_attrs:

@@ -146,8 +146,10 @@ def deepep_time(ctx, routed: float, skew: float, ep_layout) -> float:
     """One DeepEP dispatch (or combine) across nodes (DeepSeek-V3 report, Sec. 3.2.2; DeepEP
     "normal" kernels): a token crosses the network once per destination node (to the GPU with the
     same local index there) and is forwarded over NVLink to that node's experts. Network bytes per
-    rank: routed tokens x expected remote nodes reached x h; NVLink bytes: the token copies for
-    this node's experts. The two overlap; `skew` scales both for the busiest rank's receive side."""
+    rank: routed tokens x expected remote nodes reached x h. NVLink: every copy a GPU receives crosses
+    NVLink once, sent directly by a peer in its node or forwarded by the peer that took it off the
+    network, so the NVLink leg moves all copies, as a one-node all-to-all would. The two overlap;
+    `skew` scales both for the busiest rank's receive side."""
     from hwmodels.network import collective_time as coll
     from paraplan.placement import GroupLayout
 
@@ -159,7 +161,7 @@ def deepep_time(ctx, routed: float, skew: float, ep_layout) -> float:
     rdma = coll(ctx.network, "send_recv", net_bytes, GroupLayout(size=2, ranks_per_node=1, num_nodes=2))
     ppn = ep_layout.ranks_per_node
     nvl_bytes = routed * m.moe.top_k * h * b * skew
-    nvl = coll(ctx.network, "all_to_all", nvl_bytes * ppn / ep_layout.size, GroupLayout(size=ppn, ranks_per_node=ppn, num_nodes=1))
+    nvl = coll(ctx.network, "all_to_all", nvl_bytes, GroupLayout(size=ppn, ranks_per_node=ppn, num_nodes=1))
     return max(rdma, nvl)
 
 

@@ -90,5 +90,5 @@ def test_validate_published_bundled():
     r = paraplan("validate-published", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
-    assert out["summary"]["simulated"] >= 35
-    assert out["summary"]["mape_pct"] is not None
+    assert out["summary"]["dense"]["simulated"] >= 35 and out["summary"]["moe"]["simulated"] == 3
+    assert out["summary"]["dense"]["mape_pct"] is not None

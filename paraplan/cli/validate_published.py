@@ -1,9 +1,8 @@
-"""paraplan validate-published FILE: predicted vs published step time for every usable record."""
+"""paraplan validate-published [FILE]: predicted vs published step time for every usable record."""
 from __future__ import annotations
 
 import json
 import statistics
-
 from importlib.resources import files
 
 BUNDLED = str(files("paraplan.data") / "public_runs.yaml")
@@ -16,34 +15,48 @@ def add_arguments(p) -> None:
     p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
 
 
-def run(args) -> int:
-    from paraplan.published import ASSUMPTIONS, evaluate, load_records
-
-    rows = evaluate(load_records(args.file or BUNDLED))
+def summarise(rows) -> dict:
     errs = [abs(r.error_pct) for r in rows if r.error_pct is not None]
-    summary = {
+    return {
         "rows": len(rows), "simulated": len(errs),
         "mape_pct": statistics.fmean(errs) if errs else None,
         "worst_abs_error_pct": max(errs) if errs else None,
     }
+
+
+def run(args) -> int:
+    from paraplan.published import ASSUMPTIONS, evaluate, load_records
+
+    rows = evaluate(load_records(args.file or BUNDLED))
+    groups = {"dense": [r for r in rows if not r.moe], "moe": [r for r in rows if r.moe]}
+    summary = {name: summarise(g) for name, g in groups.items()}
     if args.json:
         print(json.dumps({"rows": [
-            {"id": r.id, "published_step_time_s": r.published_s, "published_is_derived": r.derived,
+            {"id": r.id, "moe": r.moe, "published_step_time_s": r.published_s, "published_is_derived": r.derived,
              "predicted_step_time_s": r.predicted_s, "error_pct": r.error_pct, "fits": r.fits,
              "error": r.error} for r in rows], "summary": summary, "assumptions": list(ASSUMPTIONS)}, indent=2))
         return 0
     if args.markdown:
-        print(_markdown(rows, summary))
+        for name, g in groups.items():
+            if g:
+                print(_markdown(g, summary[name], name))
+                print()
         return 0
-    print(f"{'record':<46} {'published s':>11} {'predicted s':>11} {'error':>8}  fits")
-    for r in rows:
-        if r.predicted_s is None:
-            print(f"{r.id:<46} {r.published_s:11.3f} {'-':>11} {'-':>8}  {r.error}")
+    for name, g in groups.items():
+        if not g:
             continue
-        mark = "*" if r.derived else " "
-        print(f"{r.id:<46} {r.published_s:10.3f}{mark} {r.predicted_s:11.3f} {r.error_pct:+7.1f}%  {'yes' if r.fits else 'NO'}")
-    if errs:
-        print(f"\nMAPE {summary['mape_pct']:.1f}% over {len(errs)} rows; worst |error| {summary['worst_abs_error_pct']:.1f}%")
+        print(f"{name + ' records':<50} {'published s':>11} {'predicted s':>11} {'error':>8}  fits")
+        for r in g:
+            if r.predicted_s is None:
+                print(f"{r.id:<50} {r.published_s:11.3f} {'-':>11} {'-':>8}  {r.error}")
+                continue
+            mark = "*" if r.derived else " "
+            print(f"{r.id:<50} {r.published_s:10.3f}{mark} {r.predicted_s:11.3f} {r.error_pct:+7.1f}%  "
+                  f"{'yes' if r.fits else 'NO'}")
+        sm = summary[name]
+        if sm["simulated"]:
+            print(f"{name}: MAPE {sm['mape_pct']:.1f}% over {sm['simulated']} rows; "
+                  f"worst |error| {sm['worst_abs_error_pct']:.1f}%\n")
     print("* published step time derived from the source's own FLOP formula and TFLOP/s")
     print("assumptions for fields a record leaves null:")
     for a in ASSUMPTIONS:
@@ -51,7 +64,7 @@ def run(args) -> int:
     return 0
 
 
-def _markdown(rows, summary) -> str:
+def _markdown(rows, summary, name) -> str:
     out = ["| record | published step (s) | predicted (s) | error |", "|---|---:|---:|---:|"]
     for r in rows:
         pub = f"{r.published_s:.3f}" + ("*" if r.derived else "")
@@ -60,6 +73,6 @@ def _markdown(rows, summary) -> str:
         else:
             out.append(f"| {r.id} | {pub} | {r.predicted_s:.3f} | {r.error_pct:+.1f}% |")
     out.append("")
-    out.append(f"MAPE **{summary['mape_pct']:.1f}%** over {summary['simulated']} rows; "
+    out.append(f"{name}: MAPE **{summary['mape_pct']:.1f}%** over {summary['simulated']} rows; "
                f"worst |error| {summary['worst_abs_error_pct']:.1f}%.")
     return "\n".join(out)

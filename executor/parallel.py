@@ -1,0 +1,320 @@
+"""Parallelisms applied to the model stages, as a readable sequence of plain functions.
+
+Order (each step's reason next to it in `build`):
+  1. groups: one DeviceMesh ("pp", "dp", "cp", "tp") laid out by paraplan.placement, checked rank by
+     rank against `rank_to_coords`; EP groups carved out of dp x cp the Megatron-Core way.
+  2. model: this rank's pipeline stages, built on the meta device, experts cut to this EP rank's,
+     then materialised and initialised deterministically (executor.model.init_parameters).
+  3. TP / SP: `parallelize_module` (Colwise q/k/v/w1/w3, Rowwise o/w2, SequenceParallel norms,
+     vocab-parallel embedding and head with `loss_parallel`). Before any data parallelism: FSDP2
+     and `replicate` must see the TP DTensors to make them 2-D.
+  4. recompute: torch.utils.checkpoint inside the blocks (full: the whole block; selective: the
+     attention core), before FSDP so FSDP's hooks wrap the recomputed forward.
+  5. data parallelism over dp x cp (CP ranks hold the same weights and see different tokens):
+       ZeRO-0/1, pure DP             DistributedDataParallel (+ ZeroRedundancyOptimizer for ZeRO-1)
+       ZeRO-0/1 with TP, PP, CP, EP  replicate() (FSDP2's DDP; DDP itself breaks with TP and under
+                                     most pipeline schedules) (+ ShardedOptimizer for ZeRO-1)
+       ZeRO-2 / ZeRO-3               fully_shard(reshard_after_forward=False / True) per block, then
+                                     the stage root
+     Experts get their own unit over the expert-data-parallel group first (their gradients are then
+     divided by ep: see `finish_gradients`).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from executor.config import SCHEDULES, effective_zero_stage
+from executor.model import Stage, init_parameters
+from executor.moe import MoE
+from paraplan.placement import ORDER, rank_to_coords
+from paraplan.specs import ModelSpec, Scenario
+
+
+# ----------------------------------------------------------------------------------------------
+# 1. Groups
+
+
+@dataclass
+class Groups:
+    rank: int
+    world: int
+    coords: object
+    mesh: object
+    """DeviceMesh ("pp", "dp", "cp", "tp")."""
+    tp_mesh: object
+    dp_mesh: object
+    """dp x cp flattened ("dp_cp"): the data-parallel group of dense weights."""
+    pp_group: object
+    tp_group: object
+    dp_group: object
+    ep_group: object = None
+    ep_rank: int = 0
+    edp_mesh: object = None
+    """Expert-data-parallel mesh: ranks holding the same experts (dp x cp / ep of them)."""
+    embed_group: object = None
+    """First and last pipeline stage, same (dp, cp, tp): the tied embedding's gradient is summed over it."""
+
+
+def build_groups(sc: Scenario, device_type: str) -> Groups:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    p = sc.plan
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if p.world_size != world:
+        raise RuntimeError(f"plan needs {p.world_size} ranks (tp*pp*cp*dp), the job has {world}")
+    # paraplan.placement.ORDER lists the dims fastest first; a DeviceMesh lists them slowest first.
+    names = tuple(reversed(ORDER))
+    sizes = {"tp": p.tp, "cp": p.cp, "dp": p.dp, "pp": p.pp}
+    mesh = init_device_mesh(device_type, tuple(sizes[d] for d in names), mesh_dim_names=names)
+    for r in range(world):  # the executor's groups are the simulator's: checked, not assumed
+        coords = rank_to_coords(r, p)
+        if mesh.mesh[tuple(getattr(coords, d) for d in names)].item() != r:
+            raise RuntimeError(f"DeviceMesh layout disagrees with paraplan.placement at rank {r}")
+    coords = rank_to_coords(rank, p)
+    dp_mesh = mesh["dp", "cp"]._flatten("dp_cp")
+    g = Groups(rank=rank, world=world, coords=coords, mesh=mesh, tp_mesh=mesh["tp"], dp_mesh=dp_mesh,
+               pp_group=mesh["pp"].get_group(), tp_group=mesh["tp"].get_group(), dp_group=dp_mesh.get_group())
+    if sc.model.moe is not None:
+        # Megatron-Core expert layout (RankGenerator order tp-ep-dp-pp): within a pipeline stage and a
+        # TP rank, the dp x cp ranks (cp fastest) split into consecutive EP groups of size ep.
+        edp = p.dp * p.cp // p.ep
+        ep_mesh = init_device_mesh(device_type, (p.pp, edp, p.ep, p.tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
+        g.ep_group, g.edp_mesh = ep_mesh["ep"].get_group(), ep_mesh["edp"]
+        g.ep_rank = ep_mesh.get_local_rank("ep")
+    if sc.model.tied_embeddings and p.pp > 1:
+        first, last = _stage_rank(0, sc), _stage_rank(num_stages(sc) - 1, sc)
+        if first != last:
+            for dp in range(p.dp):
+                for cp in range(p.cp):
+                    for tp in range(p.tp):
+                        ranks = [int(mesh.mesh[pp, dp, cp, tp]) for pp in (first, last)]
+                        pg = dist.new_group(ranks)
+                        if rank in ranks:
+                            g.embed_group = pg
+    return g
+
+
+# ----------------------------------------------------------------------------------------------
+# 2. Pipeline stages
+
+
+def num_stages(sc: Scenario) -> int:
+    return sc.plan.pp * (sc.plan.virtual_pipeline_stages if sc.plan.pp > 1 else 1)
+
+
+def stages_of_rank(pp_rank: int, sc: Scenario) -> list[int]:
+    p = sc.plan
+    if p.pp == 1:
+        return [0]
+    if SCHEDULES[p.schedule].style == "v":
+        return [pp_rank, 2 * p.pp - 1 - pp_rank]
+    return [pp_rank + i * p.pp for i in range(p.virtual_pipeline_stages)]
+
+
+def _stage_rank(stage: int, sc: Scenario) -> int:
+    p = sc.plan
+    if p.pp > 1 and SCHEDULES[p.schedule].style == "v":
+        return stage if stage < p.pp else 2 * p.pp - 1 - stage
+    return stage % p.pp
+
+
+def stage_layers(sc: Scenario) -> list[range]:
+    """Layers of each pipeline stage (in stage order), honouring first/last_stage_layers."""
+    p, n_layers, n = sc.plan, sc.model.num_layers, num_stages(sc)
+    counts = [None] * n
+    if p.first_stage_layers is not None:
+        counts[0] = p.first_stage_layers
+    if p.last_stage_layers is not None:
+        counts[-1] = p.last_stage_layers
+    fixed = sum(c for c in counts if c is not None)
+    free = [i for i, c in enumerate(counts) if c is None]
+    for i in free:
+        counts[i] = (n_layers - fixed) // len(free)
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
+def padded_vocab(spec: ModelSpec, tp: int) -> ModelSpec:
+    """Vocabulary padded to a multiple of tp (Megatron pads too), so the vocab-parallel head splits evenly."""
+    v = -(-spec.vocab_size // tp) * tp
+    return spec if v == spec.vocab_size else dataclasses.replace(spec, vocab_size=v)
+
+
+def build_stages(sc: Scenario, g: Groups, device: torch.device, act_dtype: torch.dtype) -> list[tuple[int, Stage]]:
+    spec = padded_vocab(sc.model, sc.plan.tp)
+    layers, n = stage_layers(sc), num_stages(sc)
+    out = []
+    for s in stages_of_rank(g.coords.pp, sc):
+        with torch.device("meta"):
+            stage = Stage(spec, layers[s], first=s == 0, last=s == n - 1, act_dtype=act_dtype)
+        for block in stage.layers.values():
+            if isinstance(block.ffn, MoE) and sc.plan.ep > 1:
+                block.ffn.shard_experts(g.ep_group, sc.plan.ep, g.ep_rank)
+        stage.to_empty(device=device)
+        if stage.embed is not None and stage.head is not None and spec.tied_embeddings:
+            stage.head.weight = stage.embed.weight
+        e_local = spec.moe.num_experts // sc.plan.ep if spec.moe else 0
+        init_parameters(stage, sc.run.seed, expert_offset=g.ep_rank * e_local)
+        stage.set_positions(local_positions(sc, g, device))
+        out.append((s, stage))
+    return out
+
+
+def local_positions(sc: Scenario, g: Groups, device) -> torch.Tensor:
+    """Sequence positions this rank holds: all, or under CP the load-balanced chunks c and 2cp-1-c
+    of 2cp equal chunks (Megatron-Core's causal load balancing)."""
+    s, cp = sc.training.seq_length, sc.plan.cp
+    if cp == 1:
+        return torch.arange(s, device=device)
+    chunk, c = s // (2 * cp), g.coords.cp
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk), torch.arange((2 * cp - 1 - c) * chunk, (2 * cp - c) * chunk)]).to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# 3. Tensor and sequence parallelism
+
+
+def apply_tp(stage: Stage, sc: Scenario, g: Groups) -> None:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+    )
+
+    sp = sc.plan.sequence_parallel
+    hidden = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
+    plan = {}
+    if stage.embed is not None:
+        plan["embed"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=hidden)
+    if stage.head is not None:
+        if sp:
+            plan["norm"] = SequenceParallel()
+        # logits stay sharded over the vocabulary; the loss is computed under loss_parallel()
+        plan["head"] = ColwiseParallel(input_layouts=hidden, output_layouts=Shard(-1), use_local_output=True)
+    for i, block in stage.layers.items():
+        pre = f"layers.{i}"
+        if sp:
+            plan[f"{pre}.attn_norm"] = SequenceParallel()
+            plan[f"{pre}.ffn_norm"] = SequenceParallel()
+            plan[f"{pre}.attn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        for name in ("wq", "wk", "wv"):
+            plan[f"{pre}.attn.{name}"] = ColwiseParallel()
+        plan[f"{pre}.attn.wo"] = RowwiseParallel(output_layouts=hidden)
+        if isinstance(block.ffn, MoE):
+            # Experts are not TP-sharded (expert_tp = 1): each TP rank routes the tokens it holds,
+            # its sequence shard under SP (their gradients are then partial sums over TP) or all of
+            # them without SP (identical on every TP rank).
+            if sp:
+                plan[f"{pre}.ffn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                                        use_local_output=True)
+            continue
+        if sp:
+            plan[f"{pre}.ffn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+        plan[f"{pre}.ffn.w1"] = ColwiseParallel()
+        if block.ffn.w3 is not None:
+            plan[f"{pre}.ffn.w3"] = ColwiseParallel()
+        plan[f"{pre}.ffn.w2"] = RowwiseParallel(output_layouts=hidden)
+    # every rank initialised the full tensors identically: take the local chunk, no broadcast
+    parallelize_module(stage, g.tp_mesh, plan, src_data_rank=None)
+    if stage.embed is not None and stage.head is not None and sc.model.tied_embeddings:
+        stage.head.weight = stage.embed.weight  # both Shard(0) over the vocabulary: re-tie the DTensors
+
+
+# ----------------------------------------------------------------------------------------------
+# 5. Data parallelism
+
+
+def dp_style(sc: Scenario) -> str:
+    """"none", "ddp", "replicate" or "fsdp" for this plan."""
+    p = sc.plan
+    if p.dp * p.cp == 1:
+        return "none"
+    if effective_zero_stage(p) >= 2:
+        return "fsdp"
+    if p.tp == 1 and p.pp == 1 and p.ep == 1:
+        return "ddp"
+    return "replicate"
+
+
+def apply_dp(stages: list[Stage], sc: Scenario, g: Groups, mp_policy) -> list[nn.Module]:
+    """Wrap each stage for data parallelism; returns the modules to run (a DDP wrapper or the stage)."""
+    from torch.distributed.fsdp import fully_shard
+
+    style = dp_style(sc)
+    if style == "none":
+        return list(stages)
+    if style == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return [DDP(st, process_group=g.dp_group) for st in stages]
+    if style == "replicate":
+        from torch.distributed._composable.replicate_with_fsdp import replicate
+
+        def wrap(module, mesh, _reshard):
+            replicate(module, mesh=mesh, mp_policy=mp_policy)
+    else:
+        def wrap(module, mesh, reshard):
+            fully_shard(module, mesh=mesh, reshard_after_forward=reshard, mp_policy=mp_policy)
+    zero3 = effective_zero_stage(sc.plan) == 3
+    for stage in stages:
+        for block in stage.layers.values():
+            if isinstance(block.ffn, MoE) and sc.plan.ep > 1:
+                wrap(block.ffn.experts, g.edp_mesh, zero3)
+            wrap(block, g.dp_mesh, zero3)
+        # the root unit (embedding, final norm, head) is needed right after the last block's
+        # forward and at the start of backward: keep it unsharded in between
+        wrap(stage, g.dp_mesh, False)
+    return list(stages)
+
+
+@torch.no_grad()
+def finish_gradients(stages: list[Stage], sc: Scenario, g: Groups) -> None:
+    """What the data-parallel wrappers do not do, after every gradient reduction has finished:
+
+    - MoE parameters under TP + SP saw only their TP rank's tokens: sum over TP.
+    - Expert gradients: the all-to-all's backward already summed the contributions of all EP
+      ranks' tokens, and the expert-data-parallel reduction averaged over dp x cp / ep ranks, so
+      divide by ep for the dp x cp average every dense weight gets.
+    - A tied embedding split over the first and last pipeline stage: sum the two gradients.
+    """
+    from torch.distributed.tensor import DTensor
+
+    def local(t):
+        return t._local_tensor if isinstance(t, DTensor) else t
+
+    moes = [b.ffn for st in stages for b in st.layers.values() if isinstance(b.ffn, MoE)]
+    if sc.plan.tp > 1 and sc.plan.sequence_parallel:
+        partial = [local(p.grad) for m in moes for p in m.parameters() if p.grad is not None]
+        _all_reduce_flat(partial, g.tp_group)
+    if sc.plan.ep > 1:
+        for m in moes:
+            for p in m.experts.parameters():
+                if p.grad is not None:
+                    local(p.grad).div_(sc.plan.ep)
+    if sc.model.tied_embeddings and sc.plan.pp > 1:
+        tied = [st.embed.weight for st in stages if st.embed is not None] + \
+               [st.head.weight for st in stages if st.head is not None]
+        if g.embed_group is not None:
+            _all_reduce_flat([local(tied[0].grad)], g.embed_group)
+        elif len(tied) == 2:  # both on this rank (V-shaped schedules)
+            total = local(tied[0].grad) + local(tied[1].grad)
+            local(tied[0].grad).copy_(total)
+            local(tied[1].grad).copy_(total)
+
+
+def _all_reduce_flat(tensors: list[torch.Tensor], group) -> None:
+    if not tensors:
+        return
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    flat = _flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, group=group)
+    for t, new in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+        t.copy_(new)

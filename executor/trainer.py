@@ -1,0 +1,298 @@
+"""Train one plan on this rank and measure it: build, parallelise, run the steps, time them.
+
+`train(scenario, ...)` is called by every rank of the job with the same scenario and returns this
+rank's record; `executor.worker` collects the records into the measurement. The process group
+must already be initialised with as many ranks as the plan needs.
+
+Step timing: every step starts after a barrier and ends after the optimizer step, a CUDA
+synchronise (on GPU) and a barrier, so it is the slowest rank's time. The loss of a step is the
+mean over all its tokens (every microbatch, every data-parallel and context-parallel rank).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from executor import data
+from executor.config import SCHEDULES, effective_zero_stage, notes
+from executor.memory import LiveTensorTracker, static_bytes
+from executor.model import Stage, count_parameters
+from executor.moe import MoE
+from executor.optim import ADAMW, ShardedOptimizer, adamw
+from executor.parallel import (
+    Groups, apply_dp, apply_tp, build_groups, build_stages, dp_style, finish_gradients, local_positions,
+    num_stages, padded_vocab,
+)
+from paraplan.specs import Scenario
+
+
+def train(sc: Scenario, *, device: torch.device, fault: str | None = None) -> dict:
+    """Run sc.run.warmup_steps + sc.run.steps steps of sc.plan; return this rank's record."""
+    on_gpu = device.type == "cuda"
+    bf16 = on_gpu and sc.training.precision == "bf16"
+    tracker = None if on_gpu else LiveTensorTracker(exact=dp_style(sc) == "fsdp")
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats(device)
+    with tracker if tracker is not None else contextlib.nullcontext():
+        job = _Job(sc, device, bf16)
+        records = []
+        for step in range(sc.run.warmup_steps + sc.run.steps):
+            _maybe_fault(fault, job.g.rank, step)
+            records.append(job.step(step, tracker))
+    return job.record(records, tracker)
+
+
+def _maybe_fault(fault: str | None, rank: int, step: int) -> None:
+    """Test hook (PARAPLAN_EXECUTOR_FAULT="RANK:STEP:raise|exit|hang"): make one rank die or hang."""
+    if not fault:
+        return
+    r, s, kind = fault.split(":")
+    if int(r) != rank or int(s) != step:
+        return
+    if kind == "exit":
+        os._exit(3)
+    if kind == "hang":
+        time.sleep(10**6)
+    raise RuntimeError(f"injected fault at step {step}")
+
+
+class _Job:
+    """Everything built for one plan on this rank, and one training step."""
+
+    def __init__(self, sc: Scenario, device: torch.device, bf16: bool):
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        self.sc, self.device, self.bf16 = sc, device, bf16
+        p = sc.plan
+        self.g: Groups = build_groups(sc, device.type)
+        act_dtype = torch.bfloat16 if bf16 else torch.float32
+        self.parts = build_stages(sc, self.g, device, act_dtype)
+        self.stages: list[Stage] = [st for _, st in self.parts]
+        cp_group = self.g.mesh["cp"].get_group() if p.cp > 1 else None
+        for st in self.stages:
+            st.set_recompute(p.recompute)
+            for block in st.layers.values():
+                block.attn.cp_group = cp_group
+            if p.tp > 1:
+                apply_tp(st, sc, self.g)
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        self.modules = apply_dp(self.stages, sc, self.g, mp)
+        self.optimizer, self.inner_optimizers = self._optimizer()
+        self.n_micro = sc.num_microbatches
+        self.positions = local_positions(sc, self.g, device)
+        self.has_first = any(s == 0 for s, _ in self.parts)
+        self.has_last = any(s == num_stages(sc) - 1 for s, _ in self.parts)
+        self.schedule = self._schedule() if p.pp > 1 else None
+
+    # -- building ---------------------------------------------------------------------------
+
+    def _optimizer(self):
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        sc, g = self.sc, self.g
+        params = [p for st in self.stages for p in st.parameters()]
+        fused = self.device.type == "cuda"
+        if effective_zero_stage(sc.plan) != 1 or sc.plan.dp * sc.plan.cp == 1:
+            opt = adamw(params, fused=fused)
+            return opt, [opt]
+        if dp_style(sc) == "ddp":
+            opt = ZeroRedundancyOptimizer(params, torch.optim.AdamW, process_group=g.dp_group, **ADAMW)
+            return opt, [opt.optim]
+        experts = {id(p) for st in self.stages for b in st.layers.values() if isinstance(b.ffn, MoE)
+                   for p in b.ffn.experts.parameters()} if sc.plan.ep > 1 else set()
+        sets = [([p for p in params if id(p) not in experts], g.dp_group)]
+        if experts:
+            sets.append(([p for p in params if id(p) in experts], g.edp_mesh.get_group()))
+        opt = ShardedOptimizer(sets, fused=fused)
+        return opt, [opt.inner] if opt.inner is not None else []
+
+    def _schedule(self):
+        import torch.distributed.pipelining as pipelining
+        from torch.distributed.pipelining import PipelineStage
+
+        sc, p = self.sc, self.sc.plan
+        mb, seq, h = p.micro_batch_size, sc.training.seq_length // p.cp, sc.model.hidden_size
+        vocab = padded_vocab(sc.model, p.tp).vocab_size // p.tp
+        hidden_seq = seq // p.tp if p.sequence_parallel and p.tp > 1 else seq
+        act_dtype = torch.bfloat16 if self.bf16 else torch.float32
+        n = num_stages(sc)
+
+        def meta(*shape, dtype):
+            return torch.empty(*shape, dtype=dtype, device="meta")
+
+        stages = []
+        for (s, _), module in zip(self.parts, self.modules):
+            inp = meta(mb, seq, dtype=torch.long) if s == 0 else meta(mb, hidden_seq, h, dtype=act_dtype)
+            out = meta(mb, seq, vocab, dtype=torch.float32) if s == n - 1 else meta(mb, hidden_seq, h, dtype=act_dtype)
+            stages.append(PipelineStage(module, s, n, self.device, input_args=(inp,), output_args=(out,),
+                                        group=self.g.pp_group))
+        cls = getattr(pipelining, SCHEDULES[p.schedule].torch_class)
+        single = issubclass(cls, pipelining.schedules.PipelineScheduleSingle)
+        return cls(stages[0] if single else stages, n_microbatches=self.n_micro, loss_fn=self._loss)
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def _loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self.sc.plan.tp > 1:  # vocab-sharded logits: cross-entropy under loss_parallel()
+            from torch.distributed.tensor import DTensor, Shard
+
+            logits = DTensor.from_local(logits, self.g.tp_mesh, [Shard(-1)])
+        return F.cross_entropy(logits.flatten(0, 1), target.flatten(0, 1))
+
+    def _context(self):
+        stack = contextlib.ExitStack()
+        if self.sc.plan.tp > 1:
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            stack.enter_context(loss_parallel())
+        if self.bf16:
+            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+        return stack
+
+    def step(self, step: int, tracker) -> dict:
+        sc, p, g = self.sc, self.sc.plan, self.g
+        tokens = data.global_batch(seed=sc.run.seed, step=step, batch=sc.training.global_batch_size,
+                                   seq=sc.training.seq_length, vocab=sc.model.vocab_size)
+        x, y = data.local_batch(tokens, dp=p.dp, dp_rank=g.coords.dp, positions=self.positions)
+        x, y = x.to(self.device), y.to(self.device)
+        self._sync()
+        start = time.perf_counter()
+        self.optimizer.zero_grad(set_to_none=True)
+        if tracker is not None:
+            tracker.reset_peak()
+        losses = self._pipeline(x, y) if self.schedule is not None else self._accumulate(x, y)
+        finish_gradients(self.stages, sc, g)
+        self.optimizer.step()
+        self._sync()
+        elapsed = time.perf_counter() - start
+        # mean loss over every rank that computed one (the last stage; all TP ranks there agree)
+        total = torch.tensor([sum(float(v) for v in losses), float(len(losses))], dtype=torch.float64,
+                             device=self.device)
+        dist.all_reduce(total)
+        peak = tracker.peak if tracker is not None else torch.cuda.max_memory_allocated(self.device)
+        return {"time_s": elapsed, "loss": float(total[0] / total[1]), "peak_bytes": int(peak),
+                "static": static_bytes(self.stages, self.inner_optimizers)}
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dist.barrier()
+
+    def _accumulate(self, x, y) -> list[float]:
+        """No pipeline: microbatches one after another, gradients accumulated, reduced on the last."""
+        module, stage = self.modules[0], self.stages[0]
+        style = dp_style(self.sc)
+        mb, losses = self.sc.plan.micro_batch_size, []
+        for i in range(self.n_micro):
+            last = i == self.n_micro - 1
+            sync = contextlib.nullcontext()
+            if style == "ddp" and not last:
+                sync = module.no_sync()
+            elif style == "replicate":
+                stage.set_requires_gradient_sync(last)
+            with sync, self._context():
+                loss = self._loss(module(x[i * mb:(i + 1) * mb]), y[i * mb:(i + 1) * mb])
+                (loss / self.n_micro).backward()
+            losses.append(_value(loss))
+        return losses
+
+    def _pipeline(self, x, y) -> list[float]:
+        losses: list = []
+        with self._context():
+            args = (x,) if self.has_first else ()
+            kwargs = {"target": y, "losses": losses} if self.has_last else {}
+            self.schedule.step(*args, **kwargs)
+        return [_value(v) for v in losses] if self.has_last else []
+
+    # -- the record -------------------------------------------------------------------------
+
+    def record(self, steps: list[dict], tracker) -> dict:
+        sc, g = self.sc, self.g
+        static = steps[-1]["static"]
+        peak = max(s["peak_bytes"] for s in steps)
+        memory = {**static, "peak_total": peak,
+                  "activations_and_buffers": max(0, peak - sum(static.values())),
+                  "source": "cuda-allocator" if tracker is None else "live-tensor-tracker"}
+        if tracker is None:
+            memory["peak_reserved"] = int(torch.cuda.max_memory_reserved(self.device))
+        return {
+            "rank": g.rank,
+            "coords": {"tp": g.coords.tp, "cp": g.coords.cp, "dp": g.coords.dp, "pp": g.coords.pp},
+            "ep_rank": g.ep_rank,
+            "stages": [s for s, _ in self.parts],
+            "layers": [list(st.layer_ids) for st in self.stages],
+            "parameters": sum(p.numel() if not hasattr(p, "_local_tensor") else p._local_tensor.numel()
+                              for st in self.stages for p in st.parameters()),
+            "step_times_s": [s["time_s"] for s in steps],
+            "losses": [s["loss"] for s in steps],
+            "memory": memory,
+            "tokens_per_expert": self._tokens_per_expert(),
+        }
+
+    def _tokens_per_expert(self) -> dict | None:
+        moes = {b.index: b.ffn for st in self.stages for b in st.layers.values() if isinstance(b.ffn, MoE)}
+        if not moes:
+            return None
+        return {str(i): m.tokens_per_expert.tolist() for i, m in sorted(moes.items())}
+
+
+def _value(loss) -> float:
+    from torch.distributed.tensor import DTensor
+
+    loss = loss.detach()
+    if isinstance(loss, DTensor):
+        loss = loss.to_local()
+    return float(loss)
+
+
+def summary(sc: Scenario, ranks: list[dict], *, backend: str, device_name: str, on_gpu: bool) -> dict:
+    """The measurement of one plan from every rank's record (built on rank 0)."""
+    from executor.config import scenario_to_json
+
+    p, t = sc.plan, sc.training
+    warm = sc.run.warmup_steps
+    times = [max(r["step_times_s"][i] for r in ranks) for i in range(len(ranks[0]["step_times_s"]))]
+    losses = ranks[0]["losses"]
+    tokens = t.global_batch_size * t.seq_length
+    steps = [{"step": i, "warmup": i < warm, "time_s": times[i], "loss": losses[i], "tokens_per_s": tokens / times[i]}
+             for i in range(len(times))]
+    measured = sorted(times[warm:])
+    median = measured[len(measured) // 2] if len(measured) % 2 else sum(measured[len(measured) // 2 - 1:len(measured) // 2 + 1]) / 2
+    raw = scenario_to_json(sc)
+    out = {
+        "scenario": sc.name,
+        "model": raw["model"], "training": raw["training"], "plan": raw["plan"], "run": raw["run"],
+        "parameters": count_parameters(padded_vocab(sc.model, p.tp)),
+        "world_size": p.world_size, "backend": backend, "device": device_name,
+        "compute_dtype": "bf16" if on_gpu and t.precision == "bf16" else "fp32",
+        "data_parallel": dp_style(sc), "zero_stage_run": effective_zero_stage(p),
+        "notes": notes(sc, on_gpu=on_gpu),
+        "num_microbatches": sc.num_microbatches, "tokens_per_step": tokens,
+        "steps": steps,
+        "step_time_s": median,
+        "step_time_mean_s": sum(measured) / len(measured),
+        "tokens_per_s": tokens / median,
+        "peak_memory_bytes": max(r["memory"]["peak_total"] for r in ranks),
+        "ranks": ranks,
+    }
+    if padded_vocab(sc.model, p.tp).vocab_size != sc.model.vocab_size:
+        out["notes"].append(f"vocabulary padded from {sc.model.vocab_size} to "
+                            f"{padded_vocab(sc.model, p.tp).vocab_size} (a multiple of tp)")
+    moe = [r["tokens_per_expert"] for r in ranks if r["tokens_per_expert"]]
+    if moe:
+        # every rank counts the assignments of the tokens it routes; without SP all TP ranks route
+        # the same tokens, so count TP rank 0 only
+        merged: dict[str, list[int]] = {}
+        for r in ranks:
+            if not r["tokens_per_expert"] or (not p.sequence_parallel and r["coords"]["tp"] != 0):
+                continue
+            for layer, counts in r["tokens_per_expert"].items():
+                acc = merged.setdefault(layer, [0] * len(counts))
+                merged[layer] = [a + c for a, c in zip(acc, counts)]
+        out["tokens_per_expert"] = merged
+    return out
