@@ -62,7 +62,7 @@ class MoE(nn.Module):
             self.shared = MLP(spec.hidden_size, m.num_shared_experts * m.expert_ffn_hidden_size, spec.activation)
         self.ep_group = None
         self.ep_size, self.ep_rank = 1, 0
-        self.tokens_per_expert = torch.zeros(m.num_experts, dtype=torch.long)
+        self.tokens_per_expert = torch.zeros(m.num_experts, dtype=torch.long, device="cpu")
         """Assignments each (global) expert received from this rank's tokens since the last reset."""
 
     def shard_experts(self, ep_group, ep_size: int, ep_rank: int) -> None:
@@ -95,7 +95,7 @@ class MoE(nn.Module):
         order = torch.argsort(flat_e, stable=True)
         token_of = (keep[order] if keep is not None else order) // self.top_k
         counts = torch.bincount(flat_e, minlength=self.num_experts)
-        if not torch._C._current_graph_task_id() + 1:  # not a recomputation inside backward
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
             self.tokens_per_expert += counts.detach().cpu()
         routed = x[token_of]
         if self.ep_size > 1:

@@ -108,44 +108,64 @@ def run_iteration(
         for w in works
     ]
 
+    def prepared(stage: int, work: StageWork):
+        """Per op, everything the stream needs, computed once: its dependency, duration, NIC time,
+        the event it produces for another stage, whether it starts a chunk's gradient flow."""
+        totals = {key: (cost.total, cost.nic) for key, cost in work.op_cost.items()}
+        final_b = {i: c for c, i in last_b[stage].items()}
+        out = []
+        for i, op in enumerate(work.ops):
+            duration, nic = totals[(op.kind, op.chunk)]
+            name = f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "")
+            produces = (op.kind, op.microbatch, op.chunk * pp + stage) if consumed_elsewhere(stage, op) else None
+            out.append((producer_of(stage, op), duration, nic, name, op.kind == "F", produces, final_b.get(i)))
+        return out
+
     def compute_stream(stage: int):
         work = works[stage]
         bd = traces[stage].breakdown
-        final_b = {i: c for c, i in last_b[stage].items()}
-        for i, op in enumerate(work.ops):
-            dep = producer_of(stage, op)
+        timeout = env.timeout
+        now = lambda: env.now  # noqa: E731
+        bubble = comm = contention = 0.0
+        for dep, duration, nic, name, forward, produces, grads_of in prepared(stage, work):
             if dep is not None:
-                t0 = env.now
+                t0 = now()
                 produced = yield event(dep)
-                t1 = env.now
-                _add(bd, "pp_bubble", t1 - t0)
+                t1 = now()
+                bubble += t1 - t0
                 arrival = produced + p2p_time
                 if arrival > t1:
-                    yield env.timeout(arrival - t1)
-                    _add(bd, "pp_comm", arrival - t1)
+                    yield timeout(arrival - t1)
+                    comm += arrival - t1
                     spans.append(Span(stage, "pp-comm", f"recv {dep[0]}{dep[1]}", "pp_comm", t1, arrival))
-            cost = work.op_cost[(op.kind, op.chunk)]
-            start = env.now
-            if i in final_b:  # this chunk's gradients start flowing now
-                grad_ready[stage][final_b[i]].succeed((start, start + cost.total))
-            shared = min(cost.nic, max(0.0, bucket_nic_until[stage] - start)) if cost.nic else 0.0
-            owed_grad[stage] += shared
-            op_nic[stage] = (start + cost.total + shared, cost.nic, cost.total)
-            yield env.timeout(cost.total + shared)
+            start = now()
+            if grads_of is not None:  # this chunk's gradients start flowing now
+                grad_ready[stage][grads_of].succeed((start, start + duration))
+            shared = min(nic, max(0.0, bucket_nic_until[stage] - start)) if nic else 0.0
+            if nic:
+                owed_grad[stage] += shared
+                op_nic[stage] = (start + duration + shared, nic, duration)
+            yield timeout(duration + shared)
             while owed_compute[stage] > 0:  # a bucket that started during this op took NIC time
                 extra, owed_compute[stage] = owed_compute[stage], 0.0
                 shared += extra
-                yield env.timeout(extra)
-            for k, v in cost.parts.items():
-                if v:
-                    _add(bd, k, v)
-            if shared:
-                _add(bd, "ep_comm", shared)
-            name = f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "")
-            spans.append(Span(stage, "compute", name, "forward" if op.kind == "F" else "backward", start, env.now))
-            if consumed_elsewhere(stage, op):
-                event((op.kind, op.microbatch, op.chunk * pp + stage)).succeed(env.now)
+                yield timeout(extra)
+            contention += shared
+            spans.append(Span(stage, "compute", name, "forward" if forward else "backward", start, now()))
+            if produces is not None:
+                event(produces).succeed(now())
             traces[stage].ops_done += 1
+        # the op costs are fixed per (kind, chunk): book their components by count
+        counts: dict = {}
+        for op in work.ops:
+            counts[(op.kind, op.chunk)] = counts.get((op.kind, op.chunk), 0) + 1
+        for key, n in counts.items():
+            for k, v in work.op_cost[key].parts.items():
+                if v:
+                    _add(bd, k, n * v)
+        for k, v in (("pp_bubble", bubble), ("pp_comm", comm), ("ep_comm", contention)):
+            if v:
+                _add(bd, k, v)
         traces[stage].compute_end = env.now
 
     def grad_stream(stage: int):

@@ -1,0 +1,146 @@
+"""Start the worker processes with torchrun and collect their measurements (no torch import here).
+
+`launch(scenarios, nproc=...)` writes a job file, runs
+`python -m torch.distributed.run --standalone --nproc-per-node N -m executor.worker JOB --out-dir DIR`
+(or a multi-node rendezvous), streams the workers' progress lines, and returns one measurement per
+scenario. A failed job raises `LaunchError` naming the rank that failed first and its error; the
+full torchrun log stays in the run directory.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from executor.config import scenario_to_json
+from paraplan.errors import ParaplanError
+from paraplan.specs import Scenario
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class LaunchError(ParaplanError):
+    """The job started but a rank failed (or the job timed out); `rank` is None when no rank said."""
+
+    def __init__(self, message: str, *, rank: int | None, log: Path | None):
+        self.rank, self.log = rank, log
+        super().__init__(message + (f" (log: {log})" if log else ""))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rendezvous:
+    """Multi-node: every node runs the same launch with its node_rank; endpoint is host:port of node 0."""
+
+    nnodes: int
+    node_rank: int
+    endpoint: str
+
+
+def launch(scenarios: list[Scenario], *, nproc: int, backend: str, timeout_s: float,
+           run_dir: str | os.PathLike | None = None, rendezvous: Rendezvous | None = None,
+           env: dict | None = None, echo=print, job_timeout_s: float | None = None) -> list[dict]:
+    """Run every scenario's plan in one torchrun job; return their measurements (rank 0's node).
+
+    run_dir keeps the job file, the log and the per-plan results; a temporary one is removed after
+    a successful job and kept (and named in the error) after a failed one. `job_timeout_s` bounds
+    the whole job from outside (start-up and every plan), on top of the process-group timeout.
+    """
+    own_dir = run_dir is None
+    run_dir = Path(tempfile.mkdtemp(prefix="paraplan-launch-")) if own_dir else Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out_dir = run_dir / "out"
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    out_dir.mkdir()
+    job = {"backend": backend, "timeout_s": timeout_s, "runs": [scenario_to_json(s) for s in scenarios]}
+    (run_dir / "job.json").write_text(json.dumps(job, indent=1))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--monitor-interval", "0.5"]
+    if rendezvous is None or rendezvous.nnodes == 1:
+        cmd += ["--standalone"]
+    else:
+        cmd += ["--nnodes", str(rendezvous.nnodes), "--node-rank", str(rendezvous.node_rank),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", rendezvous.endpoint, "--rdzv-id", "paraplan"]
+    cmd += ["-m", "executor.worker", str(run_dir / "job.json"), "--out-dir", str(out_dir)]
+    full_env = dict(os.environ)
+    full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
+    full_env.setdefault("OMP_NUM_THREADS", "1")
+    full_env.update(env or {})
+    log_path = run_dir / "torchrun.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+                                cwd=ROOT, start_new_session=True)
+        reader = threading.Thread(target=_copy_lines, args=(proc.stdout, log, echo), daemon=True)
+        reader.start()
+        try:
+            proc.wait(timeout=job_timeout_s)
+        except subprocess.TimeoutExpired:
+            _terminate(proc)  # ours: the torchrun we started and its workers (their own session)
+            raise LaunchError(f"the job did not finish within {job_timeout_s:g} s", rank=None, log=log_path) from None
+        finally:
+            reader.join(timeout=5)
+    if proc.returncode != 0:
+        raise _failure(out_dir, log_path, proc.returncode)
+    results = []
+    for i in range(len(scenarios)):
+        path = out_dir / f"run{i}.json"
+        if not path.exists():
+            if rendezvous is not None and rendezvous.node_rank != 0:
+                return []  # measurements are written on node 0
+            raise LaunchError(f"the job ended without a measurement for plan {i}", rank=None, log=log_path)
+        results.append(json.loads(path.read_text()))
+    if own_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return results
+
+
+def _copy_lines(stream, log, echo) -> None:
+    for line in stream:
+        log.write(line)
+        log.flush()
+        if line.startswith("[paraplan]") and echo is not None:
+            echo(line.rstrip("\n"))
+
+
+def _terminate(proc: subprocess.Popen) -> None:
+    import signal
+
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=10)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _failure(out_dir: Path, log_path: Path, code: int) -> LaunchError:
+    """The first rank that reported a failure, else the one torchrun names, else the exit code."""
+    reports = []
+    for path in out_dir.glob("failure-rank*.json"):
+        try:
+            reports.append(json.loads(path.read_text()))
+        except (OSError, json.JSONDecodeError):
+            continue
+    if reports:
+        first = min(reports, key=lambda r: r["time"])
+        others = sorted(r["rank"] for r in reports if r is not first)
+        also = f"; ranks {', '.join(map(str, others))} failed after it" if others else ""
+        return LaunchError(f"rank {first['rank']} failed: {first['error']}: {first['message']}{also}",
+                           rank=first["rank"], log=log_path)
+    text = log_path.read_text(errors="replace")
+    # torchrun's own summary: "rank       : 1 (local_rank: 1)" / "exitcode   : -9 (pid: ...)"
+    m = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank.*?\n.*?exitcode\s*:\s*(-?\d+)", text, re.S)
+    if m:
+        rank, exitcode = int(m.group(1)), int(m.group(2))
+        how = f"killed by signal {-exitcode}" if exitcode < 0 else f"exited with code {exitcode}"
+        return LaunchError(f"rank {rank} {how} without reporting an error", rank=rank, log=log_path)
+    return LaunchError(f"torchrun exited with code {code}", rank=None, log=log_path)

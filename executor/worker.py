@@ -1,0 +1,101 @@
+"""The process torchrun starts on every rank: `python -m executor.worker JOB.json --out-dir DIR`.
+
+JOB.json (written by executor.launch) lists one or more plans; running several in one job
+amortises torchrun's start-up (the tests run a dozen plans per launch). The process group is
+created once, with the job's timeout, so a dead or hung rank ends the job within that time; each
+plan then builds its own DeviceMesh and groups.
+
+Outputs in DIR: `run{i}.json`, the measurement of plan i (written atomically by rank 0), and on a
+failure `failure-rank{r}.json` with the rank, the step's error type and message, so the launcher
+can name the rank.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="executor.worker")
+    parser.add_argument("job")
+    parser.add_argument("--out-dir", required=True)
+    args = parser.parse_args(argv)
+    out_dir = Path(args.out_dir)
+    rank = int(os.environ.get("RANK", "0"))
+    try:
+        return _run(json.loads(Path(args.job).read_text()), out_dir)
+    except BaseException as exc:  # report which rank died and why, then die
+        if isinstance(exc, SystemExit) and not exc.code:
+            raise
+        _write_failure(out_dir, rank, exc)
+        traceback.print_exc()
+        sys.stderr.flush()
+        os._exit(1)  # do not wait in process-group teardown for peers that may be gone
+
+
+def _run(job: dict, out_dir: Path) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from executor.config import scenario_from_json
+    from executor.trainer import summary, train
+    from paraplan.fileio import write_atomic
+
+    backend = job["backend"]
+    timeout = datetime.timedelta(seconds=job["timeout_s"])
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if backend == "nccl":
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        device_name = torch.cuda.get_device_name(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, int(job.get("threads_per_rank", 1))))
+        dist.init_process_group("gloo", timeout=timeout)
+        device_name = "cpu"
+    rank = dist.get_rank()
+    fault = os.environ.get("PARAPLAN_EXECUTOR_FAULT")
+    for i, raw in enumerate(job["runs"]):
+        sc = scenario_from_json(raw)
+        t0 = time.perf_counter()
+        record = train(sc, device=device, fault=fault)
+        records = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(record, records, dst=0)
+        if rank == 0:
+            result = summary(sc, records, backend=backend, device_name=device_name, on_gpu=device.type == "cuda")
+            result["wall_s"] = time.perf_counter() - t0
+            write_atomic(out_dir / f"run{i}.json", json.dumps(result, indent=1))
+            if job.get("progress", True):
+                losses = " ".join(f"{s['loss']:.4f}" for s in result["steps"])
+                print(f"[paraplan] run {i + 1}/{len(job['runs'])} {sc.name}: step {result['step_time_s'] * 1e3:.1f} ms, "
+                      f"loss {losses}", flush=True)
+        del record
+        gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
+    return 0
+
+
+def _write_failure(out_dir: Path, rank: int, exc: BaseException) -> None:
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        msg = str(exc).strip().splitlines()
+        text = json.dumps({"rank": rank, "error": type(exc).__name__, "message": msg[0] if msg else "",
+                           "time": time.time()})
+        (out_dir / f"failure-rank{rank}.json").write_text(text)
+    except OSError:
+        pass
+
+
+if __name__ == "__main__":
+    sys.exit(main())
