@@ -123,7 +123,8 @@ class _Job:
         n = num_stages(sc)
 
         def meta(*shape, dtype):
-            return torch.empty(*shape, dtype=dtype, device="meta")
+            # floating activations carry gradients back: say so, or no gradient is sent
+            return torch.empty(*shape, dtype=dtype, device="meta", requires_grad=dtype.is_floating_point)
 
         stages = []
         for (s, _), module in zip(self.parts, self.modules):

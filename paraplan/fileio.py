@@ -12,6 +12,9 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     mode = "wb" if isinstance(data, bytes) else "w"
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)  # what open() would have given, not mkstemp's 0600
         with os.fdopen(fd, mode) as f:
             f.write(data)
             f.flush()

@@ -25,13 +25,14 @@ def timeline_png(result) -> bytes:
         bars.setdefault(sp.category, []).append((row, sp.start, sp.end - sp.start))
     for cat, items in bars.items():
         for row, start, width in items:
-            ax.broken_barh([(start * 1e3, width * 1e3)], (row + 0.1, 0.8), facecolors=COLORS.get(cat, "gray"))
+            ax.broken_barh([(start * 1e3, width * 1e3)], (row + 0.1, 0.8), facecolors=COLORS.get(cat, "gray"),
+                           edgecolors="white", linewidth=0.3)
         ax.barh(0, 0, color=COLORS.get(cat, "gray"), label=cat)
     ax.set_yticks([rows[(s, "compute")] + 0.5 for s in range(pp)] + [rows[(s, "comm")] + 0.5 for s in range(pp)])
     ax.set_yticklabels([f"stage {s}" for s in range(pp)] + [f"stage {s} comm" for s in range(pp)], fontsize=7)
     ax.set_xlabel("time (ms)")
-    ax.set_title(f"{result.scenario}: step {result.step_time_s * 1e3:.1f} ms, MFU {result.mfu * 100:.1f}%")
-    ax.legend(loc="upper right", fontsize=7, ncol=len(bars))
+    ax.set_title(f"{result.scenario}: step {result.step_time_s * 1e3:.1f} ms, MFU {result.mfu * 100:.1f}%", pad=26)
+    ax.legend(loc="lower center", bbox_to_anchor=(0.5, 1.0), fontsize=7, ncol=len(bars), frameon=False)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
