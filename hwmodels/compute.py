@@ -45,7 +45,9 @@ def _compute_time(flops: float, peak: float, curve: Curve) -> float:
 def memory_bound_time(gpu: GpuProfile, nbytes: float) -> float:
     """A kernel that streams `nbytes` through HBM (reads + writes), e.g. an elementwise op, a
     LayerNorm or an optimizer step: nbytes / (bandwidth x efficiency(nbytes)) + KERNEL_OVERHEAD.
-    The efficiency plateau is the STREAM copy fraction (hardware_specs compute_efficiency.memory_bound)."""
+    The efficiency plateau is the STREAM copy fraction (STREAM copy TB/s / peak in the Azure AI-benchmarking-guide
+    results, e.g. ND A100 v4:
+    https://github.com/Azure/AI-benchmarking-guide/blob/3bb66cacc25632d8ece36bc1d5128c5ea886a60b/Azure_Results/ND_A100_v4_results.md)."""
     if nbytes <= 0:
         return 0.0
     return KERNEL_OVERHEAD + nbytes / (gpu.hbm_bandwidth * gpu.hbm_efficiency(nbytes))

@@ -38,7 +38,8 @@ US = 1e-6
 CURVE_GPUS = 8
 """The profiles' nvlink_busbw curves are 8-GPU all_reduce measurements."""
 
-# --- NCCL tuning.cc constants (hardware_specs nccl_model), microseconds, per protocol (LL, LL128, Simple).
+# --- NCCL tuning.cc constants, microseconds, per protocol (LL, LL128, Simple):
+# https://github.com/NVIDIA/nccl/blob/5067397c2676d5aed50042fc39e5c8ee96eb0027/src/graph/tuning.cc
 PROTOCOLS = ("LL", "LL128", "Simple")
 BASE_LAT = {"ring": (6.6, 14.0, 8.4), "tree": (6.8, 14.0, 8.4)}
 NVLINK_LAT = {"ring": (0.6, 1.9, 3.4), "tree": (0.6, 1.25, 4.0)}
@@ -51,8 +52,8 @@ LL_MAX_BW_ONE_NODE = {"ampere": 87.7e9, "hopper": 141.0e9, "blackwell": 282.0e9}
 RING_SIMPLE_MULTINODE_AR = 1.4
 """Ring/Simple all_reduce latency x1.4 on multi-node Ampere+ (tuning.cc, for nBytes/(nCh x nRanks) >= 64)."""
 NVLS_FRACTION = {4: 363.3 / 473.1, 5: 414.2 / 473.1, 6: 435.6 / 473.1, 7: 460.0 / 473.1, 8: 1.0}
-"""NVLS all_reduce busbw by group size relative to 8 GPUs, 8xH200 at 8 GiB (nccl#1455, hardware_specs
-interconnects.nvlink4.nvls_busbw_by_ngpus_h200_8GiB); below 4 GPUs NCCL's ring is as fast."""
+"""NVLS all_reduce busbw by group size relative to 8 GPUs, 8xH200 at 8 GiB
+(https://github.com/NVIDIA/nccl/issues/1455); below 4 GPUs NCCL's ring is as fast."""
 NVLS_ARCHS = ("hopper", "blackwell")
 """tuning.cc nvlsEfficiency: 0 on Ampere (no NVLink SHARP)."""
 
@@ -217,8 +218,9 @@ def _proto_busbw(busbw: float, algo: str, proto: int, ll_max: float) -> float:
 def _multi_node_time(net: Network, op: str, nbytes: float, g: GroupLayout) -> float:
     n, ppn, nodes = g.size, g.ranks_per_node, g.num_nodes
     ring_intra = net.gpu.nvlink_ring_busbw * net.intra_scale
-    # Hierarchical ring: each node's ranks share ppn GPUs' worth of NIC (hardware_specs
-    # measured_collectives.rules_of_thumb.inter_node_ring_busbw = min(B_intra, gpus_per_node x B_nic)).
+    # Hierarchical ring: each node's ranks share ppn GPUs' worth of NIC (inter-node ring busbw =
+    # min(B_intra, gpus_per_node x B_nic), stas00 ml-engineering network README:
+    # https://github.com/stas00/ml-engineering/blob/744d01e18b79512572f64a6bbd8b5f4a725203a7/network/README.md).
     busbw = min(ring_intra, ppn * _nic_bw(net, g))
     ll_max = LL_MAX_BW_MULTINODE[min(nodes, 3)]
     best = math.inf
@@ -236,8 +238,9 @@ def _multi_node_time(net: Network, op: str, nbytes: float, g: GroupLayout) -> fl
 
 def _all_to_all_time(net: Network, nbytes: float, g: GroupLayout) -> float:
     """Each rank sends nbytes/n to every peer. Off-node share (N-1)/N leaves through this GPU's NIC
-    share only: all-to-all cannot aggregate several NICs per GPU (nccl-tests#130, #267; hardware_specs
-    rules_of_thumb: busbw ~ N/(N-1) x B_nic). On-node share (ppn-1)/n over NVLink. The two overlap;
+    share only: all-to-all cannot aggregate several NICs per GPU (busbw ~ N/(N-1) x B_nic;
+    https://github.com/NVIDIA/nccl-tests/issues/130, https://github.com/NVIDIA/nccl-tests/issues/267).
+    On-node share (ppn-1)/n over NVLink. The two overlap;
     latency is one network hop plus NCCL's per-peer network overhead for the n-1 point-to-point ops."""
     n, ppn, nodes = g.size, g.ranks_per_node, g.num_nodes
     t_off = nbytes * (nodes - 1) / nodes / _nic_bw(net, g)
@@ -252,7 +255,8 @@ def _all_to_all_time(net: Network, nbytes: float, g: GroupLayout) -> float:
 def _send_recv_time(net: Network, nbytes: float, g: GroupLayout) -> float:
     """One hop of the tier crossed, as a one-step NCCL ring: min over protocols of base + hop latency
     + nbytes / protocol bandwidth. NVLink p2p runs at the ring busbw fraction of the link (8xH100:
-    ~370 of 450 GB/s app-level, hardware_specs h100_sxm5.scale_up); the network at the NIC share."""
+    ~370 of 450 GB/s app-level; 450 from https://www.nvidia.com/en-us/data-center/h100/, ring busbw measured in
+    https://github.com/NVIDIA/nccl/issues/1455); the network at the NIC share."""
     one_node = g.num_nodes == 1
     if one_node:
         bw = net.gpu.nvlink_ring_busbw * net.intra_scale

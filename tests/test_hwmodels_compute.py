@@ -10,7 +10,7 @@ from hwmodels.compute import (KERNEL_OVERHEAD, attention_flops, attention_time, 
 from hwmodels.profile import BUNDLED, load_profile
 from paraplan.errors import ConfigError
 
-# hardware_specs compute_efficiency.gemm_vs_size_cublaslt: Azure ND A100 v4, cuBLASLt fp16 TFLOP/s
+# Azure AI-benchmarking-guide GEMM-by-size results: Azure ND A100 v4, cuBLASLt fp16 TFLOP/s
 # (https://github.com/Azure/AI-benchmarking-guide/blob/3bb66cacc25632d8ece36bc1d5128c5ea886a60b/Azure_Results/ND_A100_v4_results.md)
 AZURE_A100_SQUARE = {(1024, 1024, 1024): 119.4, (2048, 2048, 2048): 221.8, (4096, 4096, 4096): 228.0,
                      (8192, 8192, 8192): 253.7, (16384, 16384, 16384): 256.5}
@@ -65,7 +65,8 @@ def test_skinny_gemm_on_the_ridge_checks_how_compute_and_memory_combine():
     ("h200-sxm-141gb", "fp8", 0.734), ("b200-sxm-180gb", "bf16", 0.776), ("b200-sxm-180gb", "fp8", 0.763),
 ])
 def test_huge_gemm_approaches_the_mamf_efficiency(name, dtype, mamf):
-    """MAMF (ml-engineering compute/accelerator README, hardware_specs compute_efficiency.mamf):
+    """MAMF (ml-engineering compute/accelerator README,
+    https://github.com/stas00/ml-engineering/blob/744d01e18b79512572f64a6bbd8b5f4a725203a7/compute/accelerator/README.md):
     the best efficiency torch.mm reaches. A 32768^3 GEMM lands within 8% of it."""
     gpu = load_profile(name)
     eff = _tflops(gpu, (32768, 32768, 32768), dtype) * 1e12 / gpu.peak(dtype)
@@ -105,7 +106,8 @@ def test_memory_bound_time_hand_computed():
     # 1 MB: efficiency 0.5333 (Calculon's 0.6/0.9 of the plateau).
     assert memory_bound_time(gpu, 1e6) == pytest.approx(KERNEL_OVERHEAD + 1e6 / (2039e9 * 0.5333))
     assert memory_bound_time(gpu, 0) == 0.0
-    # a 10 GB copy streams at STREAM copy speed, 1.61 TB/s (hardware_specs memory_bound)
+    # a 10 GB copy streams at STREAM copy speed, 1.61 TB/s (Azure ND A100 v4 STREAM results,
+    # https://github.com/Azure/AI-benchmarking-guide/blob/3bb66cacc25632d8ece36bc1d5128c5ea886a60b/Azure_Results/ND_A100_v4_results.md)
     assert 1e10 / memory_bound_time(gpu, 1e10) == pytest.approx(1.61e12, rel=0.02)
     series = [memory_bound_time(gpu, 2 ** (e / 4)) for e in range(0, 4 * 36)]
     assert all(b >= a for a, b in zip(series, series[1:]))
@@ -124,7 +126,9 @@ def test_attention_flops_hand_computed():
 
 def test_flash_attention_reproduces_the_published_h100_and_h200_fa2_points():
     """Azure FA2 benchmark, hd128 batch 2 seqlen 8192 (16 heads, the FA2 benchmark's hidden 2048):
-    H100 327.9 and H200 329.3 TFLOP/s (hardware_specs attention.azure_fa2_batch2_seq8192_tflops)."""
+    H100 327.9 and H200 329.3 TFLOP/s (Azure AI-benchmarking-guide ND H100 v5 and ND H200 v5 results,
+    https://github.com/Azure/AI-benchmarking-guide/blob/f350e7e65b82cfcb9220b32b582bc34342d9c1a6/Azure%20Results/ND_H100_v5_results.md,
+    https://github.com/Azure/AI-benchmarking-guide/blob/7f20e5fa3b2f9a46d8404af1f6fb14b049d6d5cc/Azure_Results/ND_H200_v5_results.md)."""
     for name, tflops in [("h100-sxm-80gb", 327.9), ("h200-sxm-141gb", 329.3)]:
         gpu = load_profile(name)
         kw = dict(batch=2, heads=16, q_len=8192, kv_len=8192, head_dim=128, dtype="bf16", causal=False)

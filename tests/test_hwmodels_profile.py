@@ -276,7 +276,10 @@ def test_not_yaml_is_a_config_error(tmp_path):
 
 
 def test_hbm_efficiency_plateau_is_the_stream_fraction():
-    # hardware_specs compute_efficiency.memory_bound.stream_like_tbps copy / peak
+    # STREAM copy TB/s / peak, Azure AI-benchmarking-guide ND A100 v4, ND H100 v5 and ND H200 v5 results:
+    # https://github.com/Azure/AI-benchmarking-guide/blob/3bb66cacc25632d8ece36bc1d5128c5ea886a60b/Azure_Results/ND_A100_v4_results.md
+    # https://github.com/Azure/AI-benchmarking-guide/blob/f350e7e65b82cfcb9220b32b582bc34342d9c1a6/Azure%20Results/ND_H100_v5_results.md
+    # https://github.com/Azure/AI-benchmarking-guide/blob/7f20e5fa3b2f9a46d8404af1f6fb14b049d6d5cc/Azure_Results/ND_H200_v5_results.md
     for name, copy_tbps in [("a100-sxm-80gb", 1.61), ("h100-sxm-80gb", 2.9), ("h200-sxm-141gb", 4.01)]:
         p = load_profile(name)
         assert p.hbm_efficiency(1e10) * p.hbm_bandwidth == pytest.approx(copy_tbps * 1e12, rel=0.02)
