@@ -18,6 +18,8 @@ SUBCOMMANDS = {
                            "simulate published training runs and compare with their published step time"),
     "plan": ("paraplan.cli.plan", "search the plan space for the fastest plan that fits"),
     "launch": ("paraplan.cli.launch", "train a plan with the bundled torch.distributed executor and measure it"),
+    "calibrate": ("paraplan.cli.calibrate", "run microbenchmarks on this machine's GPU (or CPU) and write a hardware profile"),
+    "validate": ("paraplan.cli.validate", "launch a plan, measure it and compare with the simulator's prediction"),
 }
 
 
