@@ -72,41 +72,24 @@ def simulate(sc: Scenario, *, _balanced_routing: bool = False) -> SimResult:
     w_bytes, _, _ = state_bytes_per_param(tr.precision)
     emb_params = m.embedding_params() / p.tp
     max_layer = max(sum(kinds.params[k]) for k in kinds.params)
-    zero3 = p.zero_stage == 3 and shard > 1
+
+    # ZeRO-3: per layer, all-gather its weights (forward and backward) and reduce-scatter its
+    # gradients (backward) over the data-parallel group
+    zero3 = {kind: (collective_time(net, "all_gather", sum(prm) * w_bytes, dp_layout),
+                    collective_time(net, "reduce_scatter", sum(prm) * GRAD_REDUCE_BYTES, dp_layout))
+             for kind, prm in kinds.params.items()} if p.zero_stage == 3 and shard > 1 else {}
 
     works, mems = [], []
     first_layer = _first_layer_of_vstage(layers, p.pp)
     for s in range(p.pp):
-        op_cost, buckets = {}, {}
+        op_cost, buckets, chunk_acts = {}, {}, []
         dense_params = expert_params = 0.0
-        chunk_acts, working = [], 0.0
         for c in range(len(layers[s])):
             start = first_layer[c * p.pp + s]
-            kind_count = {"dense": 0, "moe": 0}
-            for i in range(start, start + layers[s][c]):
-                kind_count["moe" if m.is_moe_layer(i) else "dense"] += 1
-            f, b = Cost(), Cost()
-            c_dense, c_expert, acts = 0.0, 0.0, 0.0
-            for kind, n in kind_count.items():
-                if not n:
-                    continue
-                gather = collective_time(net, "all_gather", sum(kinds.params[kind]) * w_bytes, dp_layout) if zero3 else 0.0
-                scatter = collective_time(net, "reduce_scatter", sum(kinds.params[kind]) * GRAD_REDUCE_BYTES, dp_layout) if zero3 else 0.0
-                f += _zero3_overlap(kinds.fwd[kind], n, gather)
-                b += _zero3_overlap(kinds.bwd[kind], n, gather + scatter)
-                c_dense += n * kinds.params[kind][0]
-                c_expert += n * kinds.params[kind][1]
-                acts += n * kinds.acts[kind]
-            if s == 0 and c == 0:
-                f += embedding_cost(ctx, backward=False)
-                b += embedding_cost(ctx, backward=True)
-                c_dense += emb_params
-            last = s == p.pp - 1 and c == len(layers[s]) - 1
-            if last:
-                f += head_cost(ctx, backward=False)
-                b += head_cost(ctx, backward=True)
-                if not (m.tied_embeddings and p.pp == 1):
-                    c_dense += emb_params
+            kinds_in_chunk = ["moe" if m.is_moe_layer(i) else "dense" for i in range(start, start + layers[s][c])]
+            chunk = _chunk_work(ctx, kinds, kinds_in_chunk, zero3, first=s == 0 and c == 0,
+                                last=s == p.pp - 1 and c == len(layers[s]) - 1, emb_params=emb_params)
+            f, b, c_dense, c_expert, acts = chunk
             op_cost[("F", c)], op_cost[("B", c)] = f, b
             dense_params += c_dense
             expert_params += c_expert
@@ -114,8 +97,6 @@ def simulate(sc: Scenario, *, _balanced_routing: bool = False) -> SimResult:
             if p.zero_stage < 3:
                 buckets[c] = (_grad_buckets(net, p, c_dense, dp_layout, shard)
                               + _grad_buckets(net, p, c_expert, edp_layout, edp_layout.size))
-        bucket_times = {c: [t for t, _ in bl] for c, bl in buckets.items() if bl}
-        bucket_nic = {c: [nic for _, nic in bl] for c, bl in buckets.items() if bl}
         local_opt = dense_params / (shard if p.zero_stage >= 1 else 1) \
             + expert_params / (edp_layout.size if p.zero_stage >= 1 else 1)
         opt_bytes = ADAM_BYTES_PER_PARAM - (2 if tr.precision == "fp32" else 0)
@@ -124,7 +105,9 @@ def simulate(sc: Scenario, *, _balanced_routing: bool = False) -> SimResult:
             param_gather = (collective_time(net, "all_gather", dense_params * w_bytes, dp_layout)
                             + collective_time(net, "all_gather", expert_params * w_bytes, edp_layout))
         works.append(StageWork(
-            ops=schedule[s], op_cost=op_cost, grad_buckets=bucket_times, grad_bucket_nic=bucket_nic,
+            ops=schedule[s], op_cost=op_cost,
+            grad_buckets={c: [t for t, _ in bl] for c, bl in buckets.items() if bl},
+            grad_bucket_nic={c: [nic for _, nic in bl] for c, bl in buckets.items() if bl},
             optimizer_time=memory_bound_time(gpu, local_opt * opt_bytes), param_gather_time=param_gather,
         ))
         working = kinds.working + working_set_bytes(m, p, tr.seq_length, tr.attention, s == p.pp - 1)
@@ -204,6 +187,35 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     if p.recompute == "full":
         working += ffn
     return _Layers(kinds.fwd, kinds.bwd, kinds.params, kinds.acts, working), draw
+
+
+def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], zero3: dict, *, first: bool, last: bool,
+                emb_params: float) -> tuple[Cost, Cost, float, float, float]:
+    """(forward cost, backward cost, params sharded over dp x cp, expert params, activation bytes
+    per microbatch) of one model chunk: its layers, plus the embedding on the first chunk of the
+    pipeline and the LM head on the last."""
+    f, b = Cost(), Cost()
+    dense = expert = acts = 0.0
+    for kind in ("dense", "moe"):
+        n = kinds_in_chunk.count(kind)
+        if not n:
+            continue
+        gather, scatter = zero3.get(kind, (0.0, 0.0))
+        f += _zero3_overlap(kinds.fwd[kind], n, gather)
+        b += _zero3_overlap(kinds.bwd[kind], n, gather + scatter)
+        dense += n * kinds.params[kind][0]
+        expert += n * kinds.params[kind][1]
+        acts += n * kinds.acts[kind]
+    if first:
+        f += embedding_cost(ctx, backward=False)
+        b += embedding_cost(ctx, backward=True)
+        dense += emb_params
+    if last:
+        f += head_cost(ctx, backward=False)
+        b += head_cost(ctx, backward=True)
+        if not (ctx.model.tied_embeddings and ctx.plan.pp == 1):
+            dense += emb_params
+    return f, b, dense, expert, acts
 
 
 def _first_layer_of_vstage(layers: list[list[int]], pp: int) -> list[int]:
