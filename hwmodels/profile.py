@@ -16,7 +16,6 @@ from __future__ import annotations
 import difflib
 import functools
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,6 +24,7 @@ import yaml
 
 from hwmodels.curves import Curve, to_unit
 from paraplan.errors import ConfigError
+from paraplan.fileio import write_atomic
 from paraplan.specs import TOPOLOGIES, InterNodeSpec, LinkSpec
 
 __all__ = ["ARCHS", "BUNDLED", "Curve", "DTYPES", "GpuProfile", "load_profile", "write_profile"]
@@ -125,7 +125,8 @@ def _load_cached(path: str, _mtime_ns: int, _size: int) -> GpuProfile:
     try:
         raw = yaml.safe_load(Path(path).read_text())
     except yaml.YAMLError as exc:
-        raise ConfigError("cluster.gpu", f"{path}: not valid YAML: {exc}") from None
+        problem = " ".join(str(exc).split())  # PyYAML's message spans lines; errors are one line
+        raise ConfigError("cluster.gpu", f"{path}: not valid YAML: {problem}") from None
     try:
         return _from_dict(raw)
     except ConfigError as exc:
@@ -293,15 +294,5 @@ def write_profile(profile: GpuProfile, path: str | os.PathLike) -> Path:
     path = Path(path)
     text = "# GPU profile written by paraplan (hwmodels.profile.write_profile)\n" + yaml.safe_dump(
         _to_dict(profile), sort_keys=False, default_flow_style=None, width=100)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, text)
     return path

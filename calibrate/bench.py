@@ -1,0 +1,421 @@
+"""Single-device microbenchmarks with torch: GEMM, HBM copy/triad, flash attention, elementwise
+kernels and the AdamW step.
+
+Timing (`Clock`): warm-up calls first (cuBLAS heuristics, the caching allocator, caches), then
+`repeats` blocks of back-to-back calls, each block long enough for the timer (CUDA events on a
+GPU, recorded around the block on the stream; time.perf_counter on a CPU, where every torch op is
+synchronous); the per-call time of each block, and the median over blocks is the measurement.
+Median rather than mean or min: robust to a preempted block on a shared machine, and not the
+lucky best case the simulator would then promise.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from calibrate.plan import ADAMW_BYTES_PER_PARAM, ELEMENTWISE_WIDTH, AttentionConfig, GemmShape, Rates, Timing
+from calibrate.results import Measurement
+
+__all__ = ["Clock", "Measurement", "fp8_supported", "memory_budget", "probe_rates", "run_attention",
+           "run_elementwise", "run_gemm", "run_hbm", "run_optimizer", "torch_dtype"]
+
+MAX_INNER = 10_000
+_TORCH = {"tf32": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    return _TORCH[dtype]
+
+
+@dataclass(frozen=True)
+class Timed:
+    seconds: float
+    spread: float
+    inner: int
+    samples: tuple[float, ...] = field(repr=False)
+
+
+class Clock:
+    """Times callables on one device (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def once(self, fn: Callable[[], object]) -> float:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            return start.elapsed_time(end) / 1e3
+        t0 = time.perf_counter()
+        fn()
+        return time.perf_counter() - t0
+
+    def time(self, fn: Callable[[], object], timing: Timing, *, inner: int | None = None) -> Timed:
+        for _ in range(timing.warmup):
+            fn()
+        self.sync()
+        if inner is None:
+            one = self.once(fn)
+            inner = int(min(MAX_INNER, max(1, math.ceil(timing.min_block_s / max(one, 1e-7)))))
+        samples = []
+        if self.cuda:
+            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                      for _ in range(timing.repeats)]
+            for start, end in events:
+                start.record()
+                for _ in range(inner):
+                    fn()
+                end.record()
+            torch.cuda.synchronize(self.device)
+            samples = [start.elapsed_time(end) / 1e3 / inner for start, end in events]
+        else:
+            for _ in range(timing.repeats):
+                t0 = time.perf_counter()
+                for _ in range(inner):
+                    fn()
+                samples.append((time.perf_counter() - t0) / inner)
+        med = statistics.median(samples)
+        q = statistics.quantiles(samples, n=4) if len(samples) >= 2 else [med, med, med]
+        return Timed(seconds=med, spread=(q[2] - q[0]) / med if med > 0 else 0.0, inner=inner, samples=tuple(samples))
+
+
+def _skippable(exc: BaseException) -> bool:
+    """Out of memory for one shape: skip it and go on (anything else aborts the calibration)."""
+    if isinstance(exc, torch.OutOfMemoryError):
+        return True
+    return isinstance(exc, RuntimeError) and ("out of memory" in str(exc) or "can't allocate memory" in str(exc))
+
+
+def _free(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ----------------------------------------------------------------------------- capabilities
+
+
+def fp8_supported(device: torch.device) -> tuple[bool, str]:
+    """(ok, why not): fp8 GEMMs run through torch._scaled_mm on compute capability 8.9+."""
+    if device.type != "cuda":
+        return False, "fp8 GEMMs need a GPU (torch._scaled_mm on compute capability 8.9+)"
+    cap = torch.cuda.get_device_capability(device)
+    if cap < (8, 9):
+        return False, f"fp8 GEMMs need compute capability 8.9+ (this GPU is {cap[0]}.{cap[1]})"
+    if not hasattr(torch, "_scaled_mm") or not hasattr(torch, "float8_e4m3fn"):
+        return False, f"this torch ({torch.__version__}) has no torch._scaled_mm"
+    return True, ""
+
+
+def memory_budget(device: torch.device) -> float:
+    """Bytes one benchmark's operands may take: half the free GPU memory; on a CPU a quarter of
+    the available RAM, at most 4 GiB."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return 0.5 * free
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        avail = 8 * 2**30
+    return float(min(0.25 * avail, 4 * 2**30))
+
+
+# ----------------------------------------------------------------------------- operands
+
+
+def _gemm_fn(a: torch.Tensor, b: torch.Tensor, dtype: str, out: torch.Tensor | None) -> Callable[[], object]:
+    if dtype == "fp8":
+        one = torch.ones((), device=a.device, dtype=torch.float32)
+        return lambda: torch._scaled_mm(a, b, scale_a=one, scale_b=one, out_dtype=torch.bfloat16)
+    return lambda: torch.matmul(a, b, out=out)
+
+
+def _random(numel: int, dtype: str, device: torch.device) -> torch.Tensor:
+    """A flat random buffer to slice operands from (fp8: e4m3, the forward-pass format)."""
+    if dtype == "fp8":
+        return torch.randn(numel, device=device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    return torch.randn(numel, device=device, dtype=torch_dtype(dtype))
+
+
+def _operands(pool: torch.Tensor, s: GemmShape, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
+    a = pool[: s.m * s.k].view(s.m, s.k)
+    if dtype == "fp8":  # torch._scaled_mm wants the second operand column-major
+        return a, pool[: s.n * s.k].view(s.n, s.k).t()
+    return a, pool[: s.k * s.n].view(s.k, s.n)
+
+
+class _tf32:
+    """TF32 tensor cores for fp32 matmuls on a GPU while inside (what fp32 training enables)."""
+
+    def __init__(self, device: torch.device, on: bool) -> None:
+        self.active = on and device.type == "cuda"
+
+    def __enter__(self):
+        if self.active:
+            self.saved = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = True
+
+    def __exit__(self, *exc):
+        if self.active:
+            torch.backends.cuda.matmul.allow_tf32 = self.saved
+
+
+# ----------------------------------------------------------------------------- probes
+
+
+def _probe(clock: Clock, make: Callable[[int], tuple[Callable[[], object], float]], sizes, target_s: float) -> float:
+    """work / time of the first size in `sizes` whose call lasts target_s (or of the last)."""
+    probe = Timing(warmup=1, repeats=3, min_block_s=0.0, max_kernel_s=target_s)
+    rate = 0.0
+    for size in sizes:
+        fn, work = make(size)
+        t = clock.time(fn, probe, inner=1).seconds
+        rate = work / max(t, 1e-9)
+        del fn
+        if t >= target_s:
+            break
+    return rate
+
+
+def probe_rates(device: torch.device, dtypes: tuple[str, ...], clock: Clock, *, budget_s: float) -> Rates:
+    """A few calls per kind, growing until a call lasts budget_s / 4: the device's speed, to size
+    the sweep (plan.build_plan)."""
+    target = budget_s / 4
+    gemm = {}
+    for dt in dtypes:
+        def make(n, dt=dt):
+            pool = _random(n * n, dt, device)
+            a, b = _operands(pool, GemmShape(m=n, n=n, k=n, origin="probe"), dt)
+            out = None if dt == "fp8" else torch.empty(n, n, device=device, dtype=torch_dtype(dt))
+            return _gemm_fn(a, b, dt, out), 2.0 * n**3
+
+        with _tf32(device, dt == "tf32"):
+            gemm[dt] = _probe(clock, make, [2**e for e in range(7, 15)], target)
+
+    def copy(nbytes):
+        src = torch.empty(nbytes // 4, device=device).fill_(1.0)
+        dst = torch.empty_like(src)
+        return (lambda: dst.copy_(src)), 2.0 * nbytes
+
+    memory = _probe(clock, copy, [2**e for e in range(20, 31)], target)
+
+    def attention(seq):
+        q = torch.randn(1, 8, seq, 64, device=device, dtype=torch.bfloat16)
+        return (lambda: F.scaled_dot_product_attention(q, q, q, is_causal=True)), 2.0 * 8 * seq * seq * 64
+
+    with torch.no_grad():
+        attn = _probe(clock, attention, [2**e for e in range(7, 15)], target)
+    _free(device)
+    return Rates(gemm=gemm, memory=memory, attention=attn, memory_budget=memory_budget(device))
+
+
+# ----------------------------------------------------------------------------- GEMM
+
+
+def run_gemm(shapes, dtype: str, *, device: torch.device, clock: Clock, timing: Timing, progress,
+             notes: list[str]) -> list[Measurement]:
+    if not shapes:
+        return []
+    numel = max(max(s.m * s.k, s.k * s.n) for s in shapes)
+    pool = _random(numel, dtype, device)
+    out_dtype = torch.bfloat16 if dtype == "fp8" else torch_dtype(dtype)
+    results = []
+    with _tf32(device, dtype == "tf32"):
+        for s in shapes:
+            progress.step(f"gemm {dtype} {s.m}x{s.n}x{s.k} ({s.origin})")
+            try:
+                a, b = _operands(pool, s, dtype)
+                out = None if dtype == "fp8" else torch.empty(s.m, s.n, device=device, dtype=out_dtype)
+                t = clock.time(_gemm_fn(a, b, dtype, out), timing)
+            except Exception as exc:
+                if not _skippable(exc):
+                    raise
+                _free(device)
+                notes.append(f"gemm {dtype} {s.m}x{s.n}x{s.k}: out of memory, skipped")
+                continue
+            del out
+            results.append(Measurement(kind="gemm", op="matmul" if dtype != "fp8" else "_scaled_mm", dtype=dtype,
+                                       params=dict(m=s.m, n=s.n, k=s.k), work=s.flops, seconds=t.seconds,
+                                       spread=t.spread, repeats=timing.repeats, inner=t.inner, origin=s.origin))
+    del pool
+    _free(device)
+    return results
+
+
+# ----------------------------------------------------------------------------- HBM
+
+
+def flush_bytes(device: torch.device) -> int:
+    """Bytes a rotation of buffers should span so repeated calls do not hit the last-level cache:
+    twice the GPU's L2, or twice the CPU's L3 (sysfs), 64 MiB where unknown."""
+    if device.type == "cuda":
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 * 2**20
+        return 2 * int(l2)
+    try:
+        text = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        l3 = int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+        return max(2 * l3, 64 * 2**20)
+    except (OSError, ValueError, IndexError):
+        return 64 * 2**20
+
+
+MAX_SETS = 512
+"""Buffer sets a copy rotates over: 512 x 3 x 64 KiB = 96 MiB, past an H100's 50 MB L2."""
+
+
+def run_hbm(sizes, *, device: torch.device, clock: Clock, timing: Timing, progress, budget: float) -> list[Measurement]:
+    """Copy (b = a: 2 x size bytes moved) and triad (a = b + 2c: 3 x size), STREAM's kernels
+    (McCalpin 1995), each over a rotation of buffers spanning flush_bytes so the data comes from
+    memory, not the cache."""
+    results = []
+    span = flush_bytes(device)
+    for size in sizes:
+        n = max(1, size // 4)
+        sets = int(max(1, min(MAX_SETS, math.ceil(span / (3 * size)), budget // (3 * size))))
+        bufs = torch.empty(sets, 3, n, device=device).fill_(1.0)
+        state = {"i": 0}
+
+        def copy():
+            i = state["i"] = (state["i"] + 1) % sets
+            bufs[i, 1].copy_(bufs[i, 0])
+
+        def triad():
+            i = state["i"] = (state["i"] + 1) % sets
+            torch.add(bufs[i, 1], bufs[i, 2], alpha=2.0, out=bufs[i, 0])
+
+        for kind, fn, passes in (("copy", copy, 2), ("triad", triad, 3)):
+            progress.step(f"hbm {kind} {size / 2**20:.2f} MiB")
+            t = clock.time(fn, timing)
+            results.append(Measurement(kind=kind, op=kind, dtype="fp32", params=dict(bytes=4 * n, buffers=sets),
+                                       work=float(passes * 4 * n), seconds=t.seconds, spread=t.spread,
+                                       repeats=timing.repeats, inner=t.inner))
+        del bufs
+    _free(device)
+    return results
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def run_attention(configs: tuple[AttentionConfig, ...], *, device: torch.device, clock: Clock, timing: Timing,
+                  progress, notes: list[str]) -> list[Measurement]:
+    """torch.nn.functional.scaled_dot_product_attention, causal, bf16, forward and backward
+    (torch picks its fused kernel: FlashAttention-2 or cuDNN on a GPU, its flash CPU kernel on a
+    CPU). FLOPs by hwmodels.compute.attention_flops (the FlashAttention papers' convention)."""
+    from hwmodels.compute import attention_flops
+
+    results = []
+    for c in configs:
+        shape = (c.batch, c.heads, c.seq, c.head_dim)
+        try:
+            q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            for backward in (False, True):
+                progress.step(f"attention {'bwd' if backward else 'fwd'} b{c.batch} h{c.heads} s{c.seq} d{c.head_dim}")
+                if backward:
+                    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+                    grad = torch.randn_like(out)
+
+                    def fn(out=out, grad=grad):
+                        return torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+
+                    t = clock.time(fn, timing)
+                    del out, grad
+                else:
+                    with torch.no_grad():
+                        t = clock.time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), timing)
+                flops = attention_flops(**c.kwargs(), backward=backward)
+                results.append(Measurement(kind="attention_bwd" if backward else "attention_fwd", op="sdpa",
+                                           dtype="bf16", params=c.kwargs(), work=flops, seconds=t.seconds,
+                                           spread=t.spread, repeats=timing.repeats, inner=t.inner))
+            del q, k, v
+        except Exception as exc:
+            if not _skippable(exc):
+                raise
+            notes.append(f"attention s{c.seq} d{c.head_dim}: out of memory, skipped")
+        _free(device)
+    return results
+
+
+# ----------------------------------------------------------------------------- elementwise
+
+
+def _elementwise(op: str, n: int, device: torch.device) -> tuple[Callable[[], object], list[float]]:
+    """The op on n bf16 elements as (rows, 4096), and the bytes each kernel torch eager launches
+    for it moves (what hwmodels.compute.memory_bound_time is checked against)."""
+    width = min(ELEMENTWISE_WIDTH, n)
+    rows = max(1, n // width)
+    e = 2  # bf16
+    x = torch.randn(rows, width, device=device, dtype=torch.bfloat16)
+    nbytes = float(rows * width * e)
+    if op == "layernorm":
+        w = torch.ones(width, device=device, dtype=torch.bfloat16)
+        b = torch.zeros(width, device=device, dtype=torch.bfloat16)
+        return (lambda: F.layer_norm(x, (width,), w, b)), [2 * nbytes]
+    if op == "rmsnorm":
+        w = torch.ones(width, device=device, dtype=torch.bfloat16)
+        return (lambda: F.rms_norm(x, (width,), w)), [2 * nbytes]
+    if op == "softmax":
+        return (lambda: torch.softmax(x, dim=-1)), [2 * nbytes]
+    if op == "gelu":
+        return (lambda: F.gelu(x, approximate="tanh")), [2 * nbytes]
+    if op == "swiglu":  # silu(gate) * up, unfused: silu reads and writes f, the product reads 2f, writes f
+        up = torch.randn_like(x)
+        return (lambda: F.silu(x) * up), [2 * nbytes, 3 * nbytes]
+    raise ValueError(f"unknown elementwise op {op!r}")
+
+
+def run_elementwise(items, *, device: torch.device, clock: Clock, timing: Timing, progress) -> list[Measurement]:
+    results = []
+    with torch.no_grad():
+        for op, n in items:
+            progress.step(f"elementwise {op} {n} elements")
+            fn, kernels = _elementwise(op, n, device)
+            t = clock.time(fn, timing)
+            results.append(Measurement(kind="elementwise", op=op, dtype="bf16", params=dict(elements=n, kernels=kernels),
+                                       work=float(sum(kernels)), seconds=t.seconds, spread=t.spread,
+                                       repeats=timing.repeats, inner=t.inner))
+            del fn
+    _free(device)
+    return results
+
+
+def run_optimizer(sizes, *, device: torch.device, clock: Clock, timing: Timing, progress,
+                  notes: list[str]) -> list[Measurement]:
+    """torch.optim.AdamW.step on one fp32 parameter of n elements, fused where torch has it for the
+    device (foreach otherwise, said in the notes)."""
+    results = []
+    for n in sizes:
+        progress.step(f"adamw step {n} parameters")
+        p = torch.nn.Parameter(torch.randn(n, device=device))
+        p.grad = torch.randn_like(p)
+        try:
+            opt, impl = torch.optim.AdamW([p], lr=1e-4, fused=True), "fused"
+            opt.step()
+        except (RuntimeError, TypeError, ValueError) as exc:
+            opt, impl = torch.optim.AdamW([p], lr=1e-4, foreach=True), "foreach"
+            note = f"AdamW fused is unavailable on {device.type} ({str(exc).splitlines()[0]}); timed foreach"
+            if note not in notes:
+                notes.append(note)
+        t = clock.time(opt.step, timing)
+        results.append(Measurement(kind="optimizer", op=f"adamw-{impl}", dtype="fp32",
+                                   params=dict(parameters=n, kernels=[float(ADAMW_BYTES_PER_PARAM * n)]),
+                                   work=float(ADAMW_BYTES_PER_PARAM * n), seconds=t.seconds, spread=t.spread,
+                                   repeats=timing.repeats, inner=t.inner))
+        del opt, p
+    _free(device)
+    return results

@@ -1,0 +1,411 @@
+"""Measurements -> a GpuProfile: the fits (calibrate.fit), the peaks, the fields kept from a base
+profile, and a provenance entry for every field saying where its value came from.
+
+On a GPU the peaks are the datasheet's, from the bundled profile of the same GPU (or --base): a
+calibration measures efficiencies against them, so MFU stays comparable with published figures.
+On a CPU there is no datasheet in reach, so the peaks are measured: the best GEMM throughput of
+each dtype over CPU_HEADROOM (and the RAM bandwidth the best copy over it), so the best measured
+shape sits at efficiency 0.9 rather than at the 1.0 bound of the profile format, leaving the fit
+room on both sides. A CPU profile's arch is "ampere": of the three the loader knows, the one
+without NVLink SHARP (NVLS, which hwmodels.network applies to hopper and blackwell all-reduces)
+and without fp8 tensor cores, both of which a CPU lacks.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import math
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from calibrate import fit as F
+from calibrate.device import DeviceInfo, slug
+from calibrate.errors import CalibrationError
+from hwmodels.compute import memory_bound_time
+from hwmodels.curves import Curve
+from hwmodels.network import busbw_factor
+from hwmodels.profile import GpuProfile
+from paraplan.specs import InterNodeSpec
+
+__all__ = ["CPU_ARCH", "CPU_HEADROOM", "Built", "build_profile"]
+
+CPU_HEADROOM = 0.9
+CPU_ARCH = "ampere"
+GEMM_DTYPES = ("tf32", "fp16", "bf16", "fp8")
+
+# Placeholders of a CPU profile for what a single-process calibration cannot measure; each one is
+# marked "assumed" in the provenance and replaced by measurements under --collectives.
+CPU_COLLECTIVE_LATENCY = 20 * 1e-6
+"""seconds: a shared-memory (gloo) collective's startup, assumed (gloo over loopback measures 10-50 us)."""
+CPU_NIC = (1, 10e9 / 8)
+"""(NICs per node, bytes/s each): one 10 GbE port, assumed where /sys/class/net reports no speed."""
+CPU_NIC_EFFICIENCY = 0.9
+CPU_NET_LATENCY = 10 * 1e-6
+CURVE_SIZES = tuple(2**e for e in range(10, 31, 2))
+
+
+@dataclass
+class Built:
+    profile: GpuProfile
+    fits: dict = field(default_factory=dict)
+    """name -> a JSON-able summary of each fit (for the report and the printed table)."""
+    notes: list[str] = field(default_factory=list)
+
+
+def _pct(x: float) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.1f}%"
+
+
+def _clamped(curve: Curve, y_scale: float) -> Curve:
+    """`curve` with its values times y_scale, capped at 1 (a base curve re-expressed against a new peak)."""
+    return Curve(curve.xs, tuple(min(1.0, y * y_scale) for y in curve.ys))
+
+
+def host_nics() -> tuple[int, float] | None:
+    """(count, bytes/s) of the physical NICs /sys/class/net reports a speed for, the fastest's speed."""
+    try:
+        names = os.listdir("/sys/class/net")
+    except OSError:
+        return None
+    speeds = []
+    for name in names:
+        if name == "lo" or name.startswith(("veth", "docker", "br-", "virbr", "ifb", "tun", "tap")):
+            continue
+        try:
+            mbps = int(open(f"/sys/class/net/{name}/speed").read().strip())
+        except (OSError, ValueError):
+            continue
+        if mbps > 0:
+            speeds.append(mbps)
+    return (len(speeds), max(speeds) * 1e6 / 8) if speeds else None
+
+
+def _cpu_template(info: DeviceInfo) -> GpuProfile:
+    """A CPU profile's skeleton: every field present, the measured ones replaced afterwards."""
+    flat = Curve((1.0,), (0.5,))
+    nics = host_nics() or CPU_NIC
+    return GpuProfile(
+        name=f"cpu-{slug(info.name)}", arch=CPU_ARCH,
+        peak_flops=(("fp32", 1e9), ("tf32", 1e9), ("fp16", 1e9), ("bf16", 1e9)),
+        hbm_capacity=float(info.memory_bytes), hbm_bandwidth=1e9, hbm_efficiency=flat,
+        gemm_efficiency=(("tf32", flat), ("fp16", flat), ("bf16", flat)),
+        attention_fwd_efficiency=flat, attention_bwd_efficiency=flat,
+        nvlink_bandwidth=1e9, nvlink_ring_busbw=1e9, nvlink_busbw=flat, nvlink_latency=CPU_COLLECTIVE_LATENCY,
+        node_network=InterNodeSpec(nics_per_node=int(nics[0]), nic_bandwidth=float(nics[1]), topology="fat-tree",
+                                   oversubscription=1.0, latency=CPU_NET_LATENCY, nodes_per_leaf=32),
+        nic_efficiency=CPU_NIC_EFFICIENCY,
+    )
+
+
+def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str, measurements, collectives,
+                  name: str | None, mode: str, timing, notes: list[str], wall_s: float) -> Built:
+    """The calibrated profile. `measurements` are bench.Measurement, `collectives`
+    collectives.CollectiveSample; what was not measured comes from `base` (required for it)."""
+    cpu = info.kind == "cpu"
+    by_kind: dict[str, list] = {}
+    for m in measurements:
+        by_kind.setdefault(m.kind, []).append(m)
+    start = base if base is not None else _cpu_template(info)
+    built = Built(profile=start, notes=notes)
+    prov = dict(start.provenance) if base is not None else {}
+    when = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    prov["calibration"] = (f"measured by paraplan calibrate ({mode}) on {info.describe()}, {when}; "
+                           f"{len(measurements)} kernel and {len(collectives)} collective measurements, "
+                           f"each the median of {timing.repeats} timed blocks after {timing.warmup} warm-up calls")
+    if base is not None:
+        prov["base"] = f"{base_label}: fields not measured here keep its values and sources"
+
+    if base is None:  # a CPU profile's template values must all be replaced by measurements
+        lacking = [what for what, kinds in (("HBM copies", ("copy",)), ("attention", ("attention_fwd", "attention_bwd")))
+                   if not all(by_kind.get(k) for k in kinds)]
+        if lacking:
+            raise CalibrationError(f"no {' or '.join(lacking)} measurements completed (all skipped or out of memory); "
+                                   "a CPU profile needs them, or --base to take them from")
+
+    # ---- peaks
+    peaks = dict(start.peak_flops)
+    gemm_by_dtype: dict[str, list] = {}
+    for m in by_kind.get("gemm", []):
+        gemm_by_dtype.setdefault(m.dtype, []).append(m)
+    old_peaks = dict(peaks)
+    if cpu and base is None:
+        missing = [d for d in ("tf32", "fp16", "bf16") if d not in gemm_by_dtype]
+        if missing:
+            raise CalibrationError(f"a CPU profile needs GEMM curves for tf32, fp16 and bf16; {', '.join(missing)} "
+                                   "not measured (and no --base to take them from)")
+    if cpu and gemm_by_dtype:
+        for d, ms in gemm_by_dtype.items():
+            peaks[d] = max(m.work / m.seconds for m in ms) / CPU_HEADROOM
+        peaks["fp32"] = peaks.get("tf32", peaks.get("fp32"))
+        prov["peak_tflops"] = (f"derived: the best measured GEMM throughput of each dtype / {CPU_HEADROOM} (a CPU has "
+                               "no datasheet peak here; its best shape then sits at efficiency 0.9); "
+                               "tf32 and fp32 are the CPU's fp32 GEMM (no TF32 on a CPU)")
+    for d in GEMM_DTYPES:
+        if d in gemm_by_dtype and d not in peaks:
+            raise CalibrationError(f"measured {d} GEMMs but the base profile {base_label} has no {d} peak")
+
+    # ---- HBM
+    bandwidth = start.hbm_bandwidth
+    hbm_curve = start.hbm_efficiency
+    copies = sorted(by_kind.get("copy", []), key=lambda m: m.work)
+    if copies:
+        if cpu:
+            # Small copies run from the CPU's caches, faster than RAM; the bandwidth is set from the
+            # best copy so that the efficiency curve (at most 1) can hold both regimes and
+            # memory_bound_time matches either; the RAM figure is the largest copy's.
+            bandwidth = max(m.work / m.seconds for m in copies) / CPU_HEADROOM
+            prov["hbm.bandwidth"] = (f"derived: the best measured copy bandwidth / {CPU_HEADROOM} "
+                                     f"({max(m.work / m.seconds for m in copies) / 1e9:.2f} GB/s; small copies run "
+                                     f"from cache, the largest ({_mb(copies[-1].work)}) at "
+                                     f"{copies[-1].work / copies[-1].seconds / 1e9:.2f} GB/s from RAM)")
+            prov["hbm.capacity"] = "measured: the machine's RAM (sysconf)"
+        fit = F.fit_hbm([m.work for m in copies], [m.seconds for m in copies], bandwidth=bandwidth)
+        hbm_curve = fit.curve
+        built.fits["hbm.copy"] = _fit_json(fit)
+        triad = by_kind.get("triad", [])
+        prov["hbm.efficiency"] = (
+            f"measured: {len(copies)} copies {_mb(copies[0].work)}-{_mb(copies[-1].work)} moved (STREAM copy, buffers "
+            f"rotated past the last-level cache); fitted to hwmodels.compute.memory_bound_time on {fit.n_train}, "
+            f"held-out MAPE {_pct(fit.test_mape)} on {fit.n_test}, train {_pct(fit.train_mape)}; best copy "
+            f"{max(m.work / m.seconds for m in copies) / 1e9:.1f} GB/s"
+            + (f", best triad {max(m.work / m.seconds for m in triad) / 1e9:.1f} GB/s" if triad else ""))
+    elif base is not None and bandwidth != start.hbm_bandwidth:
+        hbm_curve = _clamped(hbm_curve, start.hbm_bandwidth / bandwidth)
+
+    profile = dataclasses.replace(start, peak_flops=tuple((d, peaks[d]) for d in ("fp32",) + GEMM_DTYPES if d in peaks),
+                                  hbm_bandwidth=bandwidth, hbm_efficiency=hbm_curve, calibrated=True)
+
+    # ---- GEMM
+    curves = dict(start.gemm_efficiency)
+    for d in list(curves):  # kept curves re-expressed against the new peaks (same times)
+        if d not in gemm_by_dtype and d in old_peaks and old_peaks[d] != peaks[d]:
+            curves[d] = _clamped(curves[d], old_peaks[d] / peaks[d])
+    for d, ms in gemm_by_dtype.items():
+        curves.setdefault(d, Curve((1.0,), (0.5,)))
+    profile = dataclasses.replace(profile, gemm_efficiency=tuple((d, curves[d]) for d in GEMM_DTYPES if d in curves))
+    for d in GEMM_DTYPES:
+        ms = gemm_by_dtype.get(d)
+        if not ms:
+            continue
+        ms = sorted(ms, key=lambda m: m.work)
+        shapes = [(m.params["m"], m.params["n"], m.params["k"]) for m in ms]
+        fit = F.fit_gemm(shapes, [m.seconds for m in ms], dtype=d, profile=profile)
+        curves[d] = fit.curve
+        profile = dataclasses.replace(profile, gemm_efficiency=tuple((x, curves[x]) for x in GEMM_DTYPES if x in curves))
+        presets = sum(1 for m in ms if m.origin != "grid")
+        best = max(ms, key=lambda m: m.work / m.seconds)
+        built.fits[f"gemm.{d}"] = _fit_json(fit) | {
+            "shapes": len(ms), "best_tflops": best.work / best.seconds / 1e12,
+            "best_efficiency": best.work / best.seconds / profile.peak(d),
+            "median_efficiency": float(np.median([m.work / m.seconds / profile.peak(d) for m in ms]))}
+        if d == "fp8":
+            what = "torch._scaled_mm (e4m3 in, bf16 out)"
+        elif d == "tf32":
+            what = "torch.matmul in fp32" + (" (a CPU has no TF32)" if cpu else " with TF32 enabled")
+        else:
+            what = f"torch.matmul in {d}"
+        grid = len(ms) - presets
+        prov[f"gemm_efficiency.{d}"] = (
+            f"measured: {len(ms)} GEMMs, {presets} training shapes of the bundled model presets (TP 1-8, 2k-8k tokens, "
+            f"fwd/dgrad/wgrad; halved to the device's time budget where marked in the report) and {grid} grid "
+            f"square{'' if grid == 1 else 's'}, {what}; fitted to hwmodels.compute.gemm_time on {fit.n_train} shapes: "
+            f"held-out MAPE {_pct(fit.test_mape)} on {fit.n_test} (worst {_pct(fit.test_max_ape)}), "
+            f"train {_pct(fit.train_mape)}; best {best.work / best.seconds / 1e12:.3g} TFLOP/s at "
+            f"{best.params['m']}x{best.params['n']}x{best.params['k']}")
+
+    # ---- attention
+    for direction in ("fwd", "bwd"):
+        ms = sorted(by_kind.get(f"attention_{direction}", []), key=lambda m: m.work)
+        field_name = f"attention_{direction}_efficiency"
+        if not ms:
+            if base is not None and old_peaks.get("bf16") != peaks.get("bf16"):
+                profile = dataclasses.replace(profile, **{field_name: _clamped(getattr(profile, field_name),
+                                                                              old_peaks["bf16"] / peaks["bf16"])})
+            continue
+        if len(ms) < 2:
+            built.notes.append(f"attention {direction}: one configuration ran; the curve is a single value")
+        configs = [dict(m.params) for m in ms]
+        fit = F.fit_attention(configs, [m.seconds for m in ms], backward=direction == "bwd", dtype="bf16",
+                              profile=profile)
+        profile = dataclasses.replace(profile, **{field_name: fit.curve})
+        built.fits[f"attention.{direction}"] = _fit_json(fit) | {
+            "configs": len(ms), "best_tflops": max(m.work / m.seconds for m in ms) / 1e12}
+        prov[f"attention_efficiency.{direction}"] = (
+            f"measured: {len(ms)} torch scaled_dot_product_attention {direction} calls, causal bf16, head dims "
+            f"{sorted({c['head_dim'] for c in configs})}, seq {min(c['q_len'] for c in configs)}-"
+            f"{max(c['q_len'] for c in configs)} (the FlashAttention benchmark grid, scaled to the device); fitted to "
+            f"hwmodels.compute.attention_time on {fit.n_train}: held-out MAPE {_pct(fit.test_mape)} on {fit.n_test}, "
+            f"train {_pct(fit.train_mape)}")
+
+    # ---- memory-bound kernels vs the model (a check of the HBM curve on other kernels)
+    checks = []
+    for kind in ("elementwise", "optimizer"):
+        ops: dict[str, list] = {}
+        for m in by_kind.get(kind, []):
+            ops.setdefault(m.op, []).append(m)
+        for op, ms in ops.items():
+            pred = [sum(memory_bound_time(profile, b) for b in m.params["kernels"]) for m in ms]
+            err = F.mape(pred, [m.seconds for m in ms])
+            ratio = float(np.median([p / m.seconds for p, m in zip(pred, ms)]))
+            built.fits[f"memory_bound.{op}"] = {"n_test": len(ms), "test_mape": err, "model_over_measured": ratio}
+            checks.append(f"{op} {_pct(err)}")
+    if checks:
+        prov["hbm.efficiency.check"] = ("memory_bound_time with this profile vs measured eager torch kernels "
+                                        "(MAPE, none of them fitted): " + ", ".join(checks))
+
+    # ---- collectives: a CPU profile's links start as flagged placeholders; measurements replace them
+    if cpu and base is None:
+        profile = _cpu_links_assumed(profile, prov)
+    if collectives:
+        profile = _collectives(profile, collectives, built, prov, cpu=cpu)
+
+    final_name = name or (f"{base.name}-calibrated" if base is not None and not cpu else profile.name)
+    prov["calibration"] += f"; wall time {wall_s:.1f} s"
+    built.profile = _rounded(dataclasses.replace(profile, name=final_name, provenance=tuple(prov.items()),
+                                                 calibrated=True), base)
+    return built
+
+
+SIGNIFICANT = 5
+"""Digits kept of every measured number: far finer than run-to-run noise, and a readable file."""
+
+
+def _sig(x: float, unit: float = 1.0) -> float:
+    """x rounded to SIGNIFICANT digits in the YAML unit `unit` (so the file shows 12.345, not
+    12.344999999999999: the value is that decimal times the unit, as the loader computes it)."""
+    if not x:
+        return x
+    w = float(f"{x / unit:.{SIGNIFICANT}g}")
+    return w * unit if unit != 1.0 else w
+
+
+def _rounded(p: GpuProfile, base: GpuProfile | None) -> GpuProfile:
+    """`p` with its measured numbers rounded to SIGNIFICANT digits in their YAML units
+    (hwmodels.profile's TFLOPS, GBPS, GFLOP, MB, US); what it kept from `base` stays as the base
+    has it. Knots stay strictly increasing (at least 0.1 decade apart, or distinct byte counts)."""
+    from hwmodels.profile import GBPS, GFLOP, MB, TFLOPS, US
+
+    def kept(name: str, value) -> bool:
+        return base is not None and getattr(base, name) == value
+
+    def num(name: str, unit: float = 1.0):
+        v = getattr(p, name)
+        return v if kept(name, v) else _sig(v, unit)
+
+    def curve(c: Curve, old: Curve | None, xu: float | None, yu: float = 1.0) -> Curve:
+        """xu None: sizes kept as they are (message sizes in bytes are exact)."""
+        if c == old:
+            return c
+        xs = c.xs if xu is None else tuple(_sig(x, xu) for x in c.xs)
+        return Curve(xs, tuple(_sig(y, yu) for y in c.ys))
+
+    def field_curve(name: str, xu: float | None, yu: float = 1.0) -> Curve:
+        return curve(getattr(p, name), getattr(base, name) if base is not None else None, xu, yu)
+
+    base_peaks = dict(base.peak_flops) if base is not None else {}
+    base_gemm = dict(base.gemm_efficiency) if base is not None else {}
+    return dataclasses.replace(
+        p, peak_flops=tuple((d, v if base_peaks.get(d) == v else _sig(v, TFLOPS)) for d, v in p.peak_flops),
+        hbm_bandwidth=num("hbm_bandwidth", GBPS), hbm_efficiency=field_curve("hbm_efficiency", MB),
+        gemm_efficiency=tuple((d, curve(c, base_gemm.get(d), GFLOP)) for d, c in p.gemm_efficiency),
+        attention_fwd_efficiency=field_curve("attention_fwd_efficiency", GFLOP),
+        attention_bwd_efficiency=field_curve("attention_bwd_efficiency", GFLOP),
+        nvlink_bandwidth=num("nvlink_bandwidth", GBPS), nvlink_ring_busbw=num("nvlink_ring_busbw", GBPS),
+        nvlink_busbw=field_curve("nvlink_busbw", None, GBPS), nvlink_latency=num("nvlink_latency", US),
+        nic_efficiency=num("nic_efficiency"))
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 1e6:.3g} MB"
+
+
+def _fit_json(fit: F.FitResult) -> dict:
+    return {"n_train": fit.n_train, "n_test": fit.n_test, "train_mape": fit.train_mape, "test_mape": fit.test_mape,
+            "test_max_ape": fit.test_max_ape, "knots": list(fit.curve.xs), "values": list(fit.curve.ys)}
+
+
+def _cpu_links_assumed(profile: GpuProfile, prov: dict) -> GpuProfile:
+    """A CPU profile without --collectives: the intra-node tier as shared memory at half the copy
+    bandwidth with an assumed startup latency (alpha-beta), flagged as assumed."""
+    bw = profile.hbm_bandwidth * profile.hbm_efficiency.max / 2
+    f8 = busbw_factor("all_reduce", 8)
+    busbw = tuple(f8 * s / (CPU_COLLECTIVE_LATENCY + f8 * s / bw) for s in CURVE_SIZES)
+    prov["nvlink"] = (f"assumed (not measured; run under torchrun with --collectives to measure): shared memory at half "
+                      f"the copy bandwidth ({bw / 1e9:.2f} GB/s), {CPU_COLLECTIVE_LATENCY * 1e6:.0f} us per collective")
+    nics = host_nics()
+    prov["network"] = ("assumed (a single-node calibration measures no network): "
+                       + (f"{nics[0]} NIC(s) at {nics[1] * 8 / 1e9:.0f} Gb/s from /sys/class/net" if nics
+                          else "one 10 GbE NIC (/sys/class/net reports no speed)")
+                       + f", efficiency {CPU_NIC_EFFICIENCY}, latency {CPU_NET_LATENCY * 1e6:.0f} us, fat-tree")
+    return dataclasses.replace(profile, nvlink_bandwidth=bw, nvlink_ring_busbw=bw, nvlink_busbw=Curve(CURVE_SIZES, busbw),
+                               nvlink_latency=CPU_COLLECTIVE_LATENCY)
+
+
+def _collectives(profile: GpuProfile, samples, built: Built, prov: dict, *, cpu: bool) -> GpuProfile:
+    """Alpha-beta fits per tier and op; the intra-node tier's all_reduce busbw curve, ring busbw
+    and (CPU) link rate and latency; the NIC efficiency from the inter-node tier."""
+    by: dict[tuple[str, str], list] = {}
+    for s in samples:
+        by.setdefault((s.tier, s.op), []).append(s)
+    lines: dict[str, list[str]] = {}
+    fits: dict[tuple[str, str], F.AlphaBeta] = {}
+    for (tier, op), ss in sorted(by.items()):
+        ss = sorted(ss, key=lambda s: s.nbytes)
+        factor = busbw_factor(op, ss[0].ranks)
+        ab = F.fit_alpha_beta([s.nbytes for s in ss], [s.seconds for s in ss], factor=factor)
+        fits[(tier, op)] = ab
+        built.fits[f"collective.{tier}.{op}"] = {
+            "ranks": ss[0].ranks, "nodes": ss[0].nodes, "backend": ss[0].backend, "alpha_us": ab.alpha * 1e6,
+            "busbw_GBps": ab.busbw / 1e9, "max_measured_busbw_GBps": max(s.busbw for s in ss) / 1e9,
+            "n_train": ab.n_train, "n_test": ab.n_test, "train_mape": ab.train_mape, "test_mape": ab.test_mape,
+            "efficiency": {str(s.nbytes): ab.efficiency(s.nbytes) for s in ss}}
+        lines.setdefault(tier, []).append(
+            f"{op} {ab.alpha * 1e6:.1f} us + S/{ab.busbw / 1e9:.3g} GB/s busbw (held-out MAPE {_pct(ab.test_mape)})")
+    for tier, ls in lines.items():
+        first = next(s for s in samples if s.tier == tier)
+        prov[f"collectives.{tier}"] = (f"measured ({first.backend}, {first.ranks} ranks on {first.nodes} node(s), "
+                                       f"nccl-tests conventions), alpha-beta per op: " + "; ".join(ls))
+
+    intra = {op: sorted(ss, key=lambda s: s.nbytes) for (t, op), ss in by.items() if t == "intra"}
+    if "all_reduce" in intra:
+        ar = intra["all_reduce"]
+        n = ar[0].ranks
+        profile = dataclasses.replace(profile, nvlink_busbw=Curve(tuple(float(s.nbytes) for s in ar),
+                                                                  tuple(s.busbw for s in ar)))
+        prov["nvlink.allreduce_busbw"] = (f"measured: all_reduce busbw over {n} ranks ({ar[0].backend}), "
+                                          f"{len(ar)} sizes {ar[0].nbytes}-{ar[-1].nbytes} bytes"
+                                          + ("" if n == 8 else f" (hwmodels.network reads this curve as 8 ranks'; "
+                                                               f"measured with {n})"))
+        ring_ops = [op for op in ("all_gather", "reduce_scatter") if op in intra]
+        ring = (min(max(s.busbw for s in intra[op]) for op in ring_ops) if ring_ops
+                else max(s.busbw for s in ar))
+        profile = dataclasses.replace(profile, nvlink_ring_busbw=ring)
+        prov["nvlink.ring_busbw"] = (f"measured: the lower of the peak busbw of {' and '.join(ring_ops)}" if ring_ops
+                                     else "measured: the peak all_reduce busbw (no all_gather/reduce_scatter ran)") \
+            + f" over {n} ranks, {ring / 1e9:.3g} GB/s"
+        if cpu:
+            link = max(s.busbw for s in intra["send_recv"]) if "send_recv" in intra else ring
+            by_p2p = ("intra", "send_recv") in fits
+            lat = max(fits[("intra", "send_recv" if by_p2p else "all_reduce")].alpha, 1e-7)
+            profile = dataclasses.replace(profile, nvlink_bandwidth=link, nvlink_latency=lat)
+            prov["nvlink.bandwidth"] = "measured: " + ("the peak send/recv busbw" if "send_recv" in intra
+                                                       else "the ring busbw (send/recv did not run)")
+            prov["nvlink.latency"] = f"measured: the alpha of the {'send/recv' if by_p2p else 'all_reduce'} alpha-beta fit"
+            prov.pop("nvlink", None)
+    inter = [s for s in samples if s.tier == "inter" and s.op == "all_reduce"]
+    if inter:
+        net = profile.node_network
+        best = max(s.busbw for s in inter)
+        line = net.nics_per_node * net.nic_bandwidth
+        if best < 0.95 * profile.nvlink_ring_busbw and best <= line:
+            eff = best / line
+            profile = dataclasses.replace(profile, nic_efficiency=eff)
+            prov["network.nic_efficiency"] = (f"measured: peak inter-node all_reduce busbw {best / 1e9:.3g} GB/s over "
+                                              f"{net.nics_per_node} x {net.nic_bandwidth * 8 / 1e9:.0f} Gb/s NICs "
+                                              "(hwmodels.network: hierarchical ring busbw = NIC line rate x efficiency)")
+        else:
+            built.notes.append("inter-node all_reduce was not NIC-bound (at or above the intra-node ring busbw, or "
+                               "above the NICs' line rate): network.nic_efficiency kept from the base profile")
+    return profile

@@ -1,0 +1,310 @@
+"""Fit measured times to the hardware models' parameters (numpy + scipy; no torch here).
+
+Each fit works on the quantity the simulator predicts, not on a derived one: the GEMM curve is
+fitted so that `hwmodels.compute.gemm_time` (roofline of compute and HBM time, efficiency read
+from the curve) reproduces the measured GEMM times; the HBM curve so that `memory_bound_time`
+reproduces the copy times; the attention curves so that `attention_time` does. The loss is the
+log of predicted / measured time (a relative error, so a 10 us GEMM counts as much as a 10 ms
+one) under scipy's robust soft-L1 loss (a few noisy samples on a busy machine do not drag the
+curve), with the knot values bounded to (0, 1] as the profile format requires.
+
+Held-out error: about 20% of the points are left out of each fit (`holdout_split`), and the
+fitted model is then called through the real hwmodels function on them; `FitResult.test_mape`
+is that mean absolute percentage error, the number a user should expect on shapes the
+calibration never ran.
+
+Collectives are fitted to the alpha-beta (Hockney) model, t = alpha + f x S / B, with f the
+nccl-tests busbw factor of the op (hwmodels.network.busbw_factor): alpha is the latency, B the
+asymptotic bus bandwidth, and busbw(S) / B the efficiency at size S (Thakur, Rabenseifner and
+Gropp 2005, "Optimization of Collective Communication Operations in MPICH", Sec. 2).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import least_squares
+
+from hwmodels.compute import KERNEL_OVERHEAD, attention_time, dtype_bytes, gemm_time, memory_bound_time
+from hwmodels.curves import Curve
+from hwmodels.profile import GpuProfile
+from paraplan.specs import InterNodeSpec
+
+__all__ = ["AlphaBeta", "FitResult", "choose_knots", "fit_alpha_beta", "fit_attention", "fit_gemm", "fit_hbm",
+           "holdout_split", "mape"]
+
+HOLDOUT_FRACTION = 0.2
+EFF_MIN, EFF_MAX = 1e-4, 1.0
+"""Bounds of a fitted efficiency: the profile loader accepts (0, 1]."""
+SMOOTHNESS = 0.02
+"""Weight of the second-difference penalty on knot values (relative to their mean): keeps a curve
+with few points per knot from zig-zagging, too weak to move a real knee by more than a percent
+(tests/test_calibrate_fit.py recovers the bundled H100 curve with it on)."""
+ROBUST_SCALE = 0.05
+"""soft-L1 scale: residuals (log time ratios) beyond ~5% count linearly, not quadratically."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitResult:
+    curve: Curve
+    n_train: int
+    n_test: int
+    train_mape: float
+    """percent, the fitted model through hwmodels on the points it was fitted to."""
+    test_mape: float
+    """percent, on the held-out points (nan when there were too few points to hold any out)."""
+    test_max_ape: float
+    """percent, the worst held-out point."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlphaBeta:
+    alpha: float
+    """seconds: the latency term."""
+    busbw: float
+    """bytes/s: the asymptotic bus bandwidth (nccl-tests convention)."""
+    factor: float
+    """the op's busbw factor: t = alpha + factor x nbytes / busbw."""
+    n_train: int
+    n_test: int
+    train_mape: float
+    test_mape: float
+
+    def time(self, nbytes: float) -> float:
+        return self.alpha + self.factor * nbytes / self.busbw
+
+    def efficiency(self, nbytes: float) -> float:
+        """Achieved busbw at `nbytes` over the asymptotic busbw."""
+        return self.factor * nbytes / self.time(nbytes) / self.busbw
+
+
+def mape(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Mean absolute percentage error, in percent; nan for no points."""
+    p, m = np.asarray(predicted, float), np.asarray(measured, float)
+    if p.size == 0:
+        return math.nan
+    return float(np.mean(np.abs(p - m) / m) * 100.0)
+
+
+def _max_ape(predicted, measured) -> float:
+    p, m = np.asarray(predicted, float), np.asarray(measured, float)
+    return float(np.max(np.abs(p - m) / m) * 100.0) if p.size else math.nan
+
+
+def holdout_split(xs: Sequence[float], *, fraction: float = HOLDOUT_FRACTION, seed: int = 0) -> tuple[list[int], list[int]]:
+    """(train, test) indices: round(fraction x n) points held out, drawn by a seeded RNG from all
+    but the smallest and largest x (a curve is clamped outside its knots, so holding out an end
+    would test an extrapolation the model never makes), leaving at least two to fit."""
+    n = len(xs)
+    order = [int(i) for i in np.argsort(np.asarray(xs, float), kind="stable")]
+    inner = order[1:-1]
+    k = min(int(round(fraction * n)), len(inner), max(0, n - 2))
+    test = sorted(int(i) for i in np.random.default_rng(seed).choice(inner, size=k, replace=False)) if k > 0 else []
+    held = set(test)
+    return [i for i in range(n) if i not in held], test
+
+
+def choose_knots(xs: Sequence[float], *, per_knot: int = 3, max_knots: int = 16, min_gap: float = 0.1) -> np.ndarray:
+    """Knot sizes at quantiles of log10(x), so every segment holds data: about one knot per
+    `per_knot` points, between 2 and `max_knots`, the ends at the smallest and largest x, no two
+    closer than `min_gap` decades (one knot when every x is the same). Three points per knot was
+    the best trade on synthetic sweeps (tests/test_calibrate_fit.py's setting: 30 shapes with 2-8%
+    noise, fresh-shape error 2.3-4.7% against 3.2-4.7% at four and 2.6-5.4% at two)."""
+    lx = np.sort(np.log10(np.asarray(xs, float)))
+    if lx[-1] - lx[0] < min_gap:
+        return np.array([10 ** lx[0]]) if lx[-1] == lx[0] else 10 ** np.array([lx[0], lx[-1]])
+    n = int(np.clip(len(lx) // per_knot, 2, max_knots))
+    knots = [lx[0]]
+    for q in np.quantile(lx, np.linspace(0, 1, n))[1:]:
+        if q - knots[-1] >= min_gap:
+            knots.append(float(q))
+    if knots[-1] != lx[-1]:
+        if lx[-1] - knots[-1] < min_gap and len(knots) > 1:
+            knots[-1] = float(lx[-1])
+        else:
+            knots.append(float(lx[-1]))
+    return 10 ** np.array(knots)
+
+
+# ----------------------------------------------------------------------------- the generic fit
+
+
+def _interp(x: np.ndarray, knots: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """hwmodels.curves.Curve, vectorised: linear in log10(x) between knots, clamped outside."""
+    return np.interp(np.log10(x), np.log10(knots), ys)
+
+
+def _compute_times(flops: np.ndarray, peak: float, knots: np.ndarray, ys: np.ndarray) -> np.ndarray:
+    """hwmodels.compute._compute_time, vectorised: flops / (peak x eff), floored at the time of
+    the largest knot at or below flops."""
+    t = flops / (peak * _interp(flops, knots, ys))
+    i = np.searchsorted(knots, flops, side="right") - 1
+    j = np.maximum(i, 0)
+    floor = np.where(i >= 0, knots[j] / (peak * ys[j]), 0.0)
+    return np.maximum(t, floor)
+
+
+def _initial(x: np.ndarray, eff: np.ndarray, knots: np.ndarray) -> np.ndarray:
+    """Start values: at each knot the median raw efficiency of the points nearest it in log x."""
+    lx, lk = np.log10(x), np.log10(knots)
+    k = max(1, min(len(x), int(math.ceil(len(x) / len(knots)))))
+    out = [float(np.median(eff[np.argsort(np.abs(lx - c))[:k]])) for c in lk]
+    return np.clip(out, EFF_MIN * 1.01, EFF_MAX * 0.999)
+
+
+def _fit_knot_values(predict: Callable[[np.ndarray], np.ndarray], measured: np.ndarray, x0: np.ndarray) -> np.ndarray:
+    """Knot efficiencies minimising the robust log error of predict(ys) against measured."""
+    logm = np.log(measured)
+
+    def residuals(ys):
+        r = np.log(predict(ys)) - logm
+        if len(ys) > 2 and SMOOTHNESS > 0:
+            r = np.concatenate([r, SMOOTHNESS * np.diff(ys, 2) / max(float(np.mean(ys)), EFF_MIN)])
+        return r
+
+    sol = least_squares(residuals, x0, bounds=(EFF_MIN, EFF_MAX), loss="soft_l1", f_scale=ROBUST_SCALE,
+                        x_scale="jac", max_nfev=2000)
+    return np.clip(sol.x, EFF_MIN, EFF_MAX)
+
+
+def _result(curve: Curve, model: Callable[[Curve, int], float], seconds: Sequence[float], train, test) -> FitResult:
+    """Errors of the fitted `curve` through the real hwmodels function `model(curve, i)`."""
+    pred_train = [model(curve, i) for i in train]
+    pred_test = [model(curve, i) for i in test]
+    return FitResult(
+        curve=curve, n_train=len(train), n_test=len(test),
+        train_mape=mape(pred_train, [seconds[i] for i in train]),
+        test_mape=mape(pred_test, [seconds[i] for i in test]),
+        test_max_ape=_max_ape(pred_test, [seconds[i] for i in test]),
+    )
+
+
+def _split(n: int, xs, train, test):
+    if train is None:
+        train, test = holdout_split(xs)
+    if len(train) < 1:
+        raise ValueError("nothing to fit: no training points")
+    return list(train), list(test or [])
+
+
+# ----------------------------------------------------------------------------- HBM
+
+
+def fit_hbm(nbytes: Sequence[float], seconds: Sequence[float], *, bandwidth: float,
+            train: Sequence[int] | None = None, test: Sequence[int] | None = None) -> FitResult:
+    """The HBM efficiency curve (bytes moved by one kernel -> fraction of `bandwidth`) that makes
+    memory_bound_time = KERNEL_OVERHEAD + bytes / (bandwidth x eff(bytes)) match the measured
+    copies. A kernel faster than KERNEL_OVERHEAD cannot be matched; the fit then sits at the
+    efficiency bound 1 for it and the error says so."""
+    b, t = np.asarray(nbytes, float), np.asarray(seconds, float)
+    train, test = _split(len(b), b, train, test)
+    bt, tt = b[train], t[train]
+    knots = choose_knots(bt, per_knot=1)  # one copy per size, ~4x apart: a knot at each, an efficiency table
+    raw = bt / (bandwidth * np.maximum(tt - KERNEL_OVERHEAD, 0.1 * tt))
+    ys = _fit_knot_values(lambda ys: KERNEL_OVERHEAD + bt / (bandwidth * _interp(bt, knots, ys)), tt,
+                          _initial(bt, raw, knots))
+    curve = Curve(tuple(knots), tuple(ys))
+    probe = _bare_profile(bandwidth=bandwidth, hbm=curve)
+    return _result(curve, lambda c, i: memory_bound_time(dataclasses.replace(probe, hbm_efficiency=c), b[i]),
+                   t, train, test)
+
+
+def _bare_profile(*, bandwidth: float, hbm: Curve) -> GpuProfile:
+    """A throwaway profile holding only what memory_bound_time reads."""
+    flat = Curve((1.0,), (1.0,))
+    return GpuProfile(name="fit", arch="ampere", peak_flops=(("tf32", 1.0), ("fp16", 1.0), ("bf16", 1.0)),
+                      hbm_capacity=1.0, hbm_bandwidth=bandwidth, hbm_efficiency=hbm,
+                      gemm_efficiency=(("tf32", flat), ("fp16", flat), ("bf16", flat)),
+                      attention_fwd_efficiency=flat, attention_bwd_efficiency=flat, nvlink_bandwidth=1.0,
+                      nvlink_ring_busbw=1.0, nvlink_busbw=flat, nvlink_latency=1e-6,
+                      node_network=InterNodeSpec(nics_per_node=1, nic_bandwidth=1.0), nic_efficiency=1.0)
+
+
+# ----------------------------------------------------------------------------- GEMM
+
+
+def fit_gemm(shapes: Sequence[tuple[int, int, int]], seconds: Sequence[float], *, dtype: str, profile: GpuProfile,
+             train: Sequence[int] | None = None, test: Sequence[int] | None = None) -> FitResult:
+    """The GEMM efficiency curve of `dtype` (FLOPs of one GEMM -> fraction of profile.peak(dtype))
+    that makes hwmodels.compute.gemm_time(profile, m, n, k, dtype) match the measured (m, n, k)
+    times, with `profile`'s HBM curve (fit it first) for the memory term of the roofline."""
+    m, n, k = (np.asarray([s[i] for s in shapes], float) for i in range(3))
+    t = np.asarray(seconds, float)
+    flops = 2.0 * m * n * k
+    peak = profile.peak(dtype)
+    nbytes = (m * k + k * n + m * n) * dtype_bytes(dtype)
+    t_mem = nbytes / (profile.hbm_bandwidth * np.array([profile.hbm_efficiency(x) for x in nbytes]))
+    train, test = _split(len(t), flops, train, test)
+    ft, tt, mt = flops[train], t[train], t_mem[train]
+    knots = choose_knots(ft)
+    raw = ft / (peak * np.sqrt(np.maximum(tt**2 - mt**2, (0.1 * tt) ** 2)))
+    ys = _fit_knot_values(lambda ys: np.hypot(_compute_times(ft, peak, knots, ys), mt), tt, _initial(ft, raw, knots))
+    curve = Curve(tuple(knots), tuple(ys))
+    key = "tf32" if dtype == "fp32" else dtype  # fp32 GEMMs run on the TF32 curve (hwmodels.profile)
+
+    def model(c: Curve, i: int) -> float:
+        curves = tuple((d, c if d == key else cv) for d, cv in profile.gemm_efficiency)
+        return gemm_time(dataclasses.replace(profile, gemm_efficiency=curves), int(m[i]), int(n[i]), int(k[i]), dtype)
+
+    return _result(curve, model, t, train, test)
+
+
+# ----------------------------------------------------------------------------- attention
+
+
+def fit_attention(configs: Sequence[dict], seconds: Sequence[float], *, backward: bool, dtype: str, profile: GpuProfile,
+                  train: Sequence[int] | None = None, test: Sequence[int] | None = None) -> FitResult:
+    """The flash-attention curve (FLOPs of one call -> fraction of the 16-bit peak) that makes
+    hwmodels.compute.attention_time match the measured calls; `configs` hold attention_time's
+    keyword arguments (batch, heads, q_len, kv_len, head_dim, causal)."""
+    # the simulator's own rule for which peak attention runs at (fp8 training keeps it in bf16)
+    from hwmodels.compute import _attention_dtype, attention_flops
+
+    t = np.asarray(seconds, float)
+    flops = np.array([attention_flops(**c, backward=backward) for c in configs])
+    peak = profile.peak(_attention_dtype(dtype))
+    train, test = _split(len(t), flops, train, test)
+    ft, tt = flops[train], t[train]
+    knots = choose_knots(ft, per_knot=2)  # few configurations, each a smooth average over many tiles
+    ys = _fit_knot_values(lambda ys: np.maximum(_compute_times(ft, peak, knots, ys), KERNEL_OVERHEAD), tt,
+                          _initial(ft, ft / (peak * tt), knots))
+    curve = Curve(tuple(knots), tuple(ys))
+    field = "attention_bwd_efficiency" if backward else "attention_fwd_efficiency"
+
+    def model(c: Curve, i: int) -> float:
+        return attention_time(dataclasses.replace(profile, **{field: c}), **configs[i], dtype=dtype, backward=backward)
+
+    return _result(curve, model, t, train, test)
+
+
+# ----------------------------------------------------------------------------- collectives
+
+
+def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float], *, factor: float,
+                   train: Sequence[int] | None = None, test: Sequence[int] | None = None) -> AlphaBeta:
+    """alpha (s) and busbw (bytes/s) of t = alpha + factor x nbytes / busbw, fitted on the log
+    time ratio (so small, latency-bound messages weigh as much as large ones)."""
+    b, t = np.asarray(nbytes, float), np.asarray(seconds, float)
+    train, test = _split(len(b), b, train, test)
+    bt, tt = b[train], t[train]
+    logm = np.log(tt)
+    bw0 = float(np.max(factor * bt / tt))
+    a0 = max(float(np.min(tt)) * 0.5, 1e-9)
+
+    def residuals(p):
+        alpha, logbw = p[0] * 1e-6, p[1]
+        return np.log(alpha + factor * bt / np.exp(logbw)) - logm
+
+    sol = least_squares(residuals, [a0 * 1e6, math.log(bw0)], bounds=([0.0, -np.inf], [np.inf, np.inf]),
+                        loss="soft_l1", f_scale=ROBUST_SCALE, x_scale="jac", max_nfev=2000)
+    alpha, busbw = float(sol.x[0]) * 1e-6, float(math.exp(sol.x[1]))
+    ab = AlphaBeta(alpha=alpha, busbw=busbw, factor=factor, n_train=len(train), n_test=len(test),
+                   train_mape=math.nan, test_mape=math.nan)
+    return dataclasses.replace(
+        ab,
+        train_mape=mape([ab.time(x) for x in bt], tt),
+        test_mape=mape([ab.time(b[i]) for i in test], [t[i] for i in test]),
+    )

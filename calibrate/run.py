@@ -1,0 +1,453 @@
+"""The whole calibration, as `paraplan calibrate` runs it: check the request, find the device and
+its base profile, probe its speed, plan the sweep, run the collectives on every rank and the
+single-device benchmarks on rank 0, fit, and write the profile (and the report) atomically.
+
+Nothing is written until everything has run and fitted: an interrupted or failed calibration
+leaves no file behind (hwmodels.profile.write_profile and paraplan.fileio.write_atomic write a
+temporary file beside the target and rename it).
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from calibrate.errors import CalibrationError
+
+__all__ = ["BENCHMARKS", "Options", "Outcome", "calibrate", "check_options"]
+
+BENCHMARKS = ("gemm", "hbm", "attention", "elementwise")
+"""What --skip can name; elementwise covers the norms, activations and the optimizer step."""
+DEFAULT_DTYPES = ("tf32", "fp16", "bf16")
+COLLECTIVE_MAX_BYTES = {("cuda", True): 2**28, ("cuda", False): 2**32, ("cpu", True): 2**22, ("cpu", False): 2**26}
+"""Largest collective message (nccl-tests convention) per device and --quick."""
+PG_TIMEOUT = timedelta(minutes=30)
+"""How long a rank waits for the others in a collective: generous, as a full sweep's largest
+messages and a rank slow to start on a busy node should not time the others out."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Options:
+    """What `paraplan calibrate` was asked (its options, one field each)."""
+
+    out: Path
+    """the profile to write (.yaml or .yml)."""
+    device: str = "cuda"
+    """cuda | cpu"""
+    quick: bool = False
+    """fewer shapes and repeats, smaller time budget per call (plan.TIMINGS, plan.COUNTS)."""
+    collectives: bool = False
+    """sweep the collectives across the ranks torchrun started (needs WORLD_SIZE > 1)."""
+    base: str | None = None
+    """bundled profile name or file: peaks and unmeasured fields; None: matched by GPU name (none for a CPU)."""
+    name: str | None = None
+    """the profile's name; None: '<base>-calibrated', or 'cpu-<model>'."""
+    dtypes: tuple[str, ...] | None = None
+    """GEMM dtypes; None: every dtype the device (and its base profile) supports."""
+    skip: frozenset[str] = frozenset()
+    """benchmarks (BENCHMARKS) left out; their fields come from the base."""
+    report: Path | None = None
+    """a JSON file for every measurement and fit, or None."""
+    threads: int | None = None
+    """torch.set_num_threads on a CPU; None: torch's default."""
+    progress: bool = True
+    """the progress line on stderr."""
+
+
+@dataclass
+class Outcome:
+    """What rank 0 returns: the profile as written, and everything behind it."""
+
+    profile: object
+    """hwmodels.profile.GpuProfile, exactly as the written file loads."""
+    path: Path
+    info: object
+    """device.DeviceInfo"""
+    wall_s: float
+    fits: dict
+    """build.Built.fits: each fit's errors and values."""
+    notes: list[str]
+    """skipped ops and shapes, and other things the user should know."""
+    plan_items: int
+    estimate_s: float | None
+    """the plan's predicted duration (GPU with a base profile), None otherwise."""
+    measurements: list = field(default_factory=list)
+    collectives: list = field(default_factory=list)
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def _world(env: Mapping[str, str]) -> tuple[int, int, int, int]:
+    """(world size, rank, local rank, local world size) from torchrun's environment."""
+    def num(key, default):
+        try:
+            return int(env.get(key, default))
+        except ValueError:
+            raise CalibrationError(f"environment variable {key}={env.get(key)!r} is not an integer") from None
+
+    world = num("WORLD_SIZE", 1)
+    local_world = num("LOCAL_WORLD_SIZE", world)
+    return world, num("RANK", 0), num("LOCAL_RANK", 0), local_world
+
+
+def check_options(opts: Options, env: Mapping[str, str] | None = None) -> None:
+    """Everything that can be wrong with the request before a device is touched."""
+    from hwmodels.profile import DTYPES
+
+    env = os.environ if env is None else env
+    out = Path(opts.out)
+    if out.suffix not in (".yaml", ".yml"):
+        raise CalibrationError(f"--out {out}: a profile file must end in .yaml or .yml (scenarios find it by that)")
+    if out.is_dir():
+        raise CalibrationError(f"--out {out}: is a directory")
+    if opts.report is not None and Path(opts.report).resolve() == out.resolve():
+        raise CalibrationError("--report must be another file than --out")
+    if opts.name is not None and not opts.name.strip():
+        raise CalibrationError("--name: expected a non-empty name")
+    if opts.device not in ("cuda", "cpu"):
+        raise CalibrationError(f"--device {opts.device!r}: expected cuda or cpu")
+    unknown = sorted(set(opts.skip) - set(BENCHMARKS))
+    if unknown:
+        raise CalibrationError(f"--skip {', '.join(unknown)}: unknown; expected some of {', '.join(BENCHMARKS)}")
+    if opts.dtypes is not None:
+        bad = [d for d in opts.dtypes if d not in DTYPES or d == "fp32"]
+        if bad or not opts.dtypes:
+            raise CalibrationError(f"--dtypes {','.join(opts.dtypes)}: expected some of tf32, fp16, bf16, fp8 "
+                                   "(fp32 GEMMs are measured as tf32)")
+        if "gemm" in opts.skip:
+            raise CalibrationError("--dtypes selects GEMM dtypes, but --skip gemm skips the GEMMs")
+    if opts.device == "cpu" and opts.dtypes and "fp8" in opts.dtypes:
+        raise CalibrationError("--dtypes fp8: fp8 GEMMs need a GPU (torch._scaled_mm on compute capability 8.9+)")
+    if opts.threads is not None:
+        if opts.device != "cpu":
+            raise CalibrationError("--threads applies to --device cpu (a GPU's kernels do not use CPU threads)")
+        if opts.threads < 1:
+            raise CalibrationError(f"--threads {opts.threads}: expected at least 1")
+    if opts.device == "cpu" and opts.base is None:
+        needs = sorted(set(opts.skip) & {"gemm", "hbm", "attention"})
+        if needs:
+            raise CalibrationError(f"--skip {', '.join(needs)} on a CPU needs --base PROFILE to take those fields from "
+                                   "(a CPU has no bundled profile)")
+    if set(BENCHMARKS) <= set(opts.skip) and not opts.collectives:
+        raise CalibrationError("nothing to measure: every benchmark is skipped and --collectives is not given")
+    world = _world(env)[0]
+    if opts.collectives and world < 2:
+        raise CalibrationError("--collectives needs several ranks, and this is a single process (WORLD_SIZE is 1): "
+                               "run it under torchrun, e.g. torchrun --nproc-per-node 8 -m paraplan calibrate "
+                               "--collectives --out ...")
+    if world > 1 and not opts.collectives:
+        raise CalibrationError(f"running as {world} ranks without --collectives: every rank would calibrate the same "
+                               "device and write the same file; add --collectives or run a single process")
+
+
+def _check_writable(out: Path) -> None:
+    """Fail now, not after the sweep, if the profile cannot be written where asked."""
+    parent = out.parent if str(out.parent) else Path(".")
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise CalibrationError(f"--out {out}: cannot create its folder: {exc.strerror or exc}") from None
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise CalibrationError(f"--out {out}: folder {parent} is not writable")
+
+
+def _load_base(name: str):
+    from hwmodels.profile import load_profile
+    from paraplan.errors import ConfigError
+
+    try:
+        return load_profile(name)
+    except ConfigError as exc:
+        msg = str(exc)
+        if exc.path == "cluster.gpu":  # the loader speaks of scenarios; this is an option
+            msg = msg[len("cluster.gpu: "):]
+        raise CalibrationError(f"--base {name}: {' '.join(msg.split())}") from None  # one line, as the CLI prints it
+
+
+def _base_profile(opts: Options, info):
+    """(profile, label) the calibration starts from, or (None, '') for a CPU without --base."""
+    from calibrate.device import bundled_match
+    from hwmodels.profile import BUNDLED, load_profile
+
+    if opts.base is not None:
+        return _load_base(opts.base), (f"{opts.base} (bundled)" if opts.base in BUNDLED else str(opts.base))
+    if info.kind == "cpu":
+        return None, ""
+    name = bundled_match(info.name, info.memory_bytes)
+    if name is None:
+        raise CalibrationError(f"no bundled profile matches {info.name!r} ({info.memory_bytes / 2**30:.0f} GiB); pass "
+                               f"--base NAME or --base FILE with its datasheet peaks (bundled: {', '.join(BUNDLED)})")
+    return load_profile(name), f"{name} (bundled, matched to {info.name!r})"
+
+
+def _dtypes(opts: Options, info, base, device) -> tuple[str, ...]:
+    from calibrate.bench import fp8_supported
+
+    peaks = dict(base.peak_flops) if base is not None else None
+    ok8, why8 = fp8_supported(device)
+    if opts.dtypes is not None:
+        if "fp8" in opts.dtypes and not ok8:
+            raise CalibrationError(f"--dtypes fp8: {why8}")
+        if peaks is not None and info.kind == "cuda":
+            missing = [d for d in opts.dtypes if d not in peaks]
+            if missing:
+                raise CalibrationError(f"--dtypes {','.join(missing)}: the base profile {base.name} has no "
+                                       f"{'/'.join(missing)} peak ({base.arch})")
+        return tuple(opts.dtypes)
+    dts = DEFAULT_DTYPES
+    if ok8 and (peaks is None or "fp8" in peaks) and info.kind == "cuda":
+        dts = dts + ("fp8",)
+    return dts
+
+
+# ----------------------------------------------------------------------------- the run
+
+
+def calibrate(opts: Options, *, env: Mapping[str, str] | None = None, stream=None) -> Outcome | None:
+    """Run the calibration `opts` asks for; the Outcome on rank 0, None on the other ranks."""
+    env = os.environ if env is None else env
+    stream = sys.stderr if stream is None else stream
+    t_start = time.monotonic()
+    check_options(opts, env)
+    world, rank, local_rank, local_world = _world(env)
+    out = Path(opts.out)
+    if rank == 0:
+        _check_writable(out)
+        if opts.report is not None:
+            _check_writable(Path(opts.report))
+    if opts.base is not None:
+        _load_base(opts.base)  # a bad --base fails before torch is imported
+
+    import torch
+
+    from calibrate import bench
+    from calibrate.device import detect
+    from calibrate.plan import TIMINGS, build_plan, estimate_seconds
+    from calibrate.progress import Progress
+
+    if opts.threads is not None:
+        torch.set_num_threads(opts.threads)
+    info = detect(opts.device, local_rank if opts.device == "cuda" else 0)
+    if info.kind == "cuda":
+        torch.cuda.set_device(info.index)
+        device = torch.device("cuda", info.index)
+    else:
+        device = torch.device("cpu")
+    base, base_label = _base_profile(opts, info)
+    singles = [b for b in BENCHMARKS if b not in opts.skip]
+    dtypes = _dtypes(opts, info, base, device) if "gemm" in singles else ()
+    timing = TIMINGS[(info.kind, opts.quick)]
+    notes: list[str] = []
+    samples: list = []
+    measurements: list = []
+
+    pg = False
+    try:
+        if world > 1:
+            if world % local_world:
+                raise CalibrationError(f"WORLD_SIZE {world} is not a multiple of LOCAL_WORLD_SIZE {local_world}")
+            backend = "nccl" if info.kind == "cuda" else "gloo"
+            import torch.distributed as dist
+
+            kwargs = {"device_id": device} if info.kind == "cuda" else {}
+            _guarded(f"starting {backend} on {world} ranks", out,
+                     lambda: dist.init_process_group(backend=backend, timeout=PG_TIMEOUT, **kwargs))
+            pg = True
+            samples = _guarded("collective sweep", out, lambda: _collectives(
+                opts, info, device, backend, timing, world, rank, local_world, notes, stream if rank == 0 else None))
+            if rank != 0:
+                return None
+
+        clock = bench.Clock(device)
+        plan = rates = est = None
+        if singles:
+            rates = _guarded("speed probe", out, lambda: bench.probe_rates(
+                device, dtypes or ("bf16",), clock, budget_s=timing.max_kernel_s))
+            plan = build_plan(device=info.kind, quick=opts.quick, dtypes=dtypes, rates=rates)
+            if base is not None and info.kind == "cuda":
+                est = estimate_seconds(plan, base)
+        phases = _phases(plan, rates, singles, dtypes, device=device, clock=clock, timing=timing, notes=notes)
+        items = sum(count for _, count, _ in phases)
+        progress = Progress(items, stream=stream, enabled=opts.progress)
+        if phases:
+            progress.note(f"{info.describe()}: {items} benchmarks" + (f", about {est:.0f} s" if est else ""))
+        for name, count, fn in phases:
+            progress.phase(name, count)
+            try:
+                measurements += _guarded(name + " benchmark", out, lambda: fn(progress))
+            finally:
+                progress.clear()
+
+        from calibrate.build import build_profile
+
+        wall = time.monotonic() - t_start
+        built = _guarded("fitting", out, lambda: build_profile(
+            info=info, base=base, base_label=base_label, measurements=measurements, collectives=samples,
+            name=opts.name, mode="quick" if opts.quick else "full", timing=timing, notes=notes, wall_s=wall))
+        outcome = Outcome(profile=built.profile, path=out, info=info, wall_s=wall, fits=built.fits, notes=built.notes,
+                          plan_items=items, estimate_s=est, measurements=measurements, collectives=samples)
+        _write(outcome, opts)
+        outcome.wall_s = time.monotonic() - t_start
+        return outcome
+    finally:
+        if pg:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+
+
+def _guarded(what: str, out: Path, fn):
+    """fn(), with any failure but an interrupt or a CalibrationError turned into one line that
+    names `what` failed (the traceback stays behind --debug, chained)."""
+    try:
+        return fn()
+    except (KeyboardInterrupt, CalibrationError):
+        raise
+    except Exception as exc:  # noqa: BLE001 - a failure mid-way: say which, write nothing
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CalibrationError(f"{what} failed: {msg}; nothing written to {out}") from exc
+
+
+def _phases(plan, rates, singles, dtypes, *, device, clock, timing, notes) -> list:
+    """(name, items, fn(progress) -> measurements) for each single-device benchmark to run."""
+    from calibrate import bench
+
+    if plan is None:
+        return []
+    common = dict(device=device, clock=clock, timing=timing)
+    phases = []
+    if "gemm" in singles:
+        for dt in dtypes:
+            phases.append((f"gemm {dt}", len(plan.gemm[dt]), lambda pr, dt=dt: bench.run_gemm(
+                plan.gemm[dt], dt, progress=pr, notes=notes, **common)))
+    if "hbm" in singles:
+        phases.append(("hbm copy/triad", 2 * len(plan.hbm_sizes), lambda pr: bench.run_hbm(
+            plan.hbm_sizes, progress=pr, budget=rates.memory_budget, **common)))
+    if "attention" in singles:
+        phases.append(("attention fwd/bwd", 2 * len(plan.attention), lambda pr: bench.run_attention(
+            plan.attention, progress=pr, notes=notes, **common)))
+    if "elementwise" in singles:
+        phases.append(("elementwise", len(plan.elementwise), lambda pr: bench.run_elementwise(
+            plan.elementwise, progress=pr, **common)))
+        phases.append(("adamw step", len(plan.optimizer), lambda pr: bench.run_optimizer(
+            plan.optimizer, progress=pr, notes=notes, **common)))
+    return phases
+
+
+def _collectives(opts, info, device, backend, timing, world, rank, local_world, notes, stream) -> list:
+    """Every rank: build the tier groups, agree on what the backend supports, sweep. Rank 0's
+    samples come back (the others' are the same numbers: each size's time is the group's max)."""
+    import torch
+    import torch.distributed as dist
+
+    from calibrate import collectives as coll
+    from calibrate.bench import memory_budget
+    from calibrate.plan import collective_sizes
+    from calibrate.progress import Progress
+
+    nodes = world // local_world
+    tiers = []
+    if local_world > 1:
+        mine = None
+        for node in range(nodes):  # every rank creates every group, in the same order
+            ranks = tuple(range(node * local_world, (node + 1) * local_world))
+            g = dist.new_group(ranks=list(ranks))
+            if rank in ranks:
+                mine = coll.Tier(name="intra", group=g, ranks=ranks, nodes=1, ranks_per_node=local_world)
+        tiers.append(mine)
+    if nodes > 1:
+        tiers.append(coll.Tier(name="inter", group=dist.group.WORLD, ranks=tuple(range(world)), nodes=nodes,
+                               ranks_per_node=local_world))
+
+    cap = COLLECTIVE_MAX_BYTES[(info.kind, opts.quick)]
+    cap = min(cap, 2 ** int(math.log2(max(memory_budget(device) / 4, 2**20))))
+    agreed = torch.tensor([cap], dtype=torch.float64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    sizes = collective_sizes(opts.quick, int(agreed.item()))
+
+    supported = {t.name: coll.probe_support(t, device) for t in tiers}
+    total = sum(len(sizes) for t in tiers for op, why in supported[t.name].items() if not why)
+    progress = Progress(total, stream=stream, enabled=stream is not None and opts.progress)
+    samples = []
+    for t in tiers:
+        for op in coll.COLLECTIVES:
+            why = supported[t.name][op]
+            if why:
+                note = f"{op} ({backend}, {t.name}-node) is not supported by this build: {why}; skipped"
+                if note not in notes:
+                    notes.append(note)
+                    progress.note(note)
+                continue
+            progress.phase(f"{op} {t.name}-node, {len(t.ranks)} ranks", len(sizes))
+            try:
+                samples += coll.sweep(op, sizes, t, device=device, timing=timing, backend=backend, progress=progress)
+            finally:
+                progress.clear()
+    dist.barrier()
+    return samples
+
+
+def _clean(value):
+    """JSON without NaN (not valid JSON): None instead."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {str(k): _clean(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_clean(v) for v in value]
+    return value
+
+
+def _same(a, b, rel: float = 1e-9) -> bool:
+    """Equal dataclasses / tuples / curves, floats to `rel` (a YAML unit conversion can move the last bit)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(a) and dataclasses.is_dataclass(b):
+        return type(a) is type(b) and all(_same(getattr(a, f.name), getattr(b, f.name), rel)
+                                           for f in dataclasses.fields(a) if f.compare)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y, rel) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return math.isclose(a, b, rel_tol=rel, abs_tol=0.0)
+    return a == b
+
+
+def _write(outcome: Outcome, opts: Options) -> None:
+    """The report first, the profile last: the profile's appearance means the run completed."""
+    from hwmodels.profile import load_profile, write_profile
+    from paraplan.fileio import write_atomic
+
+    if opts.report is not None:
+        report = {
+            "profile": str(outcome.path), "device": outcome.info.to_json(),
+            "options": {k: (sorted(v) if isinstance(v, frozenset) else str(v) if isinstance(v, Path) else v)
+                        for k, v in asdict(opts).items()},
+            "wall_s": outcome.wall_s, "estimate_s": outcome.estimate_s, "fits": outcome.fits, "notes": outcome.notes,
+            "measurements": [m.to_json() for m in outcome.measurements],
+            "collectives": [s.to_json() for s in outcome.collectives],
+        }
+        write_atomic(opts.report, json.dumps(_clean(report), indent=1) + "\n")
+    # Written beside the target under a hidden name, loaded back (the format's round trip, checked
+    # where the file is made), then renamed over the target: a profile that would not load is never
+    # left where a scenario looks for it.
+    out = Path(outcome.path)
+    tmp = out.with_name(f".{out.name}.{os.getpid()}.verify{out.suffix}")
+    try:
+        write_profile(outcome.profile, tmp)
+        loaded = load_profile(str(tmp))
+        if not _same(loaded, outcome.profile):
+            raise CalibrationError(f"{out}: the profile does not load back as built (a bug; please report it); "
+                                   "nothing written")
+        outcome.profile = loaded  # exactly what the file says (YAML units round the last bit)
+        os.replace(tmp, out)
+    except BaseException:
+        if tmp.exists():
+            tmp.unlink()
+        raise

@@ -1,0 +1,122 @@
+"""calibrate.build without a device: synthetic measurements made with the bundled H100 profile's
+own models go in, and the profile that comes out must describe the same GPU, carry provenance,
+and load back through hwmodels.profile exactly as a scenario would load it."""
+import dataclasses
+
+import numpy as np
+import pytest
+
+from calibrate.build import CPU_ARCH, CPU_HEADROOM, build_profile
+from calibrate.device import DeviceInfo
+from calibrate.plan import TIMINGS, Rates, build_plan, rates_from_profile
+from calibrate.results import CollectiveSample, Measurement
+from hwmodels.compute import attention_flops, attention_time, gemm_time, memory_bound_time
+from hwmodels.network import busbw_factor
+from hwmodels.profile import load_profile, write_profile
+
+H100 = load_profile("h100-sxm-80gb")
+GPU = DeviceInfo(kind="cuda", index=0, name="NVIDIA H100 80GB HBM3", memory_bytes=int(79.1 * 2**30), capability="9.0",
+                 driver="550.54.15", cuda="12.4", torch="2.13.0")
+CPU = DeviceInfo(kind="cpu", index=0, name="Some CPU 8-Core", memory_bytes=64 * 2**30, torch="2.13.0", threads=8)
+
+
+def _measure(profile, plan, dtypes, seed=0):
+    """What bench would have measured on a device that behaves exactly like `profile` (+1% noise)."""
+    rng = np.random.default_rng(seed)
+    noisy = lambda t: t * rng.lognormal(0, 0.01)  # noqa: E731
+    out = []
+    for d in dtypes:
+        for s in plan.gemm[d]:
+            out.append(Measurement(kind="gemm", op="matmul", dtype=d, params=dict(m=s.m, n=s.n, k=s.k), work=s.flops,
+                                   seconds=noisy(gemm_time(profile, s.m, s.n, s.k, d)), origin=s.origin))
+    for size in plan.hbm_sizes:
+        for kind, passes in (("copy", 2), ("triad", 3)):
+            out.append(Measurement(kind=kind, op=kind, dtype="fp32", params=dict(bytes=size), work=passes * size,
+                                   seconds=noisy(memory_bound_time(profile, passes * size))))
+    for a in plan.attention:
+        for bwd in (False, True):
+            out.append(Measurement(kind="attention_bwd" if bwd else "attention_fwd", op="sdpa", dtype="bf16",
+                                   params=a.kwargs(), work=attention_flops(**a.kwargs(), backward=bwd),
+                                   seconds=noisy(attention_time(profile, **a.kwargs(), dtype="bf16", backward=bwd))))
+    for op, n in plan.elementwise:
+        kernels = [4.0 * n]
+        out.append(Measurement(kind="elementwise", op=op, dtype="bf16", params=dict(elements=n, kernels=kernels),
+                               work=sum(kernels), seconds=noisy(memory_bound_time(profile, kernels[0]))))
+    return out
+
+
+def _collectives(ranks=8, tier="intra", busbw=400e9, alpha=15e-6):
+    out = []
+    for op in ("all_reduce", "all_gather", "reduce_scatter", "send_recv"):
+        f = busbw_factor(op, ranks)
+        bw = busbw * (0.8 if op in ("all_gather", "reduce_scatter") else 1.0)
+        for e in range(10, 31, 2):
+            t = alpha + f * 2**e / bw
+            out.append(CollectiveSample(op=op, tier=tier, ranks=ranks, nodes=1 if tier == "intra" else 2,
+                                        backend="nccl", nbytes=2**e, seconds=t, algbw=2**e / t, busbw=f * 2**e / t))
+    return out
+
+
+def _build(info, base, measurements, collectives=(), **kw):
+    return build_profile(info=info, base=base, base_label="h100-sxm-80gb (bundled)" if base else "",
+                         measurements=measurements, collectives=list(collectives), name=kw.get("name"), mode="quick",
+                         timing=TIMINGS[(info.kind, True)], notes=[], wall_s=12.0)
+
+
+def test_gpu_profile_recovers_the_base_it_was_measured_on(tmp_path):
+    rates = rates_from_profile(H100, ("bf16", "fp8"), memory_budget=40 * 2**30)
+    plan = build_plan(device="cuda", quick=True, dtypes=("bf16", "fp8"), rates=rates)
+    built = _build(GPU, H100, _measure(H100, plan, ("bf16", "fp8")), _collectives())
+    p = built.profile
+    assert p.name == "h100-sxm-80gb-calibrated" and p.calibrated and p.arch == "hopper"
+    assert p.peak_flops == H100.peak_flops  # datasheet peaks kept on a GPU
+    assert p.gemm_curve("tf32") == H100.gemm_curve("tf32")  # not measured: the base's
+    for d in ("bf16", "fp8"):
+        assert built.fits[f"gemm.{d}"]["test_mape"] < 8.0  # 23 shapes; fp8's knee (0.14 -> 0.51 in a decade) costs most
+        assert p.gemm_curve(d)(1.1e12) == pytest.approx(H100.gemm_curve(d)(1.1e12), rel=0.05)
+    assert p.hbm_efficiency(5e8) == pytest.approx(H100.hbm_efficiency(5e8), rel=0.03)  # the plateau
+    assert built.fits["hbm.copy"]["test_mape"] < 6.0
+    assert p.attention_fwd_efficiency(5e11) == pytest.approx(H100.attention_fwd_efficiency(5e11), rel=0.06)
+    # collectives: the all_reduce curve is the measurement; the ring ceiling the lower of AG / RS
+    f = busbw_factor("all_reduce", 8)
+    assert p.nvlink_busbw(2**30) == pytest.approx(f * 2**30 / (15e-6 + f * 2**30 / 400e9), rel=1e-4)
+    assert p.nvlink_ring_busbw == pytest.approx(320e9, rel=0.01)
+    assert p.nvlink_bandwidth == H100.nvlink_bandwidth  # datasheet link rate kept on a GPU
+    assert built.fits["collective.intra.all_reduce"]["alpha_us"] == pytest.approx(15.0, rel=0.02)
+    prov = dict(p.provenance)
+    assert "NVIDIA H100 80GB HBM3" in prov["calibration"] and "driver 550.54.15" in prov["calibration"]
+    assert "held-out MAPE" in prov["gemm_efficiency.bf16"] and prov["gemm_efficiency.tf32"] == dict(H100.provenance)[
+        "gemm_efficiency.tf32"]
+    assert "nccl" in prov["collectives.intra"] and "measured" in prov["nvlink.allreduce_busbw"]
+    # the file round trip a scenario depends on
+    write_profile(p, tmp_path / "p.yaml")
+    q = load_profile(str(tmp_path / "p.yaml"))
+    assert q.gemm_curve("bf16").xs == pytest.approx(p.gemm_curve("bf16").xs, rel=1e-12)
+    assert q.calibrated and q.name == p.name
+
+
+def test_cpu_profile_takes_its_peaks_from_the_measurements():
+    """A CPU has no datasheet: peaks are the best measured rates / 0.9; the template fills the rest."""
+    slow = dataclasses.replace(H100, peak_flops=tuple((d, v / 5000) for d, v in H100.peak_flops),
+                               hbm_bandwidth=H100.hbm_bandwidth / 100)
+    rates = Rates(gemm={d: slow.peak(d) * 0.7 for d in ("tf32", "fp16", "bf16")}, memory=slow.hbm_bandwidth * 0.8,
+                  attention=slow.peak("bf16") * 0.3, memory_budget=2**30)
+    plan = build_plan(device="cpu", quick=True, dtypes=("tf32", "fp16", "bf16"), rates=rates)
+    ms = _measure(slow, plan, ("tf32", "fp16", "bf16"))
+    p = _build(CPU, None, ms).profile
+    assert p.name == "cpu-some-cpu-8-core" and p.arch == CPU_ARCH and p.hbm_capacity == 64 * 2**30
+    best = max(m.work / m.seconds for m in ms if m.kind == "gemm" and m.dtype == "bf16")
+    assert p.peak("bf16") == pytest.approx(best / CPU_HEADROOM, rel=1e-4)
+    assert p.peak("fp32") == p.peak("tf32")
+    assert max(p.gemm_curve("bf16").ys) <= 1.0
+    prov = dict(p.provenance)
+    assert prov["peak_tflops"].startswith("derived") and prov["nvlink"].startswith("assumed")
+    with pytest.raises(Exception, match="fp8"):
+        p.peak("fp8")  # an ampere-arch profile has no fp8, as a CPU has none
+
+
+def test_cpu_profile_must_have_every_16_bit_gemm():
+    rates = Rates(gemm={"bf16": 1e11}, memory=1e10, attention=1e10, memory_budget=2**30)
+    plan = build_plan(device="cpu", quick=True, dtypes=("bf16",), rates=rates)
+    with pytest.raises(Exception, match="tf32, fp16"):
+        _build(CPU, None, _measure(H100, plan, ("bf16",)))

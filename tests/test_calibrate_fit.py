@@ -1,0 +1,104 @@
+"""calibrate.fit: the fits recover known curves from synthetic measurements made with the
+simulator's own kernel models (so a fit that drifted from hwmodels would fail here)."""
+import dataclasses
+import math
+
+import numpy as np
+import pytest
+
+from calibrate.fit import (choose_knots, fit_alpha_beta, fit_attention, fit_gemm, fit_hbm, holdout_split, mape)
+from hwmodels.compute import attention_time, gemm_time, memory_bound_time
+from hwmodels.profile import load_profile
+
+H100 = load_profile("h100-sxm-80gb")
+NOISE = 0.02  # 2% lognormal timing noise
+
+
+def _noisy(values, seed=1):
+    rng = np.random.default_rng(seed)
+    return [v * rng.lognormal(0.0, NOISE) for v in values]
+
+
+def _shapes(n, seed=0, lo=8, hi=14.5):
+    rng = np.random.default_rng(seed)
+    return [tuple(int(2 ** rng.uniform(lo, hi)) // 16 * 16 for _ in range(3)) for _ in range(n)]
+
+
+def test_mape():
+    assert mape([110, 90], [100, 100]) == pytest.approx(10.0)
+    assert math.isnan(mape([], []))
+
+
+def test_holdout_split_keeps_the_ends_and_is_deterministic():
+    xs = [float(2**i) for i in range(20)]
+    train, test = holdout_split(xs)
+    assert len(test) == 4 and sorted(train + test) == list(range(20))
+    assert 0 in train and 19 in train  # a clamped curve is never asked to extrapolate
+    assert holdout_split(xs) == (train, test)
+    assert holdout_split([1.0, 2.0]) == ([0, 1], [])  # too few to hold any out
+
+
+def test_choose_knots_span_the_data_and_stay_apart():
+    xs = np.geomspace(1e6, 1e13, 40)
+    k = choose_knots(xs)
+    assert k[0] == pytest.approx(1e6) and k[-1] == pytest.approx(1e13)
+    assert len(k) == 13 and np.all(np.diff(np.log10(k)) >= 0.1 - 1e-12)
+    assert len(choose_knots([5e9] * 6)) == 1
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_fit_gemm_recovers_the_bundled_h100_curve(dtype):
+    shapes = _shapes(120)
+    truth = [gemm_time(H100, m, n, k, dtype) for m, n, k in shapes]
+    fit = fit_gemm(shapes, _noisy(truth), dtype=dtype, profile=H100)
+    assert fit.n_test == 24 and fit.n_train == 96
+    # the held-out error is the 2% noise plus the knot mismatch at the true curve's corners, no more
+    assert fit.test_mape < 3.0, fit
+    # the recovered profile predicts 200 fresh shapes, noise-free, within 2.5% on average
+    fitted = dataclasses.replace(H100, gemm_efficiency=tuple(
+        (d, fit.curve if d == dtype else c) for d, c in H100.gemm_efficiency))
+    fresh = _shapes(200, seed=7)
+    assert mape([gemm_time(fitted, *s, dtype) for s in fresh], [gemm_time(H100, *s, dtype) for s in fresh]) < 1.5
+    # and where GEMMs are compute-bound (below, the HBM term hides the curve) the curve itself
+    assert fit.curve(1.1e12) == pytest.approx(H100.gemm_curve(dtype)(1.1e12), rel=0.05)
+
+
+def test_fit_gemm_sees_a_different_curve():
+    """Measurements from the A100 curve must not fit back to the H100 one (the fit is not a no-op)."""
+    a100 = load_profile("a100-sxm-80gb")
+    shapes = _shapes(60, seed=3, lo=7, hi=12)
+    truth = [gemm_time(a100, m, n, k, "bf16") * H100.peak("bf16") / a100.peak("bf16") for m, n, k in shapes]
+    fit = fit_gemm(shapes, truth, dtype="bf16", profile=H100)
+    assert fit.test_mape < 5.0
+    assert abs(fit.curve(2.0 * 1024**3) - H100.gemm_curve("bf16")(2.0 * 1024**3)) > 0.02
+
+
+def test_fit_hbm_recovers_the_bundled_curve():
+    sizes = [2**e for e in range(14, 32)]
+    fit = fit_hbm(sizes, _noisy([memory_bound_time(H100, b) for b in sizes]), bandwidth=H100.hbm_bandwidth)
+    assert fit.n_test == 4 and fit.test_mape < 5.0
+    for x, y in zip(H100.hbm_efficiency.xs, H100.hbm_efficiency.ys):
+        if x >= 1e6:  # below ~1 MB the 3 us launch overhead hides the efficiency from the times
+            assert fit.curve(x) == pytest.approx(y, rel=0.08)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_fit_attention_recovers_the_bundled_curve(backward):
+    configs = [dict(batch=max(1, 16384 // s), heads=2048 // d, q_len=s, kv_len=s, head_dim=d, causal=True)
+               for s in (256, 512, 1024, 2048, 4096, 8192, 16384) for d in (64, 128)]
+    truth = [attention_time(H100, **c, dtype="bf16", backward=backward) for c in configs]
+    fit = fit_attention(configs, _noisy(truth), backward=backward, dtype="bf16", profile=H100)
+    assert fit.n_test >= 2 and fit.test_mape < 4.0
+    curve = H100.attention_bwd_efficiency if backward else H100.attention_fwd_efficiency
+    mid = math.sqrt(curve.xs[0] * curve.xs[-1])
+    assert fit.curve(mid) == pytest.approx(curve(mid), rel=0.06)
+
+
+def test_fit_alpha_beta_recovers_latency_and_bandwidth():
+    sizes = [2**e for e in range(10, 31)]
+    alpha, busbw, factor = 25e-6, 180e9, 2 * 7 / 8
+    ab = fit_alpha_beta(sizes, _noisy([alpha + factor * s / busbw for s in sizes]), factor=factor)
+    assert ab.alpha == pytest.approx(alpha, rel=0.05)
+    assert ab.busbw == pytest.approx(busbw, rel=0.03)
+    assert ab.test_mape < 4.0 and ab.n_test == 4
+    assert ab.efficiency(2**30) == pytest.approx(1.0, abs=0.01) and ab.efficiency(2**10) < 0.01
