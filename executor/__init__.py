@@ -1,0 +1,1 @@
+"""The bundled torch.distributed executor: trains a plan and measures it (see README.md here)."""

@@ -91,14 +91,14 @@ def scaled_model(model: ModelSpec, run: RunSpec) -> ModelSpec:
             moe = dataclasses.replace(moe, expert_ffn_hidden_size=_scale_width(moe.expert_ffn_hidden_size, h1 / h0))
         out = dataclasses.replace(
             out, hidden_size=h1, num_attention_heads=heads, num_kv_heads=int(kv),
-            ffn_hidden_size=_scale_width(model.ffn_hidden_size, h1 / h0), moe=moe,
-            name=f"{model.name} (hidden {h1})")
+            ffn_hidden_size=_scale_width(model.ffn_hidden_size, h1 / h0), moe=moe)
     if run.num_layers is not None and run.num_layers != model.num_layers:
         moe = out.moe
         if moe is not None and moe.first_dense_layers > run.num_layers:
             moe = dataclasses.replace(moe, first_dense_layers=run.num_layers)
-        out = dataclasses.replace(out, num_layers=run.num_layers, moe=moe,
-                                  name=f"{out.name} ({run.num_layers} layers)")
+        out = dataclasses.replace(out, num_layers=run.num_layers, moe=moe)
+    if out is not model:
+        out = dataclasses.replace(out, name=f"{model.name} scaled to {out.num_layers} layers, hidden {out.hidden_size}")
     return out
 
 
@@ -142,24 +142,35 @@ def executor_problems(sc: Scenario) -> list[str]:
             out.append(f"plan.virtual_pipeline_stages: schedule {p.schedule} needs {want} stages per rank, got {v}")
         if info.min_microbatches_per_pp and p.dp * p.micro_batch_size and \
                 t.global_batch_size % (p.dp * p.micro_batch_size) == 0:
-            need = info.min_microbatches_per_pp * p.pp
-            if sc.num_microbatches < need:
+            n, need = sc.num_microbatches, info.min_microbatches_per_pp * p.pp
+            if n < need:
                 out.append(f"plan.schedule: {p.schedule} needs at least {need} microbatches per pipeline, "
-                           f"got {sc.num_microbatches} (global_batch_size / (dp x micro_batch_size))")
+                           f"got {n} (global_batch_size / (dp x micro_batch_size))")
+            rounds = max(1, n // p.pp)
+            if p.schedule in ("interleaved-1f1b", "zero-bubble") and n % rounds:
+                # torch's looped schedules run the microbatches in rounds of about pp
+                out.append(f"plan.schedule: {p.schedule} needs the {n} microbatches to be a multiple of "
+                           f"{rounds} rounds (microbatches // pp)")
     if t.precision not in PRECISIONS_RUN:
         out.append(f"training.precision: the executor trains in {' or '.join(PRECISIONS_RUN)}, not {t.precision} "
                    f"({'no loss scaling' if t.precision == 'fp16' else 'no fp8 GEMMs (Transformer Engine)'}); "
                    f"use --set training.precision=bf16")
+    if t.optimizer not in ("adam", "adamw", "sgd"):
+        out.append(f"training.optimizer: {t.optimizer!r} is not one of adam, adamw, sgd")
     if p.expert_tp != 1:
         out.append("plan.expert_tp: tensor parallelism inside experts is not implemented by the executor; use expert_tp: 1")
     if p.ep > 1:
         if m.moe is None:
             out.append("plan.ep: expert parallelism needs an MoE model (model.moe)")
         else:
-            if (p.dp * p.cp) % p.ep:
-                out.append(f"plan.ep: {p.ep} does not divide dp x cp = {p.dp * p.cp} (experts are sharded over data-parallel ranks)")
+            if (p.tp * p.cp * p.dp) % p.ep:
+                out.append(f"plan.ep: {p.ep} does not divide tp x cp x dp = {p.tp * p.cp * p.dp} (the ranks of a "
+                           "pipeline stage, which MoE parallel folding re-divides into ep x expert-dp)")
             if m.moe.num_experts % p.ep:
                 out.append(f"plan.ep: {p.ep} does not divide model.moe.num_experts ({m.moe.num_experts})")
+    if m.moe is not None and p.tp > 1 and not p.sequence_parallel:
+        out.append("plan.sequence_parallel: MoE with tp > 1 needs sequence_parallel: true (each TP rank routes "
+                   "its own tokens, as in Megatron-Core)")
     if m.moe is not None and m.moe.top_k > m.moe.num_experts:
         out.append(f"model.moe.top_k: {m.moe.top_k} is more than num_experts ({m.moe.num_experts})")
     if p.tp_comm_overlap:
@@ -186,13 +197,17 @@ def effective_zero_stage(plan: PlanSpec) -> int:
 
 
 def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
-    """Where this run differs from the plan as written: printed and kept in the measurement."""
+    """Where this run differs from the plan as written: printed and kept in the measurement.
+
+    on_gpu: bf16 mixed precision runs (a GPU, or a CPU test of that code path)."""
     p, out = sc.plan, []
     if effective_zero_stage(p) != p.zero_stage:
         out.append(f"zero_stage 3 runs as ZeRO-2 under schedule {p.schedule}: FSDP2 resharding after forward "
                    "gives wrong weight gradients with split-backward schedules in PyTorch 2.13")
     if sc.training.precision == "bf16" and not on_gpu:
         out.append("training.precision bf16 runs in fp32 on CPU (bf16 mixed precision is for GPUs)")
+    if p.zero_stage and p.dp * p.cp == 1:
+        out.append(f"zero_stage {p.zero_stage} has nothing to shard with dp x cp = 1")
     if not p.overlap_grad_reduce and p.dp * p.cp > 1:
         out.append("plan.overlap_grad_reduce false: DDP / FSDP2 always overlap the gradient reduction with backward")
     if p.overlap_param_gather and effective_zero_stage(p) == 1 and p.dp * p.cp > 1:

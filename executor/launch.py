@@ -45,12 +45,14 @@ class Rendezvous:
 
 def launch(scenarios: list[Scenario], *, nproc: int, backend: str, timeout_s: float,
            run_dir: str | os.PathLike | None = None, rendezvous: Rendezvous | None = None,
-           env: dict | None = None, echo=print, job_timeout_s: float | None = None) -> list[dict]:
+           env: dict | None = None, echo=print, job_timeout_s: float | None = None,
+           cpu_bf16: bool = False) -> list[dict]:
     """Run every scenario's plan in one torchrun job; return their measurements (rank 0's node).
 
     run_dir keeps the job file, the log and the per-plan results; a temporary one is removed after
     a successful job and kept (and named in the error) after a failed one. `job_timeout_s` bounds
     the whole job from outside (start-up and every plan), on top of the process-group timeout.
+    `cpu_bf16` runs bf16 plans in bf16 mixed precision on CPUs too (tests of the GPU code path).
     """
     own_dir = run_dir is None
     run_dir = Path(tempfile.mkdtemp(prefix="paraplan-launch-")) if own_dir else Path(run_dir)
@@ -59,7 +61,8 @@ def launch(scenarios: list[Scenario], *, nproc: int, backend: str, timeout_s: fl
     if out_dir.exists():
         shutil.rmtree(out_dir)
     out_dir.mkdir()
-    job = {"backend": backend, "timeout_s": timeout_s, "runs": [scenario_to_json(s) for s in scenarios]}
+    job = {"backend": backend, "timeout_s": timeout_s, "cpu_bf16": cpu_bf16,
+           "runs": [scenario_to_json(s) for s in scenarios]}
     (run_dir / "job.json").write_text(json.dumps(job, indent=1))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            "--monitor-interval", "0.5"]
@@ -71,7 +74,6 @@ def launch(scenarios: list[Scenario], *, nproc: int, backend: str, timeout_s: fl
     cmd += ["-m", "executor.worker", str(run_dir / "job.json"), "--out-dir", str(out_dir)]
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
-    full_env.setdefault("OMP_NUM_THREADS", "1")
     full_env.update(env or {})
     log_path = run_dir / "torchrun.log"
     with open(log_path, "w") as log:
@@ -84,10 +86,13 @@ def launch(scenarios: list[Scenario], *, nproc: int, backend: str, timeout_s: fl
         except subprocess.TimeoutExpired:
             _terminate(proc)  # ours: the torchrun we started and its workers (their own session)
             raise LaunchError(f"the job did not finish within {job_timeout_s:g} s", rank=None, log=log_path) from None
+        except BaseException:  # Ctrl-C: the job runs in its own session, so stop it here
+            _terminate(proc)
+            raise
         finally:
             reader.join(timeout=5)
     if proc.returncode != 0:
-        raise _failure(out_dir, log_path, proc.returncode)
+        raise _failure(out_dir, log_path, proc.returncode, max(s.plan.world_size for s in scenarios))
     results = []
     for i in range(len(scenarios)):
         path = out_dir / f"run{i}.json"
@@ -122,25 +127,41 @@ def _terminate(proc: subprocess.Popen) -> None:
             pass
 
 
-def _failure(out_dir: Path, log_path: Path, code: int) -> LaunchError:
-    """The first rank that reported a failure, else the one torchrun names, else the exit code."""
-    reports = []
+def _failure(out_dir: Path, log_path: Path, code: int, world: int) -> LaunchError:
+    """Name the rank that caused the failure.
+
+    A rank that died without writing a report (killed, os._exit, a crash in C++) is the cause, and
+    torchrun's summary gives its exit code; otherwise the earliest report. Ranks that reported
+    nothing while others timed out waiting for them are named as probably hung.
+    """
+    reports = {}
     for path in out_dir.glob("failure-rank*.json"):
         try:
-            reports.append(json.loads(path.read_text()))
-        except (OSError, json.JSONDecodeError):
+            r = json.loads(path.read_text())
+            reports[r["rank"]] = r
+        except (OSError, json.JSONDecodeError, KeyError):
             continue
-    if reports:
-        first = min(reports, key=lambda r: r["time"])
-        others = sorted(r["rank"] for r in reports if r is not first)
-        also = f"; ranks {', '.join(map(str, others))} failed after it" if others else ""
-        return LaunchError(f"rank {first['rank']} failed: {first['error']}: {first['message']}{also}",
-                           rank=first["rank"], log=log_path)
     text = log_path.read_text(errors="replace")
-    # torchrun's own summary: "rank       : 1 (local_rank: 1)" / "exitcode   : -9 (pid: ...)"
-    m = re.search(r"rank\s*:\s*(\d+)\s*\(local_rank.*?\n.*?exitcode\s*:\s*(-?\d+)", text, re.S)
-    if m:
-        rank, exitcode = int(m.group(1)), int(m.group(2))
-        how = f"killed by signal {-exitcode}" if exitcode < 0 else f"exited with code {exitcode}"
-        return LaunchError(f"rank {rank} {how} without reporting an error", rank=rank, log=log_path)
+    # torchrun's summary: "rank       : 1 (local_rank: 1)" then "exitcode   : -9 (pid: ...)"
+    exits = {int(m.group(1)): int(m.group(2))
+             for m in re.finditer(r"rank\s*:\s*(\d+)\s*\(local_rank[^\n]*\n\s*exitcode\s*:\s*(-?\d+)", text)}
+    silent = sorted(r for r, c in exits.items() if r not in reports and c != -15)  # -15: stopped by torchrun
+    after = ""
+    if reports:
+        first = min(reports.values(), key=lambda r: r["time"])
+        after = f"{first['error']}: {first['message']}"
+    if silent:
+        rank, exitcode = silent[0], exits[silent[0]]
+        how = f"was killed by signal {-exitcode}" if exitcode < 0 else f"exited with code {exitcode}"
+        also = f"; then rank {first['rank']} failed: {after}" if reports else ""
+        return LaunchError(f"rank {rank} {how} without reporting an error{also}", rank=rank, log=log_path)
+    if reports:
+        others = sorted(r for r in reports if r != first["rank"])
+        msg = f"rank {first['rank']} failed: {after}"
+        if others:
+            msg += f"; {'ranks' if len(others) > 1 else 'rank'} {', '.join(map(str, others))} failed after it"
+        quiet = [r for r in range(world) if r not in reports]
+        if quiet and "imed out" in after:
+            msg += f"; no error from rank {', '.join(map(str, quiet))} (hung?)"
+        return LaunchError(msg, rank=first["rank"], log=log_path)
     return LaunchError(f"torchrun exited with code {code}", rank=None, log=log_path)

@@ -45,9 +45,17 @@ class LiveTensorTracker(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._add(t)
         if self.exact:
-            self.current = sum(r().nbytes() for r in self._refs.values() if r() is not None)
+            self.current = self._resum()
         self.peak = max(self.peak, self.current)
         return out
+
+    def _resum(self) -> int:
+        total = 0
+        for ref in list(self._refs.values()):  # a copy: a storage freed meanwhile drops itself from the dict
+            st = ref()
+            if st is not None:
+                total += st.nbytes()
+        return total
 
     def _add(self, t: torch.Tensor) -> None:
         t = _local(t)
@@ -71,7 +79,7 @@ class LiveTensorTracker(TorchDispatchMode):
 
     def reset_peak(self) -> None:
         if self.exact:
-            self.current = sum(r().nbytes() for r in self._refs.values() if r() is not None)
+            self.current = self._resum()
         self.peak = self.current
 
 

@@ -211,8 +211,8 @@ def init_parameters(stage: Stage, seed: int, *, expert_offset: int = 0) -> None:
     spec = stage.spec
     std = 0.02
     out_std = std / math.sqrt(2 * spec.num_layers)
-    device = next(stage.parameters()).device
     for name, p in stage.named_parameters():
+        device = p.device
         key = "embed.weight" if name == "head.weight" and spec.tied_embeddings else name
         if name.endswith("norm.weight"):
             p.fill_(1.0)

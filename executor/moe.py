@@ -63,7 +63,8 @@ class MoE(nn.Module):
         self.ep_group = None
         self.ep_size, self.ep_rank = 1, 0
         self.tokens_per_expert = torch.zeros(m.num_experts, dtype=torch.long, device="cpu")
-        """Assignments each (global) expert received from this rank's tokens since the last reset."""
+        """Assignments the router made to each (global) expert from this rank's tokens (before any
+        capacity drop), summed over the run."""
 
     def shard_experts(self, ep_group, ep_size: int, ep_rank: int) -> None:
         """Keep only this EP rank's experts (call before initialising the parameters)."""
@@ -71,10 +72,6 @@ class MoE(nn.Module):
         e = self.experts
         self.experts = GroupedExperts(n, e.w1.shape[2], e.w1.shape[1], "swiglu" if e.swiglu else "gelu").to(e.w1.device)
         self.ep_group, self.ep_size, self.ep_rank = ep_group, ep_size, ep_rank
-
-    @property
-    def expert_offset(self) -> int:
-        return self.ep_rank * (self.num_experts // self.ep_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -85,18 +82,23 @@ class MoE(nn.Module):
         if self.top_k > 1:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         flat_e, flat_w = experts.reshape(-1), weights.reshape(-1)
+        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
+            # the router's demand, before any capacity drop
+            self.tokens_per_expert += torch.bincount(flat_e.detach(), minlength=self.num_experts).cpu()
         keep = None
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
-            onehot = F.one_hot(flat_e, self.num_experts)
-            position = (onehot.cumsum(0) * onehot).sum(-1) - 1  # rank of each assignment within its expert
+            # rank of each assignment within its expert, in token order (a stable sort by expert)
+            by_expert = torch.argsort(flat_e, stable=True)
+            starts = torch.cumsum(torch.bincount(flat_e, minlength=self.num_experts), 0) - \
+                torch.bincount(flat_e, minlength=self.num_experts)
+            position = torch.empty_like(flat_e)
+            position[by_expert] = torch.arange(flat_e.numel(), device=flat_e.device) - starts[flat_e[by_expert]]
             keep = (position < capacity).nonzero().squeeze(-1)
             flat_e, flat_w = flat_e[keep], flat_w[keep]
         order = torch.argsort(flat_e, stable=True)
         token_of = (keep[order] if keep is not None else order) // self.top_k
         counts = torch.bincount(flat_e, minlength=self.num_experts)
-        if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
-            self.tokens_per_expert += counts.detach().cpu()
         routed = x[token_of]
         if self.ep_size > 1:
             y = self._expert_parallel(routed, counts)

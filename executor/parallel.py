@@ -2,7 +2,8 @@
 
 Order (each step's reason next to it in `build`):
   1. groups: one DeviceMesh ("pp", "dp", "cp", "tp") laid out by paraplan.placement, checked rank by
-     rank against `rank_to_coords`; EP groups carved out of dp x cp the Megatron-Core way.
+     rank against `rank_to_coords`; EP groups by MoE parallel folding (ep consecutive ranks of a
+     stage's tp x cp x dp), as paraplan.placement.expert_group_layouts places them.
   2. model: this rank's pipeline stages, built on the meta device, experts cut to this EP rank's,
      then materialised and initialised deterministically (executor.model.init_parameters).
   3. TP / SP: `parallelize_module` (Colwise q/k/v/w1/w3, Rowwise o/w2, SequenceParallel norms,
@@ -16,13 +17,13 @@ Order (each step's reason next to it in `build`):
                                      most pipeline schedules) (+ ShardedOptimizer for ZeRO-1)
        ZeRO-2 / ZeRO-3               fully_shard(reshard_after_forward=False / True) per block, then
                                      the stage root
-     Experts get their own unit over the expert-data-parallel group first (their gradients are then
-     divided by ep: see `finish_gradients`).
+     MoE experts get their own unit over the expert-data-parallel group first (their gradients are
+     then scaled by tp / ep: see `finish_gradients`).
 """
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -55,7 +56,7 @@ class Groups:
     ep_group: object = None
     ep_rank: int = 0
     edp_mesh: object = None
-    """Expert-data-parallel mesh: ranks holding the same experts (dp x cp / ep of them)."""
+    """Expert-data-parallel mesh: ranks holding the same experts (tp x cp x dp / ep of them)."""
     embed_group: object = None
     """First and last pipeline stage, same (dp, cp, tp): the tied embedding's gradient is summed over it."""
 
@@ -80,12 +81,16 @@ def build_groups(sc: Scenario, device_type: str) -> Groups:
     g = Groups(rank=rank, world=world, coords=coords, mesh=mesh, tp_mesh=mesh["tp"], dp_mesh=dp_mesh,
                pp_group=mesh["pp"].get_group(), tp_group=mesh["tp"].get_group(), dp_group=dp_mesh.get_group())
     if sc.model.moe is not None:
-        # Megatron-Core expert layout (RankGenerator order tp-ep-dp-pp): within a pipeline stage and a
-        # TP rank, the dp x cp ranks (cp fastest) split into consecutive EP groups of size ep.
-        edp = p.dp * p.cp // p.ep
-        ep_mesh = init_device_mesh(device_type, (p.pp, edp, p.ep, p.tp), mesh_dim_names=("pp", "edp", "ep", "tp"))
+        # MoE parallel folding, as paraplan.placement.expert_group_layouts places it: inside a
+        # pipeline stage the tp x cp x dp ranks (tp fastest) are re-divided into ep x edp, ep
+        # fastest, so an EP group is ep consecutive ranks (TP ranks first).
+        block = p.tp * p.cp * p.dp
+        ep_mesh = init_device_mesh(device_type, (p.pp, block // p.ep, p.ep), mesh_dim_names=("pp", "edp", "ep"))
+        b = rank % block
+        if ep_mesh.get_local_rank("ep") != b % p.ep or ep_mesh.get_local_rank("edp") != b // p.ep:
+            raise RuntimeError(f"expert mesh disagrees with the MoE parallel folding at rank {rank}")
         g.ep_group, g.edp_mesh = ep_mesh["ep"].get_group(), ep_mesh["edp"]
-        g.ep_rank = ep_mesh.get_local_rank("ep")
+        g.ep_rank = b % p.ep
     if sc.model.tied_embeddings and p.pp > 1:
         first, last = _stage_rank(0, sc), _stage_rank(num_stages(sc) - 1, sc)
         if first != last:
@@ -208,12 +213,11 @@ def apply_tp(stage: Stage, sc: Scenario, g: Groups) -> None:
             plan[f"{pre}.attn.{name}"] = ColwiseParallel()
         plan[f"{pre}.attn.wo"] = RowwiseParallel(output_layouts=hidden)
         if isinstance(block.ffn, MoE):
-            # Experts are not TP-sharded (expert_tp = 1): each TP rank routes the tokens it holds,
-            # its sequence shard under SP (their gradients are then partial sums over TP) or all of
-            # them without SP (identical on every TP rank).
-            if sp:
-                plan[f"{pre}.ffn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
-                                                        use_local_output=True)
+            # Experts are not TP-sharded (expert_tp = 1): under SP (required with MoE, as in
+            # Megatron-Core) each TP rank routes the tokens of its sequence shard, so for the MoE
+            # layer TP ranks are like data-parallel ranks.
+            plan[f"{pre}.ffn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Shard(1),),
+                                                    use_local_output=True)
             continue
         if sp:
             plan[f"{pre}.ffn"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
@@ -239,7 +243,7 @@ def dp_style(sc: Scenario) -> str:
     if effective_zero_stage(p) >= 2:
         return "fsdp"
     if p.tp == 1 and p.pp == 1 and p.ep == 1:
-        return "ddp"
+        return "ddp"  # MoE too: with ep = 1 and no TP the experts are ordinary replicated weights
     return "replicate"
 
 
@@ -248,13 +252,14 @@ def apply_dp(stages: list[Stage], sc: Scenario, g: Groups, mp_policy) -> list[nn
     from torch.distributed.fsdp import fully_shard
 
     style = dp_style(sc)
-    if style == "none":
+    experts_apart = sc.model.moe is not None and style != "ddp"
+    if style == "none" and not experts_apart:
         return list(stages)
     if style == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return [DDP(st, process_group=g.dp_group) for st in stages]
-    if style == "replicate":
+    if style in ("replicate", "none"):  # "none": dp x cp = 1, but experts may still be replicated over TP
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         def wrap(module, mesh, _reshard):
@@ -265,9 +270,15 @@ def apply_dp(stages: list[Stage], sc: Scenario, g: Groups, mp_policy) -> list[nn
     zero3 = effective_zero_stage(sc.plan) == 3
     for stage in stages:
         for block in stage.layers.values():
-            if isinstance(block.ffn, MoE) and sc.plan.ep > 1:
+            # experts differ across an EP group: their own unit over the expert-data-parallel
+            # ranks keeps them out of the block's (a one-rank unit when ep spans the whole stage)
+            if isinstance(block.ffn, MoE) and (style != "none" or g.edp_mesh.size() > 1):
                 wrap(block.ffn.experts, g.edp_mesh, zero3)
+            if style == "none":
+                continue
             wrap(block, g.dp_mesh, zero3)
+        if style == "none":
+            continue
         # the root unit (embedding, final norm, head) is needed right after the last block's
         # forward and at the start of backward: keep it unsharded in between
         wrap(stage, g.dp_mesh, False)
@@ -278,10 +289,10 @@ def apply_dp(stages: list[Stage], sc: Scenario, g: Groups, mp_policy) -> list[nn
 def finish_gradients(stages: list[Stage], sc: Scenario, g: Groups) -> None:
     """What the data-parallel wrappers do not do, after every gradient reduction has finished:
 
-    - MoE parameters under TP + SP saw only their TP rank's tokens: sum over TP.
-    - Expert gradients: the all-to-all's backward already summed the contributions of all EP
-      ranks' tokens, and the expert-data-parallel reduction averaged over dp x cp / ep ranks, so
-      divide by ep for the dp x cp average every dense weight gets.
+    - The router and shared experts under TP + SP saw only their TP rank's tokens: sum over TP.
+    - Experts: the all-to-all's backward already summed the contributions of the EP group's
+      tokens, and the expert-data-parallel reduction averaged over tp x cp x dp / ep ranks; the
+      loss is an average over the dp x cp ranks only (TP ranks share one loss), so scale by tp / ep.
     - A tied embedding split over the first and last pipeline stage: sum the two gradients.
     """
     from torch.distributed.tensor import DTensor
@@ -290,17 +301,22 @@ def finish_gradients(stages: list[Stage], sc: Scenario, g: Groups) -> None:
         return t._local_tensor if isinstance(t, DTensor) else t
 
     moes = [b.ffn for st in stages for b in st.layers.values() if isinstance(b.ffn, MoE)]
-    if sc.plan.tp > 1 and sc.plan.sequence_parallel:
-        partial = [local(p.grad) for m in moes for p in m.parameters() if p.grad is not None]
+    tp, ep = sc.plan.tp, sc.plan.ep
+    if tp > 1:
+        partial = [local(p.grad) for m in moes for name, p in m.named_parameters()
+                   if p.grad is not None and not name.startswith("experts.")]
         _all_reduce_flat(partial, g.tp_group)
-    if sc.plan.ep > 1:
+    if tp != ep and dp_style(sc) != "ddp":
         for m in moes:
             for p in m.experts.parameters():
                 if p.grad is not None:
-                    local(p.grad).div_(sc.plan.ep)
+                    local(p.grad).mul_(tp / ep)
     if sc.model.tied_embeddings and sc.plan.pp > 1:
         tied = [st.embed.weight for st in stages if st.embed is not None] + \
                [st.head.weight for st in stages if st.head is not None]
+        for p in tied:  # a vocab-parallel embedding's gradient can come back replicated: shard it like its weight
+            if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
         if g.embed_group is not None:
             _all_reduce_flat([local(tied[0].grad)], g.embed_group)
         elif len(tied) == 2:  # both on this rank (V-shaped schedules)

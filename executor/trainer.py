@@ -23,7 +23,7 @@ from executor.config import SCHEDULES, effective_zero_stage, notes
 from executor.memory import LiveTensorTracker, static_bytes
 from executor.model import Stage, count_parameters
 from executor.moe import MoE
-from executor.optim import ADAMW, ShardedOptimizer, adamw
+from executor.optim import ShardedOptimizer, make_optimizer, optimizer_class
 from executor.parallel import (
     Groups, apply_dp, apply_tp, build_groups, build_stages, dp_style, finish_gradients, local_positions,
     num_stages, padded_vocab,
@@ -31,10 +31,15 @@ from executor.parallel import (
 from paraplan.specs import Scenario
 
 
-def train(sc: Scenario, *, device: torch.device, fault: str | None = None) -> dict:
-    """Run sc.run.warmup_steps + sc.run.steps steps of sc.plan; return this rank's record."""
+def train(sc: Scenario, *, device: torch.device, fault: str | None = None, cpu_bf16: bool = False) -> dict:
+    """Run sc.run.warmup_steps + sc.run.steps steps of sc.plan; return this rank's record.
+
+    bf16 mixed precision is for GPUs; `cpu_bf16` runs it on the CPU too, so the tests can check
+    the GPU's mixed-precision code paths (autocast, FSDP2 MixedPrecisionPolicy, bf16 pipeline
+    activations) on CPU/gloo.
+    """
     on_gpu = device.type == "cuda"
-    bf16 = on_gpu and sc.training.precision == "bf16"
+    bf16 = (on_gpu or cpu_bf16) and sc.training.precision == "bf16"
     tracker = None if on_gpu else LiveTensorTracker(exact=dp_style(sc) == "fsdp")
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
@@ -44,7 +49,9 @@ def train(sc: Scenario, *, device: torch.device, fault: str | None = None) -> di
         for step in range(sc.run.warmup_steps + sc.run.steps):
             _maybe_fault(fault, job.g.rank, step)
             records.append(job.step(step, tracker))
-    return job.record(records, tracker)
+    out = job.record(records, tracker)
+    out["compute_dtype"] = "bf16" if bf16 else ("tf32" if on_gpu else "fp32")
+    return out
 
 
 def _maybe_fault(fault: str | None, rank: int, step: int) -> None:
@@ -96,19 +103,20 @@ class _Job:
 
         sc, g = self.sc, self.g
         params = [p for st in self.stages for p in st.parameters()]
-        fused = self.device.type == "cuda"
+        fused, kind = self.device.type == "cuda", sc.training.optimizer
         if effective_zero_stage(sc.plan) != 1 or sc.plan.dp * sc.plan.cp == 1:
-            opt = adamw(params, fused=fused)
+            opt = make_optimizer(params, kind, fused=fused)
             return opt, [opt]
         if dp_style(sc) == "ddp":
-            opt = ZeroRedundancyOptimizer(params, torch.optim.AdamW, process_group=g.dp_group, **ADAMW)
+            cls, kwargs = optimizer_class(kind)
+            opt = ZeroRedundancyOptimizer(params, cls, process_group=g.dp_group, **kwargs)
             return opt, [opt.optim]
         experts = {id(p) for st in self.stages for b in st.layers.values() if isinstance(b.ffn, MoE)
-                   for p in b.ffn.experts.parameters()} if sc.plan.ep > 1 else set()
+                   for p in b.ffn.experts.parameters()}
         sets = [([p for p in params if id(p) not in experts], g.dp_group)]
         if experts:
             sets.append(([p for p in params if id(p) in experts], g.edp_mesh.get_group()))
-        opt = ShardedOptimizer(sets, fused=fused)
+        opt = ShardedOptimizer(sets, kind, fused=fused)
         return opt, [opt.inner] if opt.inner is not None else []
 
     def _schedule(self):
@@ -152,7 +160,7 @@ class _Job:
 
             stack.enter_context(loss_parallel())
         if self.bf16:
-            stack.enter_context(torch.autocast("cuda", dtype=torch.bfloat16))
+            stack.enter_context(torch.autocast(self.device.type, dtype=torch.bfloat16))
         return stack
 
     def step(self, step: int, tracker) -> dict:
@@ -172,8 +180,9 @@ class _Job:
         self._sync()
         elapsed = time.perf_counter() - start
         # mean loss over every rank that computed one (the last stage; all TP ranks there agree)
-        total = torch.tensor([sum(float(v) for v in losses), float(len(losses))], dtype=torch.float64,
-                             device=self.device)
+        total = torch.zeros(2, dtype=torch.float64, device=self.device)
+        if losses:
+            total[0], total[1] = torch.stack(losses).double().sum(), len(losses)
         dist.all_reduce(total)
         peak = tracker.peak if tracker is not None else torch.cuda.max_memory_allocated(self.device)
         return {"time_s": elapsed, "loss": float(total[0] / total[1]), "peak_bytes": int(peak),
@@ -184,7 +193,7 @@ class _Job:
             torch.cuda.synchronize(self.device)
         dist.barrier()
 
-    def _accumulate(self, x, y) -> list[float]:
+    def _accumulate(self, x, y) -> list[torch.Tensor]:
         """No pipeline: microbatches one after another, gradients accumulated, reduced on the last."""
         module, stage = self.modules[0], self.stages[0]
         style = dp_style(self.sc)
@@ -202,7 +211,7 @@ class _Job:
             losses.append(_value(loss))
         return losses
 
-    def _pipeline(self, x, y) -> list[float]:
+    def _pipeline(self, x, y) -> list[torch.Tensor]:
         losses: list = []
         with self._context():
             args = (x,) if self.has_first else ()
@@ -213,7 +222,7 @@ class _Job:
     # -- the record -------------------------------------------------------------------------
 
     def record(self, steps: list[dict], tracker) -> dict:
-        sc, g = self.sc, self.g
+        g = self.g
         static = steps[-1]["static"]
         peak = max(s["peak_bytes"] for s in steps)
         memory = {**static, "peak_total": peak,
@@ -242,13 +251,12 @@ class _Job:
         return {str(i): m.tokens_per_expert.tolist() for i, m in sorted(moes.items())}
 
 
-def _value(loss) -> float:
+def _value(loss) -> torch.Tensor:
+    """The loss as a plain detached tensor (no host sync: read once per step)."""
     from torch.distributed.tensor import DTensor
 
     loss = loss.detach()
-    if isinstance(loss, DTensor):
-        loss = loss.to_local()
-    return float(loss)
+    return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
 def summary(sc: Scenario, ranks: list[dict], *, backend: str, device_name: str, on_gpu: bool) -> dict:
@@ -270,9 +278,10 @@ def summary(sc: Scenario, ranks: list[dict], *, backend: str, device_name: str, 
         "model": raw["model"], "training": raw["training"], "plan": raw["plan"], "run": raw["run"],
         "parameters": count_parameters(padded_vocab(sc.model, p.tp)),
         "world_size": p.world_size, "backend": backend, "device": device_name,
-        "compute_dtype": "bf16" if on_gpu and t.precision == "bf16" else "fp32",
+        # fp32 on a GPU runs its matmuls in TF32 (the worker allows it), so its peak is TF32's
+        "compute_dtype": ranks[0]["compute_dtype"],
         "data_parallel": dp_style(sc), "zero_stage_run": effective_zero_stage(p),
-        "notes": notes(sc, on_gpu=on_gpu),
+        "notes": notes(sc, on_gpu=on_gpu or ranks[0]["compute_dtype"] == "bf16"),
         "num_microbatches": sc.num_microbatches, "tokens_per_step": tokens,
         "steps": steps,
         "step_time_s": median,

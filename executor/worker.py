@@ -16,6 +16,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import sys
 import time
 import traceback
@@ -59,8 +60,7 @@ def _run(job: dict, out_dir: Path) -> int:
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
         device_name = torch.cuda.get_device_name(device)
     else:
-        device = torch.device("cpu")
-        torch.set_num_threads(max(1, int(job.get("threads_per_rank", 1))))
+        device = torch.device("cpu")  # threads: torchrun sets OMP_NUM_THREADS=1 per process when nproc > 1
         dist.init_process_group("gloo", timeout=timeout)
         device_name = "cpu"
     rank = dist.get_rank()
@@ -68,7 +68,7 @@ def _run(job: dict, out_dir: Path) -> int:
     for i, raw in enumerate(job["runs"]):
         sc = scenario_from_json(raw)
         t0 = time.perf_counter()
-        record = train(sc, device=device, fault=fault)
+        record = train(sc, device=device, fault=fault, cpu_bf16=job.get("cpu_bf16", False))
         records = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(record, records, dst=0)
         if rank == 0:
@@ -89,9 +89,11 @@ def _run(job: dict, out_dir: Path) -> int:
 def _write_failure(out_dir: Path, rank: int, exc: BaseException) -> None:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        msg = str(exc).strip().splitlines()
-        text = json.dumps({"rank": rank, "error": type(exc).__name__, "message": msg[0] if msg else "",
-                           "time": time.time()})
+        lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+        # gloo prefixes its messages with the C++ source location: drop it
+        msg = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else ""
+        msg = msg if len(msg) <= 200 else msg[:197] + "..."
+        text = json.dumps({"rank": rank, "error": type(exc).__name__, "message": msg, "time": time.time()})
         (out_dir / f"failure-rank{rank}.json").write_text(text)
     except OSError:
         pass

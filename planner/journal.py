@@ -42,7 +42,8 @@ class FlockLock:
 
 
 class JournalFile(JournalFileBackend):
-    """Optuna's journal file backend with an flock lock and an optional fsync."""
+    """Optuna's journal file backend with an flock lock and an optional fsync. Reading is
+    Optuna's own; only append_logs is replaced (it uses the `_file_path` the base class sets)."""
 
     def __init__(self, path: str, *, durable: bool = False):
         super().__init__(path, lock_obj=FlockLock(path))

@@ -20,6 +20,7 @@ Every search is an Optuna study, whatever the strategy, so it is persistent and 
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import hashlib
 import math
 import multiprocessing
@@ -47,6 +48,7 @@ from planner.strategies import make_strategy
 EVAL_ATTR = "eval"
 WORKER_ATTR = "worker"
 STRUCTURE_VIOLATION = 10.0
+UNTAGGED_GRACE_S = 3.0
 STRATEGIES = ("auto", "exhaustive", "tpe")
 _STUDY_ATTRS = ("paraplan_fingerprint", "paraplan_strategy", "paraplan_baseline")
 
@@ -91,7 +93,7 @@ class SearchResult:
     budget: int
     wall_time_s: float
     simulations: int
-    """simulate() calls made by this process in this run."""
+    """simulate() calls made in this run, by every worker process on this machine."""
     trials_before: int
     """Trials the study had already finished before this run."""
     trials_failed: int
@@ -116,6 +118,8 @@ class _Job:
     budget: int
     seed: int
     worker: int
+    parent_pid: int = 0
+    """The main process of an extra worker: the worker stops when it is gone (kill -9)."""
 
 
 # ----------------------------------------------------------------------------------------------
@@ -145,7 +149,9 @@ def open_storage(spec: str) -> optuna.storages.BaseStorage:
         if spec.startswith("redis://") or spec.startswith("rediss://"):
             from optuna.storages.journal import JournalRedisBackend
 
-            return JournalStorage(JournalRedisBackend(spec))
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
+                return JournalStorage(JournalRedisBackend(spec))
         if "://" in spec:
             return RDBStorage(spec)
         path = os.path.abspath(spec)
@@ -202,6 +208,8 @@ def run_search(req: SearchRequest, *, progress: Callable[[int, int, Evaluation |
     enum = space.enumerate() if combos <= ENUMERATION_LIMIT else None
     if enum is not None and not enum.valid:
         raise ConfigError("search", f"no valid plan: {binding_constraint(enum)}")
+    if enum is not None:
+        combos = enum.combinations  # every candidate plan, layouts the planner's rules reject included
     strategy_name = _choose_strategy(req, enum, combos)
     strategy = make_strategy(strategy_name, plans=enum.valid if enum is not None else None)
     budget = strategy.budget(req.trials if req.trials is not None else req.spec.trials)
@@ -210,7 +218,7 @@ def run_search(req: SearchRequest, *, progress: Callable[[int, int, Evaluation |
     fp = fingerprint(req.scenario, req.spec, req.objective, strategy_name, choice_key)
 
     storage = open_storage(req.storage)
-    study, created = _open_study(req, storage, fp, strategy_name)
+    study, created = _open_study(req, storage, fp)
     failed = 0 if created else _fail_dead_trials(study)
     evaluator = Evaluator(space)
     baseline_cand = space.baseline()
@@ -228,17 +236,20 @@ def run_search(req: SearchRequest, *, progress: Callable[[int, int, Evaluation |
     job = _Job(scenario=req.scenario, spec=req.spec, objective=req.objective, storage=req.storage,
                study_name=req.study_name, strategy=strategy_name,
                plans=enum.valid if strategy_name == "exhaustive" else None,
-               choices=choice_key, fixed=tuple(sorted(fixed.items())), budget=budget, seed=req.seed, worker=0)
+               choices=choice_key, fixed=tuple(sorted(fixed.items())), budget=budget, seed=req.seed, worker=0,
+               parent_pid=os.getpid())
     procs = []
     ctx = multiprocessing.get_context("spawn")
+    child_sims = ctx.Value("i", 0)
     try:
         for w in range(1, req.workers):
-            p = ctx.Process(target=_worker_main, args=(dataclasses.replace(job, worker=w),), daemon=True)
+            p = ctx.Process(target=_worker_main, args=(dataclasses.replace(job, worker=w), child_sims), daemon=True)
             p.start()
             procs.append(p)
         sims = _work(job, evaluator=evaluator, study_storage=storage, progress=progress)
         for p in procs:
             p.join()
+        sims += child_sims.value
     finally:
         for p in procs:
             if p.is_alive():
@@ -278,10 +289,9 @@ def _choose_strategy(req: SearchRequest, enum: Enumeration | None, combos: int) 
     return "tpe"
 
 
-def _open_study(req: SearchRequest, storage, fp: str, strategy: str) -> tuple[optuna.Study, bool]:
+def _open_study(req: SearchRequest, storage, fp: str) -> tuple[optuna.Study, bool]:
     """(study, created): --resume loads an existing one; otherwise create it, or join it when it
     exists for the same search (how several machines share one)."""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     directions = list(req.objective.directions)
     created = False
     if req.resume:
@@ -332,13 +342,24 @@ def _pid_alive(pid: int) -> bool:
 
 
 def _fail_dead_trials(study: optuna.Study) -> int:
-    """Mark failed the running trials whose process, on this host, is gone (kill -9, a crash)."""
+    """Mark failed the running trials whose process is gone (kill -9, a crash): those tagged with
+    a process of this host that no longer exists, and those never tagged at all (the process died
+    between creating the trial and tagging it, a few microseconds; a live one tags it at once, so
+    such a trial is failed once it is UNTAGGED_GRACE_S old)."""
     host = socket.gethostname()
     n = 0
     for t in study.get_trials(deepcopy=False, states=(TrialState.RUNNING,)):
-        who = t.user_attrs.get(WORKER_ATTR, "")
-        h, _, pid = who.rpartition(":")
-        if h == host and pid.isdigit() and not _pid_alive(int(pid)):
+        who = t.user_attrs.get(WORKER_ATTR)
+        if who is None:
+            age = (datetime.datetime.now() - t.datetime_start).total_seconds() if t.datetime_start else 1e9
+            if age < UNTAGGED_GRACE_S:
+                time.sleep(UNTAGGED_GRACE_S - age)
+            t = study._storage.get_trial(t._trial_id)
+            dead = t.state == TrialState.RUNNING and WORKER_ATTR not in t.user_attrs
+        else:
+            h, _, pid = who.rpartition(":")
+            dead = h == host and pid.isdigit() and not _pid_alive(int(pid))
+        if dead:
             try:
                 study._storage.set_trial_state_values(t._trial_id, state=TrialState.FAIL)
                 n += 1
@@ -347,22 +368,26 @@ def _fail_dead_trials(study: optuna.Study) -> int:
     return n
 
 
-def _worker_main(job: _Job) -> None:
-    """Entry point of an extra worker process."""
+def _worker_main(job: _Job, simulations) -> None:
+    """Entry point of an extra worker process (a fresh interpreter: its logging is its own);
+    adds its simulate() calls to the shared counter `simulations`."""
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
     try:
-        _work(job, evaluator=None, study_storage=None, progress=None)
+        n = _work(job, evaluator=None, study_storage=None, progress=None)
     except KeyboardInterrupt:
         sys.exit(130)
+    with simulations.get_lock():
+        simulations.value += n
 
 
 def _work(job: _Job, *, evaluator: Evaluator | None, study_storage, progress) -> int:
     """Ask, evaluate, tell until the budget is spent or the strategy has nothing left.
     Returns the number of simulate() calls this worker made."""
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
     storage = study_storage if study_storage is not None else open_storage(job.storage)
     space = PlanSpace(job.scenario, job.spec)
     strategy = make_strategy(job.strategy, plans=job.plans)
-    sampler = strategy.sampler(space, seed=job.seed, worker=job.worker)
+    sampler = strategy.sampler(space, seed=job.seed, worker=job.worker, choices=dict(job.choices),
+                               fixed=dict(job.fixed), budget=job.budget)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", optuna.exceptions.ExperimentalWarning)
         study = optuna.load_study(study_name=job.study_name, storage=storage, sampler=sampler)
@@ -377,6 +402,8 @@ def _work(job: _Job, *, evaluator: Evaluator | None, study_storage, progress) ->
     last_report, best = 0.0, None
     objective = job.objective
     while True:
+        if job.worker > 0 and os.getppid() != job.parent_pid:
+            break  # the main process was killed: its orphans stop too (--resume picks the search up)
         if strategy.exhausted(sampler, study):
             break
         done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)))

@@ -32,8 +32,11 @@ range**, so `search: {}` or no section at all means "every valid factorisation o
 
 Every other plan field (overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, expert_tp)
 keeps the scenario's value; tp_comm_overlap is applied where it can be (sequence_parallel and
-tp > 1). Uneven first/last stages are not searched: candidates split layers evenly, and the
-scenario's own plan, uneven or not, is evaluated as the baseline.
+tp > 1). Uneven stages are derived, not searched: when pp does not divide the layers (and the
+schedule is not interleaved), the middle stages take ceil(layers / pp) each and the first and
+last stages share the rest, the last one the lighter (they also hold the embedding and the LM
+head: Llama 3 405B's 126 layers on 16 stages are 7 + 14 x 8 + 7, Dubey et al. 2024 Sec. 3.3.2);
+the scenario's own plan, as written, is evaluated as the baseline.
 
 Candidates are canonicalised so that plans that run identically are one plan (and one
 simulation): virtual_pipeline_stages is 1 unless the schedule is interleaved-1f1b,
@@ -157,7 +160,7 @@ def _check_candidates(knob: str, raw: Any) -> tuple:
         else:
             choices = ENUM_KNOBS[knob]
             if not any(type(v) is type(c) and v == c for c in choices):
-                allowed = ", ".join(_show(c) for c in choices)
+                allowed = ", ".join(_show(c) if isinstance(c, bool) else str(c) for c in choices)
                 hint = ""
                 if isinstance(v, str):
                     close = difflib.get_close_matches(v, [str(c) for c in choices], n=1)
@@ -266,6 +269,21 @@ class Enumeration:
     """Most frequent first; a plan with several problems counts under each."""
 
 
+def uneven_stages(num_layers: int, pp: int) -> tuple[int | None, int | None]:
+    """(first, last) stage layers when pp does not divide num_layers, else (None, None): middle
+    stages ceil(L / pp) each, the rest shared by the first and last, the last the lighter. (None,
+    None) too when no such split exists (the plan is then rejected as uneven)."""
+    if pp < 2 or num_layers % pp == 0:
+        return None, None
+    if pp == 2:
+        return num_layers - num_layers // 2, num_layers // 2
+    middle = -(-num_layers // pp)
+    rest = num_layers - (pp - 2) * middle
+    if rest < 2:
+        return None, None
+    return rest - rest // 2, rest // 2
+
+
 def reason_key(reason: str) -> str:
     """The reason with its numbers replaced by '#': plans rejected for the same rule count together."""
     return re.sub(r"\b\d+(\.\d+)?\b", "#", reason)
@@ -280,8 +298,8 @@ class PlanSpace:
         self.scenario = scenario
         self.spec = spec
         self._arch = load_profile(scenario.cluster.gpu).arch
-        # every plan field the search does not set keeps the scenario's; uneven stages are dropped
-        self._template = dataclasses.replace(scenario.plan, first_stage_layers=None, last_stage_layers=None)
+        # every plan field the search does not set keeps the scenario's (stages are derived in _make)
+        self._template = scenario.plan
         self._cands = dict(spec.candidates)
 
     # -- points ---------------------------------------------------------------------------------
@@ -303,8 +321,10 @@ class PlanSpace:
         interleaved = v["schedule"] == "interleaved-1f1b"
         sp = v["sequence_parallel"] if v["tp"] > 1 else self._cands["sequence_parallel"][0]
         zero = v["zero_stage"] if dp * v["cp"] != 1 else self._cands["zero_stage"][0]
+        first, last = (None, None) if interleaved else uneven_stages(self.scenario.model.num_layers, v["pp"])
         plan = dataclasses.replace(
             self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], ep=v["ep"],
+            first_stage_layers=first, last_stage_layers=last,
             micro_batch_size=v["micro_batch_size"], schedule=v["schedule"],
             virtual_pipeline_stages=v["virtual_pipeline_stages"] if interleaved else 1,
             sequence_parallel=sp, zero_stage=zero, recompute=v["recompute"],

@@ -1,0 +1,196 @@
+"""paraplan launch CONFIG: train the config's plan with the bundled torch.distributed executor and measure it.
+
+CONFIG is an executor config: a scenario (model, cluster, training, plan) with a `run:` section
+(steps, warmup_steps, seed, backend, timeout_s, num_layers, hidden_size), e.g. the planner's
+best_plan.yaml. Flags override the run section. Everything a user can get wrong is checked before
+any process starts (one `error:` line, exit 2): the file, its keys, the plan against the model
+(the simulator's structural checks), what the executor refuses (executor.config), and the process
+count against the plan. A rank that fails during training ends the job within run.timeout_s; the
+error names the rank (exit 1).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import re
+
+from paraplan.errors import InfeasiblePlanError, ParaplanError
+from paraplan.fileio import write_atomic
+
+MiB = 1024**2
+
+# torch.cuda.get_device_name() keyword -> bundled profile (for the MFU peak)
+_DEVICE_PROFILES = (("h200", "h200-sxm-141gb"), ("h100", "h100-sxm-80gb"), ("b200", "b200-sxm-180gb"),
+                    ("a100-sxm4-40gb", "a100-sxm-40gb"), ("a100", "a100-sxm-80gb"))
+
+
+def add_arguments(p) -> None:
+    p.add_argument("config", help="executor config: scenario YAML with a run: section (e.g. best_plan.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a config key, e.g. --set plan.tp=2 (repeatable)")
+    run = p.add_argument_group("run settings (override the config's run: section)")
+    run.add_argument("--backend", choices=("nccl", "gloo"), help="nccl on GPUs, gloo on CPUs")
+    run.add_argument("--steps", type=int, help="measured steps")
+    run.add_argument("--warmup", type=int, metavar="STEPS", help="warm-up steps, not measured")
+    run.add_argument("--seed", type=int)
+    run.add_argument("--layers", type=int, help="scale the model down to this many layers")
+    run.add_argument("--hidden", type=int, help="scale the model down to this hidden size (head_dim kept)")
+    run.add_argument("--timeout", type=float, metavar="SECONDS", help="process-group timeout: a dead rank ends the job after this")
+    procs = p.add_argument_group("processes")
+    procs.add_argument("--nproc", type=int, help="processes on this node (default: the plan's world size / --nnodes)")
+    procs.add_argument("--nnodes", type=int, default=1, help="nodes (each runs this command with its --node-rank)")
+    procs.add_argument("--node-rank", type=int, default=0)
+    procs.add_argument("--rdzv-endpoint", metavar="HOST:PORT", help="rendezvous on node 0 (multi-node)")
+    out = p.add_argument_group("output")
+    out.add_argument("--out", metavar="FILE", help="write the measurement (all ranks, JSON) to FILE")
+    out.add_argument("--json", action="store_true", help="print the measurement as JSON instead of the summary")
+    out.add_argument("--run-dir", metavar="DIR", help="keep the job file, torchrun log and raw results in DIR")
+    out.add_argument("--dry-run", action="store_true", help="check everything, print what would run, start nothing")
+
+
+_RUN_FLAGS = {"backend": "backend", "steps": "steps", "warmup": "warmup_steps", "seed": "seed", "layers": "num_layers",
+              "hidden": "hidden_size", "timeout": "timeout_s"}
+
+
+def prepare(args):
+    """The checked, scaled scenario and the process layout; raises ParaplanError for any bad input."""
+    from executor.config import executor_problems, scaled_scenario
+    from paraplan.loader import load_scenario
+    from simulator.feasibility import structural_problems
+
+    overrides = list(args.overrides)
+    for flag, key in _RUN_FLAGS.items():
+        value = getattr(args, flag)
+        if value is not None:
+            overrides.append(f"run.{key}={value}")
+    sc = scaled_scenario(load_scenario(args.config, overrides))
+    problems = structural_problems(sc)
+    flagged = {r.split(":", 1)[0] for r in problems}  # a key the simulator already refused is said once
+    problems += [r for r in executor_problems(sc) if r.split(":", 1)[0] not in flagged]
+    if problems:
+        raise InfeasiblePlanError(problems)
+    if args.nnodes < 1 or (args.nproc is not None and args.nproc < 1):
+        raise ParaplanError("--nproc and --nnodes must be positive")
+    world = sc.plan.world_size
+    nproc = args.nproc if args.nproc is not None else world // args.nnodes
+    if nproc * args.nnodes != world:
+        raise ParaplanError(f"the plan needs tp*pp*cp*dp = {sc.plan.tp}*{sc.plan.pp}*{sc.plan.cp}*{sc.plan.dp} = {world} "
+                            f"processes, but --nproc {nproc} x --nnodes {args.nnodes} = {nproc * args.nnodes}")
+    if args.nnodes > 1 and not args.rdzv_endpoint:
+        raise ParaplanError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
+    if not 0 <= args.node_rank < args.nnodes:
+        raise ParaplanError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1}")
+    if importlib.util.find_spec("torch") is None:
+        raise ParaplanError("the executor needs PyTorch >= 2.13: pip install 'paraplan[executor]'")
+    version = tuple(int(x) for x in re.findall(r"\d+", importlib.metadata.version("torch"))[:2])
+    if version < (2, 13):
+        # the wrong-gradient combinations it avoids, and the pipelining API it uses, are 2.13's
+        raise ParaplanError(f"the executor needs PyTorch >= 2.13, found {importlib.metadata.version('torch')}")
+    if sc.run.backend == "nccl":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise ParaplanError("run.backend nccl needs CUDA GPUs and this host has none; use --backend gloo to run on CPUs")
+        if torch.cuda.device_count() < nproc:
+            raise ParaplanError(f"{nproc} processes need {nproc} GPUs on this node, it has {torch.cuda.device_count()}")
+    return sc, nproc
+
+
+def run(args) -> int:
+    from executor.launch import LaunchError, Rendezvous, launch
+
+    sc, nproc = prepare(args)
+    rdzv = Rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, endpoint=args.rdzv_endpoint) if args.nnodes > 1 else None
+    if args.dry_run:
+        print(f"{sc.name}: plan OK; would start {nproc} process(es) x {args.nnodes} node(s), backend {sc.run.backend}, "
+              f"model {sc.model.name} ({sc.model.num_layers} layers, hidden {sc.model.hidden_size})")
+        return 0
+    try:
+        results = launch([sc], nproc=nproc, backend=sc.run.backend, timeout_s=sc.run.timeout_s, run_dir=args.run_dir,
+                         rendezvous=rdzv, echo=None if args.json else print)
+    except LaunchError as e:
+        import sys
+
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if not results:  # a node other than 0: node 0 writes the measurement
+        return 0
+    m = add_flops(sc, results[0])
+    if args.out:
+        write_atomic(args.out, json.dumps(m, indent=1) + "\n")
+    print(json.dumps(m, indent=1) if args.json else format_summary(m))
+    return 0
+
+
+def add_flops(sc, m: dict) -> dict:
+    """Model FLOPs per step with the simulator's formula, TFLOP/s per rank, and MFU on a GPU."""
+    from simulator.flops import MODEL_FLOPS_FORMULA, model_flops
+
+    flops = model_flops(sc.model, sc.training.seq_length, m["tokens_per_step"])
+    m["model_flops_per_step"] = flops
+    m["flop_formula"] = MODEL_FLOPS_FORMULA
+    m["tflops_per_rank"] = flops / m["step_time_s"] / m["world_size"] / 1e12
+    if m["backend"] == "nccl":
+        from hwmodels.profile import load_profile
+
+        name = next((prof for key, prof in _DEVICE_PROFILES if key in m["device"].lower().replace(" ", "-")),
+                    sc.cluster.gpu)
+        peak = load_profile(name).peak(m["compute_dtype"])
+        m["peak_flops_per_rank"] = peak
+        m["peak_profile"] = name
+        m["mfu"] = flops / m["step_time_s"] / m["world_size"] / peak
+    return m
+
+
+def format_summary(m: dict) -> str:
+    p, model = m["plan"], m["model"]
+    sched = p["schedule"] + (f" x{p['virtual_pipeline_stages']}" if p["virtual_pipeline_stages"] > 1 else "")
+    lines = [
+        f"{m['scenario']}: {model['name']} ({m['parameters'] / 1e6:.1f}M parameters, {model['num_layers']} layers, "
+        f"hidden {model['hidden_size']}{', MoE' if model.get('moe') else ''})",
+        f"  plan: tp {p['tp']}  pp {p['pp']}  dp {p['dp']}  cp {p['cp']}  ep {p['ep']}  mbs {p['micro_batch_size']}  "
+        f"{sched if p['pp'] > 1 else 'no pipeline'}  sp {'on' if p['sequence_parallel'] else 'off'}  zero {p['zero_stage']}  "
+        f"recompute {p['recompute']}  ({m['num_microbatches']} microbatch{'es' if m['num_microbatches'] != 1 else ''})",
+        f"  {m['world_size']} ranks on {m['device']} ({m['backend']}), {m['compute_dtype']}, data parallel: {m['data_parallel']}",
+        "",
+        "  step   time (ms)    tokens/s      loss",
+    ]
+    for s in m["steps"]:
+        lines.append(f"  {s['step'] + 1:4d} {s['time_s'] * 1e3:11.1f} {s['tokens_per_s']:11.0f} {s['loss']:9.4f}"
+                     + ("   (warm-up)" if s["warmup"] else ""))
+    lines += [
+        "",
+        f"  step time (median)  {m['step_time_s'] * 1e3:10.1f} ms",
+        f"  tokens/s            {m['tokens_per_s']:10.0f}",
+        f"  TFLOP/s per rank    {m['tflops_per_rank']:10.4g}   (model FLOPs, see below)",
+    ]
+    if "mfu" in m:
+        lines.append(f"  MFU                 {m['mfu'] * 100:9.1f} %  of {m['peak_flops_per_rank'] / 1e12:.0f} TFLOP/s ({m['peak_profile']})")
+    lines += ["", "  peak memory per rank (MiB): params  grads  optim  act+buf   peak  "
+              f"[{m['ranks'][0]['memory']['source']}]"]
+    for r in _ranks_to_show(m["ranks"]):
+        if r is None:
+            lines.append("    ...")
+            continue
+        mm = r["memory"]
+        lines.append(f"    rank {r['rank']:<4} " + " ".join(
+            f"{mm[k] / MiB:7.1f}" for k in ("parameters", "gradients", "optimizer_states", "activations_and_buffers", "peak_total")))
+    for note in m["notes"]:
+        lines.append(f"  note: {note}")
+    lines.append(f"  FLOPs: {m['flop_formula']}")
+    return "\n".join(lines)
+
+
+def _ranks_to_show(ranks, limit: int = 8):
+    if len(ranks) <= limit:
+        return ranks
+    big = max(ranks, key=lambda r: r["memory"]["peak_total"])
+    keep = sorted({0, 1, big["rank"], len(ranks) - 1})
+    out, prev = [], -1
+    for i in keep:
+        if i != prev + 1:
+            out.append(None)
+        out.append(ranks[i])
+        prev = i
+    return out

@@ -1,0 +1,225 @@
+"""paraplan plan SCENARIO: search the plan space, rank the plans, write a launchable config.
+
+    paraplan plan scenarios/llama3-70b-1024xh100.yaml --out runs/llama70b
+    paraplan plan SCENARIO --objective cost --trials 500 --workers 2
+    paraplan plan SCENARIO --storage postgresql://host/db --study run1     # many machines, one search
+    paraplan plan SCENARIO --study run1 --resume                          # after Ctrl-C or a crash
+
+Writes, under --out DIR (default: a new folder plan-<scenario> here):
+    report.txt          the ranked table and the rejection summary (also printed)
+    top_plans.json      the ranked plans with their predicted metrics
+    best_plan.yaml      the best plan as an executor config: `paraplan launch DIR/best_plan.yaml`
+    megatron_args.txt   the same plan as Megatron-LM arguments
+    torchtitan.toml     the same plan as a torchtitan job config
+    history.png, importance.png, pareto.png (two-value objectives)
+    study.journal       the Optuna study (unless --storage names another), what --resume reads
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from paraplan.errors import ConfigError, ParaplanError
+from paraplan.fileio import write_atomic
+
+OBJECTIVE_CHOICES = ("throughput", "cost", "throughput-vs-headroom", "throughput-vs-gpus")
+JOURNAL = "study.journal"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def _positive_float(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not v > 0 or v == float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
+    return v
+
+
+def add_arguments(p) -> None:
+    p.add_argument("scenario", help="scenario YAML file (its search: section defines the plan space)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
+                   help="override a scenario key, e.g. --set search.tp=[4,8] (repeatable)")
+    p.add_argument("--out", metavar="DIR", help="output folder (default: a new folder plan-<scenario>)")
+    p.add_argument("--objective", choices=OBJECTIVE_CHOICES, default="throughput",
+                   help="throughput: max tokens/s (default); cost: min cost per 1M tokens; "
+                        "throughput-vs-headroom / throughput-vs-gpus: a Pareto front")
+    p.add_argument("--strategy", choices=("auto", "exhaustive", "tpe"), default="auto",
+                   help="auto (default): exhaustive when the valid space has at most "
+                        "search.exhaustive_threshold plans, else Optuna TPE")
+    p.add_argument("--trials", type=_positive_int, metavar="N",
+                   help="TPE trial budget for the whole study (default: search.trials, 300)")
+    p.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+                   help="worker processes on this machine (default 1)")
+    p.add_argument("--seed", type=_non_negative_int, default=0, help="sampler seed (default 0)")
+    p.add_argument("--storage", metavar="URL",
+                   help="Optuna storage URL (sqlite:///x.db, postgresql://..., mysql://..., redis://...) "
+                        "or a journal file path (default: DIR/study.journal)")
+    p.add_argument("--study", metavar="NAME", help="study name (default: <scenario>-<objective>)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue an existing study (finished trials are kept, not recomputed)")
+    p.add_argument("--gpu-hour-cost", type=_positive_float, metavar="PRICE",
+                   help="price of one GPU-hour for --objective cost (default: search.gpu_hour_cost; "
+                        "unpriced, cost is in GPU-hours)")
+    p.add_argument("--top", type=_positive_int, default=10, metavar="N", help="plans in the table (default 10)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def _default_out(stem: str, resume: bool, storage_given: bool) -> Path:
+    """A new folder plan-<stem>[-N]; with --resume (and the default storage), the newest existing one."""
+    base = Path(f"plan-{stem}")
+    existing = [base] if base.exists() else []
+    n = 2
+    while Path(f"{base}-{n}").exists():
+        existing.append(Path(f"{base}-{n}"))
+        n += 1
+    if resume and not storage_given:
+        with_journal = [d for d in existing if (d / JOURNAL).is_file()]
+        if not with_journal:
+            raise ParaplanError(f"--resume: no earlier search folder {base}[-N] with a {JOURNAL} here; "
+                                f"give --out DIR (or --storage) of the search to resume")
+        return with_journal[-1]
+    return base if not existing else Path(f"{base}-{n}")
+
+
+class _Progress:
+    """A one-line progress bar with the best plan so far, on stderr (plain lines when not a terminal)."""
+
+    def __init__(self, stream, label: str):
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.label = label
+        self.t0 = time.monotonic()
+        self.last_decile = -1
+        self.shown = False
+
+    def __call__(self, done: int, total: int, best) -> None:
+        from planner.report import plan_label
+
+        frac = min(1.0, done / total) if total else 1.0
+        rate = done / max(time.monotonic() - self.t0, 1e-9)
+        best_text = (f"best {best.tokens_per_s:,.0f} tok/s ({plan_label(best.candidate.plan)})"
+                     if best is not None else "no plan fits yet")
+        if self.tty:
+            bar = "#" * int(frac * 24)
+            self.stream.write(f"\r{self.label} [{bar:<24}] {done}/{total} {rate:5.1f}/s  {best_text}\033[K")
+            self.stream.flush()
+            self.shown = True
+        elif int(frac * 10) > self.last_decile:
+            self.last_decile = int(frac * 10)
+            self.stream.write(f"{self.label} {done}/{total} trials, {rate:.1f}/s, {best_text}\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self.tty and self.shown:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def run(args) -> int:
+    import optuna
+
+    from paraplan.loader import load_scenario
+    from planner.objective import make_objective
+    from planner.search import SearchRequest, run_search
+    from planner.space import parse_search
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)  # no line per trial: the progress bar says it
+    scenario = load_scenario(args.scenario, args.overrides)
+    spec = parse_search(scenario)
+    price = args.gpu_hour_cost if args.gpu_hour_cost is not None else spec.gpu_hour_cost
+    objective = make_objective(args.objective, gpu_hour_cost=price)
+    if args.objective == "throughput-vs-gpus" and len(spec.values("num_nodes")) < 2:
+        raise ConfigError("search.num_nodes", "--objective throughput-vs-gpus needs several cluster sizes "
+                                              "to trade off: list them, e.g. num_nodes: [32, 64, 128]")
+    stem = Path(args.scenario).stem
+    out = Path(args.out) if args.out else _default_out(stem, args.resume, args.storage is not None)
+    if args.resume and args.storage is None and not (out / JOURNAL).is_file():
+        raise ParaplanError(f"--resume: {out / JOURNAL} does not exist; nothing to resume there")
+    out.mkdir(parents=True, exist_ok=True)
+    storage = args.storage or str(out / JOURNAL)
+    study = args.study or f"{stem}-{args.objective}"
+    req = SearchRequest(scenario=scenario, spec=spec, objective=objective, storage=storage, study_name=study,
+                        strategy=args.strategy, trials=args.trials, workers=args.workers, seed=args.seed,
+                        resume=args.resume)
+    progress = None if args.quiet else _Progress(sys.stderr, "searching")
+    try:
+        result = run_search(req, progress=progress)
+    finally:
+        if progress is not None:
+            progress.close()
+    return _write_outputs(scenario, result, objective, out, args)
+
+
+def _write_outputs(scenario, result, objective, out: Path, args) -> int:
+    from planner import emit
+    from planner.report import (
+        build_report, format_report, history_png, importance_png, importances, pareto_png, report_json,
+    )
+
+    rep = build_report(scenario.name, result, objective, top=args.top)
+    text = format_report(rep)
+    data = report_json(rep)
+    written = ["report.txt", "top_plans.json"]
+    if not args.no_plots and result.records:
+        write_atomic(out / "history.png", history_png(rep))
+        written.append("history.png")
+        imp = importances(rep)
+        data["importances"] = imp
+        if imp:
+            write_atomic(out / "importance.png", importance_png(rep, imp))
+            written.append("importance.png")
+        if objective.multi and rep.plans:
+            write_atomic(out / "pareto.png", pareto_png(rep))
+            written.append("pareto.png")
+    best = rep.best
+    if best is not None:
+        sc = emit.best_scenario(scenario, best)
+        config = out / "best_plan.yaml"
+        launch = emit.launch_command(str(config))
+        data["best_plan"] = {"config": str(config), "launch": launch}
+        write_atomic(config, emit.executor_config_yaml(sc, best, launch=launch))
+        write_atomic(out / "megatron_args.txt", emit.megatron_args_text(sc))
+        write_atomic(out / "torchtitan.toml", emit.torchtitan_toml(sc))
+        written += ["best_plan.yaml", "megatron_args.txt", "torchtitan.toml"]
+        text += f"\n\n  best plan: {config}\n  launch it: {launch}"
+    write_atomic(out / "top_plans.json", json.dumps(data, indent=2) + "\n")
+    write_atomic(out / "report.txt", text + "\n")
+    print(text)
+    print(f"\n  wrote {', '.join(written)} to {out}/")
+    if best is None and rep.fits == 0 and rep.oom == 0 and rep.trial_rejections:
+        _, count, example = rep.trial_rejections[0]
+        raise ConfigError("search", f"no valid plan among the {len(result.records)} trials; "
+                                    f"{count} fail {example}")
+    if best is None:
+        c = rep.closest_oom
+        detail = (f"; the closest, {c.candidate.plan.tp}x{c.candidate.plan.pp}x{c.candidate.plan.dp} "
+                  f"(tp x pp x dp), needs {c.peak_memory_bytes / 2**30:.1f} of {c.memory_capacity_bytes / 2**30:.1f} "
+                  f"GiB per GPU: allow more pp, recompute or zero_stage in the search section"
+                  if c is not None else "")
+        raise ParaplanError(f"no plan fits in memory among the {rep.distinct} plans evaluated{detail}")
+    return 0

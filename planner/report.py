@@ -1,0 +1,366 @@
+"""What a search found: the ranked plans, why the rest were rejected, top_plans.json and plots.
+
+Ranking: every distinct plan that fits (a plan tried twice counts once), ordered by the objective
+(ties: fewer GPUs, then more free memory); for a two-value objective the top plans are the Pareto
+front, best first value first. The scenario's own plan joins the ranking when the search section
+allows its knob values, so the planner's best is never slower than it by the simulator.
+"""
+from __future__ import annotations
+
+import io
+import math
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any
+
+from paraplan.specs import PlanSpec
+from planner.objective import GiB, Evaluation, Objective, pareto_front
+from planner.search import SearchResult
+from planner.space import reason_key
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ranked:
+    rank: int
+    evaluation: Evaluation
+    trial: int | None
+    """The first trial that evaluated it (None: the scenario's own plan, evaluated outside the study)."""
+    baseline: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class Report:
+    scenario: str
+    objective: Objective
+    result: SearchResult
+    plans: tuple[Ranked, ...]
+    """The top plans (the Pareto front for two-value objectives), best first."""
+    distinct: int
+    fits: int
+    oom: int
+    invalid: int
+    trial_rejections: tuple[tuple[str, int, str], ...]
+    """(reason template, trials, example) of the pruned trials, most frequent first."""
+    closest_oom: Evaluation | None
+
+    @property
+    def best(self) -> Evaluation | None:
+        return self.plans[0].evaluation if self.plans else None
+
+
+def build_report(scenario: str, result: SearchResult, objective: Objective, *, top: int = 10) -> Report:
+    first_trial: dict[Any, int] = {}
+    evals: dict[Any, Evaluation] = {}
+    reasons: Counter = Counter()
+    examples: dict[str, str] = {}
+    for rec in sorted(result.records, key=lambda r: r.number):
+        e = rec.evaluation
+        if e.candidate not in evals:
+            evals[e.candidate] = e
+            first_trial[e.candidate] = rec.number
+        if e.status == "invalid":
+            for r in e.reasons:
+                k = reason_key(r)
+                reasons[k] += 1
+                examples.setdefault(k, r)
+    pool = [e for e in evals.values() if e.fits]
+    base = result.baseline
+    base_added = result.baseline_in_space and base.fits and base.candidate not in evals
+    if base_added:
+        pool.append(base)
+    if objective.multi:
+        chosen = pareto_front(pool, objective)[:max(top, 1)]
+    else:
+        chosen = sorted(pool, key=objective.sort_key)[:top]
+    plans = tuple(
+        Ranked(rank=i + 1, evaluation=e, trial=first_trial.get(e.candidate),
+               baseline=e.candidate == base.candidate)
+        for i, e in enumerate(chosen)
+    )
+    ooms = [e for e in evals.values() if e.status == "oom"]
+    return Report(
+        scenario=scenario, objective=objective, result=result, plans=plans,
+        distinct=len(evals), fits=sum(1 for e in evals.values() if e.fits), oom=len(ooms),
+        invalid=sum(1 for e in evals.values() if e.status == "invalid"),
+        trial_rejections=tuple((k, n, examples[k]) for k, n in reasons.most_common()),
+        closest_oom=min(ooms, key=lambda e: e.overflow) if ooms else None,
+    )
+
+
+# ----------------------------------------------------------------------------------------------
+# Text.
+
+
+def plan_label(p: PlanSpec) -> str:
+    """`tp8 pp8 dp16 mbs1 interleaved x6 sp zero1 selective` (cp/ep only when > 1)."""
+    parts = [f"tp{p.tp}", f"pp{p.pp}", f"dp{p.dp}"]
+    if p.cp > 1:
+        parts.append(f"cp{p.cp}")
+    if p.ep > 1:
+        parts.append(f"ep{p.ep}")
+    parts.append(f"mbs{p.micro_batch_size}")
+    sched = p.schedule + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
+    parts += [sched, "sp" if p.sequence_parallel else "no-sp", f"zero{p.zero_stage}", p.recompute]
+    if p.first_stage_layers is not None or p.last_stage_layers is not None:
+        parts.append(f"stages {p.first_stage_layers or '-'}/{p.last_stage_layers or '-'}")
+    return " ".join(parts)
+
+
+def _row(r: Ranked, objective: Objective, show_nodes: bool) -> str:
+    e = r.evaluation
+    p = e.candidate.plan
+    sched = {"interleaved-1f1b": "inter", "1f1b": "1f1b", "gpipe": "gpipe"}[p.schedule]
+    if p.virtual_pipeline_stages > 1:
+        sched += f"x{p.virtual_pipeline_stages}"
+    cols = [f"{r.rank:>2}"]
+    if show_nodes:
+        cols.append(f"{e.world_size:>5}")
+    cols += [f"{p.tp:>2}", f"{p.pp:>3}", f"{p.dp:>4}", f"{p.cp:>2}"]
+    cols += [f"{p.ep:>2}", f"{p.micro_batch_size:>3}", f"{sched:<8}", f"{'on' if p.sequence_parallel else 'off':<3}",
+             f"{p.zero_stage:>4}", f"{p.recompute:<9}", f"{e.step_time_s:8.3f}", f"{e.tokens_per_s:>11,.0f}",
+             f"{e.mfu * 100:5.1f}%", f"{e.peak_memory_bytes / GiB:5.1f}/{e.memory_capacity_bytes / GiB:<5.1f}",
+             f"{e.headroom * 100:4.0f}%"]
+    if objective.name == "cost":
+        cols.append(f"{objective.cost_per_mtokens(e):9.3f}")
+    tag = "  (scenario's plan)" if r.baseline else ""
+    return "  ".join(cols) + f"  {e.limiter()}{tag}"
+
+
+def format_report(rep: Report) -> str:
+    res, obj = rep.result, rep.objective
+    lines = [f"{rep.scenario}: {res.strategy} search, objective {obj.name}"]
+    enum = res.enumeration
+    if enum is not None:
+        lines.append(f"  space: {res.combinations:,} candidate plans, {len(enum.valid):,} valid")
+    else:
+        lines.append(f"  space: {res.combinations:,} candidate plans (too many to enumerate; checked per trial)")
+    n = len(res.records)
+    rate = (n - res.trials_before) / res.wall_time_s if res.wall_time_s > 0 else 0.0
+    resumed = f", {res.trials_before} before this run" if res.trials_before else ""
+    lines.append(f"  trials: {n} ({rep.distinct} distinct plans{resumed}); {res.simulations} simulated in this run, "
+                 f"{res.wall_time_s:.1f} s, {rate:.1f} trials/s")
+    lines.append(f"  study: {res.study_name} in {res.storage}")
+    lines.append("")
+    if not rep.plans:
+        lines.append("  no evaluated plan fits in memory")
+    else:
+        show_nodes = len({r.evaluation.world_size for r in rep.plans}) > 1
+        head = ["  #"] + (["  GPUs"] if show_nodes else []) + [
+            "tp", " pp", "  dp", "cp", "ep", "mbs", "schedule", "sp ", "zero", "recompute", "  step s",
+            "   tokens/s", "   MFU", "mem GiB    ", "free"]
+        if obj.name == "cost":
+            head.append("cost/1M tok")
+        title = "Pareto front (tokens/s vs " + obj.labels[1] + ")" if obj.multi else "top plans"
+        lines.append(f"  {title}:")
+        lines.append("  " + "  ".join(head) + "  limited by")
+        for r in rep.plans:
+            lines.append("  " + _row(r, obj, show_nodes))
+        if obj.name == "cost":
+            lines.append(f"  (cost {obj.cost_unit})")
+    lines.append("")
+    base = res.baseline
+    if base.simulated and rep.best is not None:
+        b = rep.best
+        if obj.name == "cost":
+            gain = objective_gain(obj, b, base)
+            lines.append(f"  scenario's plan ({plan_label(base.candidate.plan)}): {base.tokens_per_s:,.0f} tokens/s, "
+                         f"{obj.cost_per_mtokens(base):.3f} {obj.cost_unit}"
+                         f"{'' if base.fits else ', does not fit'}; best is {gain:+.1f}% cheaper")
+        else:
+            lines.append(f"  scenario's plan ({plan_label(base.candidate.plan)}): {base.tokens_per_s:,.0f} tokens/s"
+                         f"{'' if base.fits else ' (does not fit)'}; best is "
+                         f"{100 * (b.tokens_per_s / base.tokens_per_s - 1):+.1f}%")
+    elif not base.simulated:
+        lines.append(f"  scenario's plan: invalid ({base.reasons[0] if base.reasons else 'unknown'})")
+    lines.append("")
+    lines.append("  rejected:")
+    if rep.oom:
+        c = rep.closest_oom
+        lines.append(f"    {rep.oom:>6} out of memory (closest: {plan_label(c.candidate.plan)} needs "
+                     f"{c.peak_memory_bytes / GiB:.1f} of {c.memory_capacity_bytes / GiB:.1f} GiB)")
+    for _, count, example in rep.trial_rejections[:6]:
+        lines.append(f"    {count:>6} trials: {example}")
+    if enum is not None and enum.rejections:
+        lines.append(f"    in the space, {res.combinations - len(enum.valid):,} of {res.combinations:,} "
+                     f"candidate plans fail the structural rules (a plan can fail several):")
+        for rj in enum.rejections[:6]:
+            lines.append(f"    {rj.count:>6} {rj.example}")
+    if not rep.oom and not rep.trial_rejections and not (enum and enum.rejections):
+        lines.append("    none")
+    return "\n".join(lines)
+
+
+def objective_gain(obj: Objective, best: Evaluation, other: Evaluation) -> float:
+    """How much better `best` is than `other` on the first value, in percent."""
+    a, b = obj.values(best)[0], obj.values(other)[0]
+    if obj.directions[0] == "maximize":
+        return 100.0 * (a / b - 1.0) if b else math.inf
+    return 100.0 * (1.0 - a / b) if b else math.inf
+
+
+# ----------------------------------------------------------------------------------------------
+# JSON.
+
+
+def _metrics(e: Evaluation, obj: Objective) -> dict[str, Any]:
+    return {
+        "step_time_s": e.step_time_s, "tokens_per_s": e.tokens_per_s, "mfu": e.mfu,
+        "peak_memory_bytes": e.peak_memory_bytes, "memory_capacity_bytes": e.memory_capacity_bytes,
+        "memory_headroom": e.headroom, "cost_per_1M_tokens": obj.cost_per_mtokens(e),
+        "cost_unit": obj.cost_unit, "num_microbatches": e.num_microbatches,
+        "limited_by": e.limiter(), "breakdown_s": dict(e.breakdown),
+    }
+
+
+def _plan_entry(e: Evaluation, obj: Objective, **extra) -> dict[str, Any]:
+    from paraplan.serialize import plan_to_mapping
+
+    return {**extra, "num_nodes": e.candidate.num_nodes, "world_size": e.world_size,
+            "plan": plan_to_mapping(e.candidate.plan), "label": plan_label(e.candidate.plan),
+            "metrics": _metrics(e, obj)}
+
+
+def report_json(rep: Report) -> dict[str, Any]:
+    res, obj = rep.result, rep.objective
+    enum = res.enumeration
+    n = len(res.records)
+    base = res.baseline
+    return {
+        "scenario": rep.scenario,
+        "objective": {"name": obj.name, "directions": list(obj.directions), "labels": list(obj.labels),
+                      "gpu_hour_cost": obj.gpu_hour_cost},
+        "strategy": res.strategy,
+        "study": {"name": res.study_name, "storage": res.storage},
+        "space": {
+            "candidate_plans": res.combinations,
+            "valid_plans": len(enum.valid) if enum is not None else None,
+            "rejected": [{"reason": r.reason, "count": r.count, "example": r.example}
+                         for r in (enum.rejections if enum is not None else ())],
+        },
+        "search": {
+            "trials": n, "trials_before_this_run": res.trials_before, "budget": res.budget,
+            "distinct_plans": rep.distinct, "fit": rep.fits, "out_of_memory": rep.oom, "invalid": rep.invalid,
+            "simulations_this_run": res.simulations, "wall_time_s": res.wall_time_s,
+            "trials_per_s": (n - res.trials_before) / res.wall_time_s if res.wall_time_s > 0 else None,
+            "rejected_trials": [{"reason": k, "count": c, "example": ex} for k, c, ex in rep.trial_rejections],
+        },
+        "baseline": ({**_plan_entry(base, obj), "status": base.status} if base.simulated
+                     else {"status": base.status, "reasons": list(base.reasons)}),
+        "plans": [_plan_entry(r.evaluation, obj, rank=r.rank, trial=r.trial, scenario_plan=r.baseline)
+                  for r in rep.plans],
+        "pareto_front": obj.multi,
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Plots (matplotlib's object API: no pyplot state).
+
+
+def _figure(w: float, h: float):
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(w, h))
+
+
+def _png(fig) -> bytes:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    return buf.getvalue()
+
+
+def history_png(rep: Report) -> bytes:
+    """Objective value per trial (fits / out of memory), and the best so far."""
+    obj = rep.objective
+    fig = _figure(8, 4.2)
+    ax = fig.add_subplot(1, 1, 1)
+    recs = sorted(rep.result.records, key=lambda r: r.number)
+    ok = [(r.number, obj.values(r.evaluation)[0]) for r in recs if r.evaluation.fits]
+    oom = [(r.number, obj.values(r.evaluation)[0]) for r in recs if r.evaluation.status == "oom"]
+    bad = [r.number for r in recs if r.evaluation.status == "invalid"]
+    scale, unit = (1e3, "k tokens/s") if obj.labels[0] == "tokens/s" else (1.0, obj.labels[0])
+    if ok:
+        ax.scatter([n for n, _ in ok], [v / scale for _, v in ok], s=9, color="#4C72B0", label="fits")
+    if oom:
+        ax.scatter([n for n, _ in oom], [v / scale for _, v in oom], s=9, marker="x", color="#C44E52",
+                   label="out of memory")
+    if ok:
+        sign = 1 if obj.directions[0] == "maximize" else -1
+        xs, ys, best = [], [], None
+        for n, v in ok:
+            if best is None or sign * v > sign * best:
+                best = v
+            xs.append(n)
+            ys.append(best / scale)
+        ax.step(xs, ys, where="post", color="#55A868", label="best so far")
+    ax.set_xlabel(f"trial ({len(bad)} pruned as structurally invalid, not shown)")
+    ax.set_ylabel(unit)
+    ax.set_title(f"{rep.scenario}: optimisation history ({rep.result.strategy})", fontsize=10)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def pareto_png(rep: Report) -> bytes:
+    obj = rep.objective
+    fig = _figure(7, 4.5)
+    ax = fig.add_subplot(1, 1, 1)
+    pts = [r.evaluation for r in rep.result.records if r.evaluation.fits]
+    ax.scatter([obj.values(e)[1] for e in pts], [e.tokens_per_s / 1e3 for e in pts], s=9, color="#BBBBBB",
+               label="fits")
+    front = pareto_front(pts, obj)  # the whole front, not only the plans in the table
+    ax.plot([obj.values(e)[1] for e in front], [e.tokens_per_s / 1e3 for e in front], "o-", color="#C44E52",
+            label="Pareto front")
+    ax.set_xlabel(obj.labels[1] + (" (fraction of GPU memory free)" if obj.labels[1] == "memory headroom" else ""))
+    ax.set_ylabel("k tokens/s")
+    ax.set_title(f"{rep.scenario}: tokens/s vs {obj.labels[1]}", fontsize=10)
+    ax.legend(fontsize=8)
+    return _png(fig)
+
+
+def importances(rep: Report) -> dict[str, float]:
+    """Parameter importances for the first objective value, plans that do not fit scored as the
+    worst value seen: Optuna's PED-ANOVA (Watanabe et al. 2023), which needs no scikit-learn and
+    scores how much each knob's distribution among the top 10 % of trials differs from all of
+    them. Empty when there is too little to learn from (fewer than 10 simulated trials or one
+    free knob)."""
+    import warnings
+
+    import optuna
+    from optuna.trial import TrialState
+
+    study = rep.result.study
+    if study is None:
+        return {}
+    trials = [t for t in study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))]
+    if len(trials) < 10 or len({k for t in trials for k in t.params}) < 2:
+        return {}
+    obj = rep.objective
+    sign = 1.0 if obj.directions[0] == "maximize" else -1.0
+    feasible = [sign * t.values[0] for t in trials if t.constraints.get("memory", 0.0) <= 0]
+    if len(feasible) < 2:
+        return {}
+    worst = min(feasible)
+
+    def target(t) -> float:
+        return sign * t.values[0] if t.constraints.get("memory", 0.0) <= 0 else worst
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            ev = optuna.importance.PedAnovaImportanceEvaluator()
+            return dict(optuna.importance.get_param_importances(study, evaluator=ev, target=target))
+        except Exception:  # noqa: BLE001  importances are a nicety; a failure must not lose the search
+            return {}
+
+
+def importance_png(rep: Report, imp: dict[str, float]) -> bytes:
+    fig = _figure(7, 0.5 + 0.35 * max(len(imp), 1))
+    ax = fig.add_subplot(1, 1, 1)
+    names = list(imp)[::-1]
+    ax.barh(names, [imp[n] for n in names], color="#4C72B0")
+    ax.set_xlabel("importance (PED-ANOVA over the top 10% of trials)")
+    ax.set_title(f"{rep.scenario}: which knobs matter", fontsize=10)
+    return _png(fig)

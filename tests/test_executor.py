@@ -1,0 +1,370 @@
+"""The bundled executor on CPU with gloo: every parallelism against a single-process reference.
+
+Each plan trains a tiny model (4 layers, hidden 64) for 3 steps on the same synthetic data as a
+one-process run of the same model with the same global batch; the loss of every step must match
+the reference within LOSS_ATOL. Most plans use SGD with momentum: unlike Adam its update changes
+when a gradient is off by a constant factor (a wrong divisor in a reduction), so that class of bug
+shows in the loss. Plans are grouped by world size into one torchrun job each (start-up is
+5-11 s per job on 2 cores): world size 1 (references), 2, 4, and one 8-process smoke run.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from executor.config import (  # noqa: E402
+    executor_problems, notes, scaled_model, scaled_scenario, scenario_from_json, scenario_to_json,
+)
+from paraplan.errors import ConfigError  # noqa: E402
+from paraplan.specs import (  # noqa: E402
+    ClusterSpec, ModelSpec, MoESpec, PlanSpec, RunSpec, Scenario, TrainingSpec,
+)
+
+LOSS_ATOL = 1e-4
+"""Per-step loss tolerance, fp32 on CPU. Observed differences are about 1e-6 (reduction order)."""
+
+DENSE = ModelSpec(name="tiny", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
+                  ffn_hidden_size=128, vocab_size=256, activation="swiglu")
+TIED = dataclasses.replace(DENSE, name="tiny-tied", activation="gelu", num_kv_heads=4, tied_embeddings=True)
+MOE = dataclasses.replace(DENSE, name="tiny-moe", activation="gelu", moe=MoESpec(
+    num_experts=4, top_k=2, expert_ffn_hidden_size=64, num_shared_experts=1, first_dense_layers=1))
+MOE_CAPACITY = dataclasses.replace(MOE, name="tiny-moe-capacity",
+                                   moe=dataclasses.replace(MOE.moe, capacity_factor=1.0, num_shared_experts=0))
+MODELS = {"dense": DENSE, "tied": TIED, "moe": MOE, "moe-capacity": MOE_CAPACITY}
+
+
+def scenario(name: str, model: str = "dense", *, opt: str = "sgd", gbs: int = 8, seq: int = 32, **plan) -> Scenario:
+    p = PlanSpec(**plan)
+    return Scenario(
+        name=name, model=MODELS[model],
+        cluster=ClusterSpec(gpu="h100-sxm-80gb", num_nodes=1, gpus_per_node=p.world_size),
+        training=TrainingSpec(seq_length=seq, global_batch_size=gbs, precision="fp32", optimizer=opt),
+        plan=p, run=RunSpec(steps=3, warmup_steps=0, seed=7, backend="gloo", timeout_s=120))
+
+
+def reference_of(sc: Scenario) -> Scenario:
+    """The same model, data and optimizer on one process, the whole batch as one microbatch; with
+    an expert capacity, microbatches of the plan's size (capacity is per group of local tokens)."""
+    t = sc.training
+    mbs = sc.plan.micro_batch_size if sc.model.moe and sc.model.moe.capacity_factor else t.global_batch_size
+    return dataclasses.replace(sc, name=f"ref/{sc.model.name}/{t.optimizer}/{t.global_batch_size}x{t.seq_length}/{mbs}",
+                               plan=PlanSpec(micro_batch_size=mbs),
+                               cluster=dataclasses.replace(sc.cluster, gpus_per_node=1))
+
+
+# Every parallel dimension and the compositions the planner emits, by world size.
+PLANS = {
+    2: [
+        scenario("dp2-ddp", dp=2, micro_batch_size=2),
+        scenario("dp2-zero1-zro", dp=2, micro_batch_size=2, zero_stage=1, opt="adam"),
+        scenario("dp2-zero1-sgd", dp=2, micro_batch_size=2, zero_stage=1),
+        scenario("dp2-zero2-fsdp", dp=2, micro_batch_size=2, zero_stage=2),
+        scenario("dp2-zero3-fsdp", dp=2, micro_batch_size=2, zero_stage=3),
+        scenario("dp2-full-recompute", dp=2, micro_batch_size=4, recompute="full"),
+        scenario("tp2", tp=2, micro_batch_size=4),
+        scenario("tp2-sp-selective", tp=2, micro_batch_size=4, sequence_parallel=True, recompute="selective"),
+        scenario("pp2-gpipe", pp=2, micro_batch_size=2, schedule="gpipe"),
+        scenario("pp2-1f1b", pp=2, micro_batch_size=2, schedule="1f1b"),
+        scenario("pp2-interleaved", pp=2, micro_batch_size=2, schedule="interleaved-1f1b", virtual_pipeline_stages=2),
+        scenario("pp2-zero-bubble", pp=2, micro_batch_size=2, schedule="zero-bubble"),
+        scenario("pp2-zbv", pp=2, micro_batch_size=2, schedule="zbv", virtual_pipeline_stages=2),
+        scenario("pp2-dualpipev", pp=2, micro_batch_size=2, schedule="dualpipev", virtual_pipeline_stages=2),
+        scenario("cp2", cp=2, micro_batch_size=4),
+        scenario("moe-dp2-ddp", "moe", dp=2, micro_batch_size=2),
+        scenario("moe-ep2", "moe", dp=2, ep=2, micro_batch_size=2),
+        scenario("moe-ep2-zero1-adam", "moe", dp=2, ep=2, micro_batch_size=2, zero_stage=1, opt="adam"),
+        scenario("moe-capacity-ep2", "moe-capacity", dp=2, ep=2, micro_batch_size=2),
+        scenario("moe-tp2-sp", "moe", tp=2, micro_batch_size=4, sequence_parallel=True),
+        scenario("moe-tp2-sp-ep2", "moe", tp=2, ep=2, micro_batch_size=4, sequence_parallel=True),
+        scenario("tied-pp2", "tied", pp=2, micro_batch_size=2),
+        scenario("tied-pp2-zbv-same-rank", "tied", pp=2, micro_batch_size=2, schedule="zbv", virtual_pipeline_stages=2),
+    ],
+    4: [
+        scenario("tp2-dp2-zero1", tp=2, dp=2, micro_batch_size=2, zero_stage=1),
+        scenario("tp2-dp2-sp-zero2", tp=2, dp=2, micro_batch_size=2, zero_stage=2, sequence_parallel=True),
+        scenario("tp2-dp2-sp-zero3", tp=2, dp=2, micro_batch_size=2, zero_stage=3, sequence_parallel=True),
+        scenario("pp2-tp2-sp-1f1b", pp=2, tp=2, micro_batch_size=2, sequence_parallel=True),
+        scenario("pp2-tp2-interleaved", pp=2, tp=2, micro_batch_size=1, schedule="interleaved-1f1b",
+                 virtual_pipeline_stages=2),
+        scenario("pp2-dp2-replicate", pp=2, dp=2, micro_batch_size=2),
+        scenario("pp2-dp2-zero1", pp=2, dp=2, micro_batch_size=2, zero_stage=1),
+        scenario("pp2-dp2-zero3-zero-bubble", pp=2, dp=2, micro_batch_size=2, zero_stage=3, schedule="zero-bubble"),
+        scenario("pp2-dp2-uneven", pp=2, dp=2, micro_batch_size=1, first_stage_layers=1),
+        scenario("moe-pp2-ep2", "moe", pp=2, dp=2, ep=2, micro_batch_size=2),
+        scenario("moe-dp4-ep2", "moe", dp=4, ep=2, micro_batch_size=1),
+        scenario("moe-dp4-ep4-zero2", "moe", dp=4, ep=4, micro_batch_size=1, zero_stage=2),
+        scenario("cp2-tp2-sp", cp=2, tp=2, micro_batch_size=2, sequence_parallel=True),
+        scenario("cp2-dp2-zero3", cp=2, dp=2, micro_batch_size=2, zero_stage=3),
+        scenario("moe-cp2-dp2-ep4", "moe", cp=2, dp=2, ep=4, micro_batch_size=2),
+        scenario("moe-tp2-sp-dp2-ep2-zero1", "moe", tp=2, dp=2, ep=2, micro_batch_size=2, sequence_parallel=True,
+                 zero_stage=1),
+        scenario("moe-tp2-sp-dp2-ep4-zero3", "moe", tp=2, dp=2, ep=4, micro_batch_size=2, sequence_parallel=True,
+                 zero_stage=3),
+        scenario("tied-pp2-tp2", "tied", pp=2, tp=2, micro_batch_size=2),
+    ],
+    8: [
+        scenario("3d-pp2-dp2-tp2", "tied", pp=2, dp=2, tp=2, micro_batch_size=1, sequence_parallel=True, zero_stage=1,
+                 schedule="interleaved-1f1b", virtual_pipeline_stages=2, recompute="selective"),
+    ],
+}
+ALL = [sc for group in PLANS.values() for sc in group]
+
+BF16_ATOL = 5e-3
+"""bf16 mixed precision against the fp32 reference: observed differences are below 5e-4."""
+
+
+def _bf16(sc: Scenario) -> Scenario:
+    return dataclasses.replace(sc, name=f"bf16-{sc.name}", training=dataclasses.replace(sc.training, precision="bf16"))
+
+
+# The GPU's mixed-precision code paths (autocast, FSDP2 MixedPrecisionPolicy, bf16 pipeline
+# activations, bf16 all-to-all) run on CPU too when asked: one extra job.
+BF16_PLANS = [_bf16(sc) for sc in (
+    scenario("dp2-zero2", dp=2, micro_batch_size=2, zero_stage=2, opt="adam"),
+    scenario("pp2-zbv", pp=2, micro_batch_size=2, schedule="zbv", virtual_pipeline_stages=2, opt="adam"),
+    scenario("tp2-sp-dp-none", tp=2, micro_batch_size=2, sequence_parallel=True, opt="adam"),
+    scenario("moe-ep2", "moe", dp=2, ep=2, micro_batch_size=2, opt="adam"),
+)]
+
+
+@pytest.fixture(scope="module")
+def measured(tmp_path_factory):
+    """Run every plan (and the references) once; {name: measurement}."""
+    from executor.launch import launch
+
+    out, refs = {}, {}
+    for sc in ALL:
+        ref = reference_of(sc)
+        refs.setdefault(ref.name, ref)
+    jobs = [(1, list(refs.values()))] + [(n, plans) for n, plans in PLANS.items()]
+    for nproc, plans in jobs:
+        results = launch(plans, nproc=nproc, backend="gloo", timeout_s=120, echo=None, job_timeout_s=900,
+                         run_dir=tmp_path_factory.mktemp(f"ws{nproc}"))
+        out.update({r["scenario"]: r for r in results})
+    results = launch(BF16_PLANS, nproc=2, backend="gloo", timeout_s=120, echo=None, job_timeout_s=900,
+                     run_dir=tmp_path_factory.mktemp("bf16"), cpu_bf16=True)
+    out.update({r["scenario"]: r for r in results})
+    return out
+
+
+@pytest.mark.parametrize("sc", ALL, ids=[sc.name for sc in ALL])
+def test_loss_matches_single_process(measured, sc):
+    got = [s["loss"] for s in measured[sc.name]["steps"]]
+    want = [s["loss"] for s in measured[reference_of(sc).name]["steps"]]
+    assert len(got) == 3
+    assert got == pytest.approx(want, abs=LOSS_ATOL), f"{sc.name}: {got} vs reference {want}"
+    assert got[0] != got[-1]  # it trained
+
+
+@pytest.mark.parametrize("sc", BF16_PLANS, ids=[sc.name for sc in BF16_PLANS])
+def test_bf16_mixed_precision_path(measured, sc):
+    m = measured[sc.name]
+    assert m["compute_dtype"] == "bf16" and not m["notes"]
+    got = [s["loss"] for s in m["steps"]]
+    want = [s["loss"] for s in measured[reference_of(sc).name]["steps"]]  # the fp32 reference
+    assert got == pytest.approx(want, abs=BF16_ATOL)
+    assert got != pytest.approx(want, abs=1e-6)  # it did run in bf16
+
+
+def test_each_plan_runs_as_written(measured):
+    m = measured
+    assert m["dp2-ddp"]["data_parallel"] == "ddp"
+    assert m["tp2-dp2-zero1"]["data_parallel"] == "replicate"
+    assert m["dp2-zero3-fsdp"]["data_parallel"] == "fsdp"
+    assert m["tp2"]["data_parallel"] == "none"
+    run = m["pp2-dp2-zero3-zero-bubble"]
+    assert run["zero_stage_run"] == 2 and any("ZeRO-2" in n for n in run["notes"])
+    assert m["dp2-zero3-fsdp"]["zero_stage_run"] == 3
+    # stages on ranks: the loop layout for interleaved, the V layout for zbv
+    assert [r["stages"] for r in m["pp2-interleaved"]["ranks"]] == [[0, 2], [1, 3]]
+    assert [r["stages"] for r in m["pp2-zbv"]["ranks"]] == [[0, 3], [1, 2]]
+    assert [r["layers"] for r in m["pp2-dp2-uneven"]["ranks"] if r["coords"]["dp"] == 0] == [[[0]], [[1, 2, 3]]]
+
+
+def test_ranks_agree_with_the_placement(measured):
+    from paraplan.placement import rank_to_coords
+
+    for name in ("3d-pp2-dp2-tp2", "cp2-tp2-sp", "moe-cp2-dp2-ep4", "moe-tp2-sp-dp2-ep2-zero1"):
+        m = measured[name]
+        sc = next(s for s in ALL if s.name == name)
+        block = sc.plan.tp * sc.plan.cp * sc.plan.dp
+        for r in m["ranks"]:
+            assert r["coords"] == vars(rank_to_coords(r["rank"], sc.plan))
+            # MoE parallel folding: an EP group is ep consecutive ranks of the stage
+            assert r["ep_rank"] == (r["rank"] % block) % sc.plan.ep
+
+
+def test_memory_categories(measured):
+    def mem(name, key):
+        return [r["memory"][key] for r in measured[name]["ranks"]]
+
+    for name in ("dp2-ddp", "tp2", "pp2-1f1b", "dp2-zero3-fsdp"):
+        for r in measured[name]["ranks"]:
+            mm = r["memory"]
+            assert mm["source"] == "live-tensor-tracker"
+            assert mm["peak_total"] >= mm["parameters"] + mm["gradients"] + mm["optimizer_states"] > 0
+    full = mem("dp2-ddp", "parameters")[0]
+    # SGD with momentum: one state per parameter; ZeRO-1 halves it over dp = 2
+    assert mem("dp2-ddp", "optimizer_states")[0] == full
+    assert sum(mem("dp2-zero1-sgd", "optimizer_states")) == pytest.approx(full, rel=0.01)
+    # ZeRO-3 (FSDP2) keeps only its shard of the parameters and gradients between steps
+    assert mem("dp2-zero3-fsdp", "parameters")[0] == pytest.approx(full / 2, rel=0.01)
+    assert mem("dp2-zero3-fsdp", "gradients")[0] == pytest.approx(full / 2, rel=0.01)
+    # pipeline stages hold their layers only
+    assert sum(mem("pp2-1f1b", "parameters")) == pytest.approx(full, rel=0.01)
+
+
+def test_expert_token_counts(measured):
+    m = measured["moe-ep2"]
+    # every token of every step goes to top_k = 2 experts in each of the 3 MoE layers (layer 0 is dense)
+    assert sorted(m["tokens_per_expert"]) == ["1", "2", "3"]
+    tokens = m["tokens_per_step"] * len(m["steps"])
+    for counts in m["tokens_per_expert"].values():
+        assert len(counts) == 4 and sum(counts) == 2 * tokens
+    assert measured["moe-tp2-sp"]["tokens_per_expert"] == measured["moe-ep2"]["tokens_per_expert"]
+    # the router's demand is counted before the capacity drops
+    m = measured["moe-capacity-ep2"]
+    assert all(sum(c) == 2 * m["tokens_per_step"] * 3 for c in m["tokens_per_expert"].values())
+
+
+def test_measurement_has_the_documented_keys(measured):
+    m = measured["pp2-1f1b"]
+    for key in ("scenario", "model", "plan", "training", "run", "parameters", "world_size", "backend", "device",
+                "compute_dtype", "notes", "num_microbatches", "tokens_per_step", "steps", "step_time_s",
+                "tokens_per_s", "peak_memory_bytes", "ranks"):
+        assert key in m
+    assert m["steps"][0].keys() >= {"step", "warmup", "time_s", "loss", "tokens_per_s"}
+    assert m["ranks"][0].keys() >= {"rank", "coords", "stages", "step_times_s", "memory"}
+    assert m["step_time_s"] > 0 and m["tokens_per_s"] == pytest.approx(m["tokens_per_step"] / m["step_time_s"])
+
+
+# ----------------------------------------------------------------------------------------------
+# No processes: model fidelity, scale-down, refusals, the wire format
+
+
+def test_parameter_count_matches_the_model_spec():
+    from executor.model import Stage, count_parameters
+
+    for spec in (DENSE, TIED, dataclasses.replace(DENSE, activation="gelu", num_kv_heads=1)):
+        with torch.device("meta"):
+            stage = Stage(spec, range(spec.num_layers), first=True, last=True)
+        assert sum(p.numel() for p in stage.parameters()) == spec.total_params() == count_parameters(spec)
+    with torch.device("meta"):
+        stage = Stage(MOE, range(MOE.num_layers), first=True, last=True)
+    assert sum(p.numel() for p in stage.parameters()) == count_parameters(MOE)
+
+
+def test_stages_hold_exactly_the_single_process_weights():
+    from executor.model import Stage, init_parameters
+
+    whole = Stage(MOE, range(4), first=True, last=True)
+    init_parameters(whole, seed=3)
+    first = Stage(MOE, range(2), first=True, last=False)
+    init_parameters(first, seed=3)
+    for name, p in first.named_parameters():
+        assert torch.equal(p, whole.get_parameter(name)), name
+    # an EP rank's experts are the full model's experts [2, 4)
+    from executor.moe import MoE
+
+    last = Stage(MOE, range(2, 4), first=False, last=True)
+    for b in last.layers.values():
+        if isinstance(b.ffn, MoE):
+            b.ffn.shard_experts(None, 2, 1)
+    init_parameters(last, seed=3, expert_offset=2)
+    assert torch.equal(last.layers["3"].ffn.experts.w1, whole.layers["3"].ffn.experts.w1[2:])
+
+
+def test_scale_down_keeps_head_dim_and_ratios():
+    big = ModelSpec(name="llama", num_layers=80, hidden_size=8192, num_attention_heads=64, num_kv_heads=8,
+                    head_dim=128, ffn_hidden_size=28672, vocab_size=128256, activation="swiglu")
+    small = scaled_model(big, RunSpec(num_layers=4, hidden_size=1024))
+    assert (small.num_layers, small.hidden_size, small.head_dim) == (4, 1024, 128)
+    assert (small.num_attention_heads, small.num_kv_heads, small.ffn_hidden_size) == (8, 1, 3584)
+    assert small.vocab_size == big.vocab_size and "scaled" in small.name
+    assert scaled_model(big, RunSpec()) is big
+    with pytest.raises(ConfigError, match="run.hidden_size: 1000 gives 7.8125 attention heads"):
+        scaled_model(big, RunSpec(hidden_size=1000))
+    with pytest.raises(ConfigError, match="kv heads"):
+        scaled_model(big, RunSpec(hidden_size=512))  # 4 heads, 0.5 kv heads
+
+
+def test_executor_refusals():
+    def problems(**kw):
+        model = kw.pop("model", DENSE)
+        training = kw.pop("training", {})
+        sc = scenario("x", **kw)
+        sc = dataclasses.replace(sc, model=model, training=dataclasses.replace(sc.training, **training))
+        return " | ".join(executor_problems(sc))
+
+    assert problems(dp=2) == ""
+    assert "dualpipev needs at least 4 microbatches" in problems(pp=2, schedule="dualpipev", virtual_pipeline_stages=2,
+                                                                 micro_batch_size=4)
+    assert "zbv needs exactly 2 stages per rank" in problems(pp=2, schedule="zbv")
+    assert "5 microbatches to be a multiple of 2 rounds" in problems(pp=2, schedule="zero-bubble", micro_batch_size=1,
+                                                                    virtual_pipeline_stages=2, gbs=5)
+    assert "not one of gpipe" in problems(schedule="zb1p")
+    assert "training.precision: the executor trains in fp32 or bf16, not fp8" in problems(training={"precision": "fp8"})
+    assert "plan.ep: expert parallelism needs an MoE model" in problems(dp=2, ep=2)
+    assert "plan.ep: 3 does not divide tp x cp x dp = 2" in problems(dp=2, ep=3, model=MOE)
+    assert "plan.sequence_parallel: MoE with tp > 1 needs sequence_parallel" in problems(tp=2, model=MOE)
+    assert "plan.expert_tp" in problems(expert_tp=2)
+    assert "plan.tp_comm_overlap" in problems(tp=2, sequence_parallel=True, tp_comm_overlap=True)
+
+
+def test_zero3_under_zero_bubble_is_said():
+    sc = scenario("x", pp=2, dp=2, zero_stage=3, schedule="zbv", virtual_pipeline_stages=2)
+    assert any("ZeRO-2" in n for n in notes(sc, on_gpu=True))
+    assert not notes(scenario("x", pp=2, dp=2, zero_stage=3, schedule="1f1b"), on_gpu=True)
+
+
+def test_scenario_round_trip():
+    sc = scaled_scenario(scenario("x", "moe", dp=2, ep=2))
+    assert scenario_from_json(scenario_to_json(sc)) == sc
+
+
+def test_synthetic_data_is_deterministic_and_split_by_rank():
+    from executor.data import global_batch, local_batch
+
+    a = global_batch(seed=1, step=2, batch=4, seq=16, vocab=50)
+    assert torch.equal(a, global_batch(seed=1, step=2, batch=4, seq=16, vocab=50))
+    assert not torch.equal(a, global_batch(seed=1, step=3, batch=4, seq=16, vocab=50))
+    assert a.shape == (4, 17) and int(a.max()) < 50
+    x, y = local_batch(a, dp=2, dp_rank=1, positions=torch.tensor([0, 1, 14, 15]))
+    assert torch.equal(x, a[2:, [0, 1, 14, 15]]) and torch.equal(y, a[2:, [1, 2, 15, 16]])
+
+
+def test_stage_layout():
+    from executor.parallel import stage_layers, stages_of_rank
+
+    sc = scenario("x", pp=2, dp=2, micro_batch_size=1, first_stage_layers=1)
+    assert stage_layers(sc) == [range(0, 1), range(1, 4)]
+    sc = scenario("x", pp=2, schedule="interleaved-1f1b", virtual_pipeline_stages=2, micro_batch_size=2)
+    assert stage_layers(sc) == [range(i, i + 1) for i in range(4)]
+    assert [stages_of_rank(r, sc) for r in (0, 1)] == [[0, 2], [1, 3]]
+    sc = scenario("x", pp=2, schedule="dualpipev", virtual_pipeline_stages=2, micro_batch_size=1)
+    assert [stages_of_rank(r, sc) for r in (0, 1)] == [[0, 3], [1, 2]]
+
+
+def test_zero1_shards_are_balanced_to_the_element():
+    """ShardedOptimizer's slices: equal sizes however large one parameter is (no processes needed
+    beyond a one-rank group)."""
+    import torch.distributed as dist
+
+    from executor.optim import SGD, ShardedOptimizer
+
+    if not dist.is_initialized():
+        store = dist.HashStore()
+        dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        params = [torch.nn.Parameter(torch.ones(1000)), torch.nn.Parameter(torch.ones(3))]
+        opt = ShardedOptimizer([(params, dist.group.WORLD)], "sgd", fused=False)
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        want = 1 - SGD["lr"]  # one SGD step on a gradient of ones
+        assert torch.allclose(params[0], torch.full((1000,), want)) and torch.allclose(params[1], torch.full((3,), want))
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,144 @@
+"""`paraplan launch` as a user runs it: `python -m paraplan launch ...` in a subprocess.
+
+Bad input is one `error:` line and exit 2, before any process starts; a plan that runs prints the
+summary and writes the measurement; a rank that dies ends the job with that rank named and exit 1
+within the process-group timeout.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CONFIG = """\
+# an executor config: a scenario plus the run section
+name: tiny-launch
+model: {name: tiny, num_layers: 4, hidden_size: 64, num_attention_heads: 4, num_kv_heads: 2,
+        ffn_hidden_size: 128, vocab_size: 256, activation: swiglu}
+cluster: {gpu: h100-sxm-80gb, num_nodes: 1, gpus_per_node: 2}
+training: {seq_length: 32, global_batch_size: 8, precision: bf16}
+plan: {tp: 1, pp: 2, micro_batch_size: 2, schedule: 1f1b}
+run: {steps: 2, warmup_steps: 1, seed: 0, backend: gloo, timeout_s: 60}
+"""
+
+
+@pytest.fixture()
+def config(tmp_path):
+    path = tmp_path / "best_plan.yaml"
+    path.write_text(CONFIG)
+    return str(path)
+
+
+def paraplan(*args, env=None, timeout=300):
+    full_env = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "paraplan", "launch", *args], capture_output=True, text=True,
+                          cwd=ROOT, env=full_env, timeout=timeout)
+
+
+BAD_INPUT = [
+    (["missing.yaml"], "scenario file not found"),
+    (["CONFIG", "--nproc", "3"], "the plan needs tp*pp*cp*dp = 1*2*1*1 = 2 processes, but --nproc 3 x --nnodes 1 = 3"),
+    (["CONFIG", "--set", "plan.dp=2"], "plan: tp*pp*cp*dp = 1*2*1*2 = 4 but the cluster has 2 GPUs"),
+    (["CONFIG", "--set", "plan.tp=2", "--set", "plan.pp=1", "--set", "model.num_kv_heads=1"],
+     "plan.tp: 2 does not divide model.num_kv_heads (1)"),
+    (["CONFIG", "--set", "training.global_batch_size=2"], "plan.schedule: 1f1b needs at least pp = 2 microbatches, got 1"),
+    (["CONFIG", "--set", "plan.pp=1", "--set", "plan.dp=2", "--set", "plan.ep=2"], "plan.ep: expert parallelism needs an MoE model"),
+    (["CONFIG", "--set", "training.precision=fp8"], "training.precision: the executor trains in fp32 or bf16, not fp8"),
+    (["CONFIG", "--hidden", "100"], "run.hidden_size: 100 gives 6.25 attention heads"),
+    (["CONFIG", "--layers", "3"], "plan.pp: model.num_layers (3) is not divisible by pp"),
+    (["CONFIG", "--steps", "0"], "run.steps: expected a positive integer, got 0"),
+    (["CONFIG", "--backend", "nccl"], "nccl needs CUDA GPUs"),
+    (["CONFIG", "--nnodes", "2", "--nproc", "1"], "--nnodes > 1 needs --rdzv-endpoint"),
+    (["CONFIG", "--set", "run.backend=mpi"], "run.backend: 'mpi' is not one of nccl, gloo"),
+]
+
+
+@pytest.mark.parametrize("args, message", BAD_INPUT, ids=[m.split(":")[0][:40] for _, m in BAD_INPUT])
+def test_bad_input_is_one_line_before_launch(config, args, message):
+    if "nccl" in message:
+        torch = pytest.importorskip("torch")
+        if torch.cuda.is_available():
+            pytest.skip("this host has CUDA")
+    start = time.perf_counter()
+    r = paraplan(*[config if a == "CONFIG" else a for a in args])
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
+    assert message in r.stderr
+    assert r.stdout == ""  # nothing started: no progress line, no summary
+    assert time.perf_counter() - start < 60  # generous: a loaded CI machine
+
+
+def test_launch_prints_the_summary_and_writes_the_measurement(config, tmp_path):
+    out = tmp_path / "measured.json"
+    r = paraplan(config, "--steps", "2", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    for word in ("step time (median)", "tokens/s", "TFLOP/s per rank", "peak memory per rank", "FLOPs:",
+                 "bf16 runs in fp32 on CPU"):
+        assert word in r.stdout
+    m = json.loads(out.read_text())
+    assert m["world_size"] == 2 and m["backend"] == "gloo" and len(m["steps"]) == 3
+    assert m["steps"][0]["warmup"] and not m["steps"][1]["warmup"]
+    assert m["model_flops_per_step"] > 0 and "mfu" not in m  # MFU only on GPUs
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # written atomically
+
+
+def test_scale_down_flags(config):
+    r = paraplan(config, "--layers", "2", "--hidden", "32", "--dry-run")
+    assert r.returncode == 0, r.stderr
+    assert "2 layers, hidden 32" in r.stdout
+
+
+def test_dead_rank_is_named(config, tmp_path):
+    start = time.perf_counter()
+    r = paraplan(config, "--timeout", "20", "--run-dir", str(tmp_path / "run"),
+                 env={"PARAPLAN_EXECUTOR_FAULT": "1:1:raise"})
+    assert r.returncode == 1
+    assert r.stderr.startswith("error: rank 1 failed: RuntimeError: injected fault at step 1")
+    assert r.stderr.count("\n") == 1
+    assert (tmp_path / "run" / "torchrun.log").exists()
+    assert time.perf_counter() - start < 120  # far from the 30-minute default timeout
+
+
+@pytest.mark.slow
+def test_killed_and_hung_ranks_end_within_the_timeout(config, tmp_path):
+    r = paraplan(config, "--timeout", "5", env={"PARAPLAN_EXECUTOR_FAULT": "0:1:exit"})
+    assert r.returncode == 1 and "rank 0 exited with code 3 without reporting an error" in r.stderr
+    start = time.perf_counter()
+    r = paraplan(config, "--timeout", "5", env={"PARAPLAN_EXECUTOR_FAULT": "1:1:hang"})
+    assert r.returncode == 1
+    assert "rank 0 failed" in r.stderr and "no error from rank 1 (hung?)" in r.stderr
+    assert time.perf_counter() - start < 120  # far from the 30-minute default timeout
+
+
+def _cuda_devices() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_devices() < 1, reason="needs a CUDA GPU")
+def test_nccl_on_one_gpu_reports_mfu(config, tmp_path):
+    out = tmp_path / "measured.json"
+    r = paraplan(config, "--backend", "nccl", "--set", "cluster.gpus_per_node=1", "--set", "plan.pp=1",
+                 "--steps", "3", "--out", str(out))
+    assert r.returncode == 0, r.stderr
+    m = json.loads(out.read_text())
+    assert m["compute_dtype"] == "bf16" and m["ranks"][0]["memory"]["source"] == "cuda-allocator"
+    assert 0 < m["mfu"] < 1 and "MFU" in r.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_cuda_devices() < 2, reason="needs 2 CUDA GPUs")
+def test_nccl_pipeline_on_two_gpus(config):
+    r = paraplan(config, "--backend", "nccl", "--steps", "2")
+    assert r.returncode == 0, r.stderr

@@ -1,0 +1,222 @@
+"""The plan space (search section, canonical plans, validity, enumeration) and the objective."""
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+
+from paraplan.errors import ConfigError
+from paraplan.loader import load_scenario
+from paraplan.specs import PlanSpec
+from planner.objective import Evaluation, Evaluator, make_objective, pareto_front
+from planner.space import (
+    DEFAULT_EXHAUSTIVE_THRESHOLD, DEFAULT_TRIALS, Candidate, PlanSpace, binding_constraint, parse_search,
+    reason_key, uneven_stages,
+)
+from simulator.feasibility import structural_problems
+from simulator.simulate import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "scenarios" / "tiny-gpt-8xa100.yaml"
+SMALL = ["search.micro_batch_size=[1, 2]", "search.cp=[1]", "search.zero_stage=[1, 3]"]
+
+
+def tiny(*overrides):
+    return load_scenario(TINY, list(overrides))
+
+
+def space(*overrides):
+    sc = tiny(*overrides)
+    return PlanSpace(sc, parse_search(sc))
+
+
+# -- the search section -----------------------------------------------------------------------
+
+BAD_SEARCH = [
+    ("search.tpp=[2]", "search.tpp: unknown key, did you mean 'tp'?"),
+    ("search.tp=[eight]", "search.tp: expected positive integers, got 'eight'"),
+    ("search.tp=[0, 2]", "search.tp: expected positive integers, got 0"),
+    ("search.tp=[2, 2]", "search.tp: candidate 2 is listed twice"),
+    ("search.tp=[]", "search.tp: expected at least one candidate"),
+    ("search.schedule=[1f1b, zb]", "search.schedule: 'zb' is not one of gpipe, 1f1b, interleaved-1f1b"),
+    ("search.schedule=[interleaved]", "did you mean 'interleaved-1f1b'?"),
+    ("search.recompute=[partial]", "search.recompute: 'partial' is not one of none, selective, full"),
+    ("search.zero_stage=[true]", "search.zero_stage: true is not one of 0, 1, 2, 3"),
+    ("search.sequence_parallel=[yes please]", "search.sequence_parallel: 'yes please' is not one of false, true"),
+    ("search.trials=0", "search.trials: expected a positive integer, got 0"),
+    ("search.exhaustive_threshold=lots", "search.exhaustive_threshold: expected an integer >= 0"),
+    ("search.allow_tp_across_nodes=1", "search.allow_tp_across_nodes: expected true or false, got 1"),
+    ("search.gpu_hour_cost=-2", "search.gpu_hour_cost: expected a positive number, got -2"),
+    ("search.ep=[1, 2]", "search.ep: expert parallelism needs an MoE model (model.moe); this model is dense"),
+    ("search.tp={a: 1}", "search.tp: expected positive integers"),
+]
+
+
+@pytest.mark.parametrize("override,message", BAD_SEARCH, ids=[o for o, _ in BAD_SEARCH])
+def test_bad_search_sections_name_the_key(override, message):
+    sc = tiny(override)
+    with pytest.raises(ConfigError) as e:
+        parse_search(sc)
+    assert message in str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_absent_knobs_take_their_full_valid_range():
+    sc = tiny()
+    spec = parse_search(sc)
+    assert spec.values("tp") == (1, 2, 4, 8)                 # divisors of 8 that fit in a node
+    assert spec.values("pp") == (1, 2, 4)                    # divisors of 8 up to num_layers (4)
+    assert spec.values("cp") == (1, 2, 4, 8)
+    assert spec.values("micro_batch_size") == (1, 2, 4, 8, 16)
+    assert spec.values("num_nodes") == (1,)
+    assert spec.values("ep") == (1,)                         # dense model
+    assert spec.values("zero_stage") == (0, 1, 2, 3)
+    assert spec.trials == DEFAULT_TRIALS and spec.exhaustive_threshold == DEFAULT_EXHAUSTIVE_THRESHOLD
+    assert spec.allow_tp_across_nodes is False and spec.gpu_hour_cost is None
+
+
+def test_given_knobs_and_settings():
+    spec = parse_search(tiny("search.tp=4", "search.trials=50", "search.gpu_hour_cost=2.5",
+                             "search.allow_tp_across_nodes=true"))
+    assert spec.values("tp") == (4,) and spec.trials == 50 and spec.gpu_hour_cost == 2.5
+    assert spec.allow_tp_across_nodes and spec.given == ("tp",)
+
+
+def test_moe_model_offers_expert_parallelism():
+    sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml")
+    spec = parse_search(sc, {})
+    assert spec.values("ep") == (1, 2, 4, 8)                # divisors of 64 GPUs that divide 8 experts
+
+
+# -- canonical plans and validity ---------------------------------------------------------------
+
+
+def test_candidates_are_canonical():
+    sp = space()
+    base = {"tp": 1, "pp": 2, "cp": 1, "micro_batch_size": 1, "schedule": "1f1b", "recompute": "none"}
+    a = sp.candidate({**base, "virtual_pipeline_stages": 4, "sequence_parallel": True, "zero_stage": 1})
+    b = sp.candidate({**base, "virtual_pipeline_stages": 2, "sequence_parallel": False, "zero_stage": 1})
+    assert a == b                                            # vpp ignored off interleaved, sp off at tp 1
+    assert a.plan.virtual_pipeline_stages == 1 and a.plan.sequence_parallel is False
+    assert a.plan.dp == 4                                    # derived: 8 / (1 x 2 x 1)
+    one = sp.candidate({**base, "tp": 8, "pp": 1, "zero_stage": 3, "sequence_parallel": True})
+    assert one.plan.dp == 1 and one.plan.zero_stage == 0     # nothing to shard over
+    assert sp.candidate({**base, "tp": 4, "pp": 4, "cp": 2}).plan.dp == 0  # 32 does not divide 8
+
+
+def test_problems_combine_planner_and_simulator_rules():
+    sp = space("search.tp=[1, 2, 4, 8, 16]")
+    c = sp.candidate({"tp": 16, "pp": 1, "cp": 1, "micro_batch_size": 1, "schedule": "1f1b"})
+    reasons = sp.problems(c)
+    assert any(r.startswith("plan: tp*pp*cp = 16*1*1 = 16 does not divide the 8 GPUs") for r in reasons)
+    assert any(r.startswith("search.allow_tp_across_nodes: tp = 16 would span nodes of 8 GPUs") for r in reasons)
+    bad_pp = sp.candidate({"tp": 1, "pp": 4, "cp": 1, "micro_batch_size": 1, "schedule": "interleaved-1f1b",
+                           "virtual_pipeline_stages": 2})
+    assert sp.problems(bad_pp) == structural_problems(sp.scenario_for(bad_pp))
+
+
+def test_enumeration_keeps_exactly_the_valid_plans():
+    sp = space(*SMALL)
+    enum = sp.enumerate()
+    assert len(enum.valid) == len(set(enum.valid)) > 100
+    for c in enum.valid:
+        assert sp.problems(c) == []
+        assert sp.in_space(c)
+    assert enum.combinations > len(enum.valid)
+    total_rejected = enum.combinations - len(enum.valid)
+    assert sum(r.count for r in enum.rejections) >= total_rejected  # a plan can fail several rules
+    assert enum.rejections[0].count >= enum.rejections[-1].count
+    assert "#" in enum.rejections[0].reason and "#" not in enum.rejections[0].example
+
+
+def test_no_valid_plan_names_the_binding_constraint():
+    sp = space("search.tp=16")
+    enum = sp.enumerate()
+    assert enum.valid == ()
+    text = binding_constraint(enum)
+    assert text.startswith(f"every one of the {enum.combinations} candidate plans fails: ")
+    assert "plan: tp*pp*cp = 16*" in text or "tp = 16 would span nodes" in text
+
+
+def test_reason_key_groups_numbers_but_not_names():
+    assert reason_key("plan.schedule: interleaved-1f1b needs pp >= 2") == "plan.schedule: interleaved-1f1b needs pp >= #"
+
+
+def test_uneven_stages_are_derived_when_pp_does_not_divide_the_layers():
+    sc = load_scenario(ROOT / "scenarios" / "llama3-405b-16384xh100.yaml")
+    sp = PlanSpace(sc, parse_search(sc, {"tp": 8}))
+    assert sp.baseline().plan == sc.plan and sc.plan.first_stage_layers == 7
+    # 126 layers on 16 stages: 7 + 14 x 8 + 7, the Llama 3 paper's split
+    assert sp.candidate(sp.params_of(sp.baseline())).plan == sc.plan
+    c = sp.candidate({**sp.params_of(sp.baseline()), "pp": 32})        # 3 + 30 x 4 + 3
+    assert (c.plan.first_stage_layers, c.plan.last_stage_layers) == (3, 3) and sp.problems(c) == []
+    assert uneven_stages(61, 16) == (3, 2) and uneven_stages(61, 2) == (31, 30)
+    assert uneven_stages(61, 32) == (None, None)                        # 61 - 30 x 2 leaves 1 layer for two stages
+    assert uneven_stages(96, 8) == (None, None)                         # even
+    inter = sp.candidate({**sp.params_of(sp.baseline()), "schedule": "interleaved-1f1b", "virtual_pipeline_stages": 2})
+    assert inter.plan.first_stage_layers is None                        # not with virtual stages
+
+
+# -- the objective ------------------------------------------------------------------------------
+
+
+def test_memo_simulates_each_plan_once():
+    sp = space(*SMALL)
+    ev = Evaluator(sp)
+    c = sp.enumerate().valid[0]
+    a, b = ev.evaluate(c), ev.evaluate(dataclasses.replace(c))
+    assert a is b and ev.simulations == 1
+    bad = sp.candidate({"tp": 4, "pp": 4, "cp": 2})
+    assert ev.evaluate(bad).status == "invalid" and ev.simulations == 1  # invalid plans are never simulated
+
+
+def test_out_of_memory_is_a_constraint_violation_by_its_overflow():
+    sc = tiny("model.num_layers=48", "model.hidden_size=8192", "model.num_attention_heads=64")
+    sp = PlanSpace(sc, parse_search(sc, {}))
+    oom = sp.candidate({"tp": 1, "pp": 1, "cp": 1, "micro_batch_size": 2, "schedule": "gpipe",
+                        "zero_stage": 0, "recompute": "none"})
+    e = Evaluator(sp).evaluate(oom)
+    r = simulate(sp.scenario_for(oom))
+    assert e.status == "oom" and not r.fits
+    assert e.overflow == pytest.approx((r.peak_memory_bytes - r.memory_capacity_bytes) / r.memory_capacity_bytes)
+    assert e.overflow > 0 and e.tokens_per_s == r.tokens_per_s  # simulated, told, not dropped
+    small = space()
+    fits = Evaluator(small).evaluate(small.baseline())
+    assert fits.status == "ok" and fits.overflow < 0 and fits.headroom == -fits.overflow
+    assert e.limiter().startswith("memory (+")
+
+
+def test_evaluation_json_round_trip():
+    sp = space(*SMALL)
+    e = Evaluator(sp).evaluate(sp.enumerate().valid[3])
+    assert Evaluation.from_json(e.to_json()) == e
+
+
+def test_cost_per_million_tokens_by_hand():
+    c = Candidate(num_nodes=2, plan=PlanSpec(tp=8, dp=2))
+    e = Evaluation(candidate=c, status="ok", world_size=16, tokens_per_s=100_000.0)
+    # 16 GPUs x 2.5 per GPU-hour x (1e6 / 1e5) s / 3600 s per hour
+    assert make_objective("cost", gpu_hour_cost=2.5).values(e) == (pytest.approx(16 * 2.5 * 10 / 3600),)
+    assert make_objective("cost").cost_unit == "GPU-hours per 1M tokens"
+    assert make_objective("throughput-vs-gpus").values(e) == (100_000.0, 16.0)
+
+
+def test_pareto_front():
+    obj = make_objective("throughput-vs-gpus")
+
+    def ev(tps, gpus):
+        return Evaluation(candidate=Candidate(num_nodes=gpus // 8, plan=PlanSpec(dp=gpus)), status="ok",
+                          world_size=gpus, tokens_per_s=tps)
+
+    pts = [ev(100, 8), ev(180, 16), ev(150, 16), ev(300, 32), ev(290, 64), ev(100, 8)]
+    front = pareto_front(pts, obj)
+    assert [(e.tokens_per_s, e.world_size) for e in front] == [(300, 32), (180, 16), (100, 8)]
+    assert not any(math.isnan(e.tokens_per_s) for e in front)
+
+
+def test_dp_candidates_filter_the_derived_dp():
+    sp = space(*SMALL, "search.dp=[2]")
+    enum = sp.enumerate()
+    assert enum.valid and {c.plan.dp for c in enum.valid} == {2}
+    assert any(r.reason.startswith("search.dp: the derived dp = # is not among the candidates")
+               for r in enum.rejections)

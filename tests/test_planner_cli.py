@@ -1,0 +1,138 @@
+"""`paraplan plan` as a user runs it: `python -m paraplan plan ...` in a subprocess."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from paraplan.loader import load_scenario
+from simulator.simulate import simulate
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = str(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml")
+SMALL = ["--set", "search.micro_batch_size=[1, 2]", "--set", "search.cp=[1]", "--set", "search.zero_stage=[1, 3]"]
+
+
+def paraplan(*args, cwd=ROOT):
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "paraplan", *args], capture_output=True, text=True, cwd=cwd, env=env)
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    out = tmp_path_factory.mktemp("plan") / "out"
+    r = paraplan("plan", TINY, "--out", str(out), "--trials", "40", "--strategy", "tpe", *SMALL)
+    assert r.returncode == 0, r.stderr
+    return out, r
+
+
+def test_the_table_and_the_launch_command(planned):
+    out, r = planned
+    for word in ("tpe search, objective throughput", "top plans:", "tokens/s", "MFU", "limited by",
+                 "scenario's plan", "rejected:", f"launch it: paraplan launch {out}/best_plan.yaml"):
+        assert word in r.stdout
+    assert "searching" in r.stderr           # progress, with the best plan so far
+    assert "best " in r.stderr
+
+
+def test_output_files(planned):
+    out, _ = planned
+    names = {p.name for p in out.iterdir()}
+    assert {"report.txt", "top_plans.json", "best_plan.yaml", "megatron_args.txt", "torchtitan.toml",
+            "history.png", "importance.png", "study.journal"} <= names
+    assert not [n for n in names if n.startswith(".") and n.endswith(".tmp")]  # atomic writes leave no temp files
+    for png in ("history.png", "importance.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_top_plans_json_and_best_plan_agree(planned):
+    out, _ = planned
+    data = json.loads((out / "top_plans.json").read_text())
+    assert data["strategy"] == "tpe" and data["search"]["trials"] == 40
+    plans = data["plans"]
+    assert plans and [p["rank"] for p in plans] == list(range(1, len(plans) + 1))
+    tps = [p["metrics"]["tokens_per_s"] for p in plans]
+    assert tps == sorted(tps, reverse=True)
+    for key in ("step_time_s", "mfu", "memory_headroom", "limited_by", "peak_memory_bytes"):
+        assert key in plans[0]["metrics"]
+    assert data["space"]["valid_plans"] == 336 and data["space"]["rejected"]
+    # best_plan.yaml is an executor config the loader (and so `paraplan launch`) accepts
+    sc = load_scenario(out / "best_plan.yaml")
+    assert sc.search == () and sc.run.backend == "nccl"
+    for key, value in plans[0]["plan"].items():
+        assert getattr(sc.plan, key) == value
+    assert simulate(sc).tokens_per_s == pytest.approx(tps[0])
+    raw = yaml.safe_load((out / "best_plan.yaml").read_text())
+    assert set(raw) == {"name", "model", "cluster", "training", "plan", "run"}
+    assert (out / "best_plan.yaml").read_text().startswith("# Executor config written by `paraplan plan`")
+
+
+def test_megatron_and_torchtitan_exports(planned):
+    out, _ = planned
+    sc = load_scenario(out / "best_plan.yaml")
+    args = (out / "megatron_args.txt").read_text()
+    for flag in (f"--tensor-model-parallel-size {sc.plan.tp}", f"--pipeline-model-parallel-size {sc.plan.pp}",
+                 f"--micro-batch-size {sc.plan.micro_batch_size}", "--global-batch-size 16", "--num-layers 4",
+                 "--hidden-size 1024", "--bf16"):
+        assert flag in args
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    cfg = tomllib.loads((out / "torchtitan.toml").read_text())
+    par = cfg["parallelism"]
+    assert par["tensor_parallel_degree"] == sc.plan.tp and par["pipeline_parallel_degree"] == sc.plan.pp
+    assert par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"] == sc.plan.dp
+    assert cfg["training"]["global_batch_size"] == 16 and cfg["training"]["seq_len"] == 1024
+    assert cfg["activation_checkpoint"]["mode"] == sc.plan.recompute
+
+
+def test_resume_in_the_same_folder(planned, tmp_path):
+    out, _ = planned
+    r = paraplan("plan", TINY, "--out", str(out), "--trials", "45", "--strategy", "tpe", "--resume",
+                 "--quiet", "--no-plots", *SMALL)
+    assert r.returncode == 0, r.stderr
+    assert "trials: 45 (" in r.stdout and "40 before this run" in r.stdout
+
+
+def test_default_folder_is_new_and_named_after_the_scenario(tmp_path):
+    args = ("plan", TINY, "--trials", "5", "--strategy", "tpe", "--quiet", "--no-plots", *SMALL)
+    assert paraplan(*args, cwd=tmp_path).returncode == 0
+    assert paraplan(*args, cwd=tmp_path).returncode == 0
+    assert (tmp_path / "plan-tiny-gpt-8xa100" / "best_plan.yaml").is_file()
+    assert (tmp_path / "plan-tiny-gpt-8xa100-2" / "best_plan.yaml").is_file()
+    r = paraplan("plan", TINY, "--trials", "8", "--strategy", "tpe", "--quiet", "--no-plots", "--resume", *SMALL,
+                 cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "plan-tiny-gpt-8xa100-2/" in r.stdout   # --resume picks the newest search folder
+
+
+def test_cost_objective(tmp_path):
+    r = paraplan("plan", TINY, "--out", str(tmp_path), "--objective", "cost", "--gpu-hour-cost", "2.5",
+                 "--trials", "20", "--strategy", "tpe", "--quiet", "--no-plots", *SMALL)
+    assert r.returncode == 0, r.stderr
+    data = json.loads((tmp_path / "top_plans.json").read_text())
+    costs = [p["metrics"]["cost_per_1M_tokens"] for p in data["plans"]]
+    assert costs == sorted(costs) and data["plans"][0]["metrics"]["cost_unit"] == "per 1M tokens"
+
+
+BAD = [
+    (["--set", "search.tp=16"], "error: search: no valid plan: every one of the"),
+    (["--set", "search.tpp=[2]"], "error: search.tpp: unknown key, did you mean 'tp'?"),
+    (["--storage", "bogus://x"], "error: --storage bogus://x: cannot open it:"),
+    (["--study", "nope", "--resume", "--storage", "{tmp}/s.journal"], "error: --resume: no study named 'nope'"),
+    (["--trials", "0"], "error: argument --trials: expected a positive integer, got 0"),
+    (["--objective", "throughput-vs-gpus"], "error: search.num_nodes: --objective throughput-vs-gpus needs"),
+    (["--set", "model.num_layers=64", "--set", "model.hidden_size=12288", "--set", "model.num_attention_heads=96",
+      "--set", "search.tp=[8]", "--set", "search.recompute=[none]"], "error: no plan fits in memory among the"),
+]
+
+
+@pytest.mark.parametrize("args,message", BAD, ids=[m.split(":")[1].strip() for _, m in BAD])
+def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
+    args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    r = paraplan("plan", TINY, "--out", str(tmp_path / "o"), "--quiet", "--no-plots", "--trials", "10", *args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(message), r.stderr
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,248 @@
+"""The search engine: a contract every strategy meets, quality against the exhaustive optimum,
+determinism, constraint handling, resume after a crash, and storage and study errors."""
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import optuna
+import pytest
+from optuna.trial import TrialState
+
+from paraplan.errors import ConfigError, ParaplanError
+from paraplan.loader import load_scenario
+from planner.objective import Evaluator, make_objective, pareto_front
+from planner.report import build_report
+from planner.search import SearchRequest, open_storage, run_search
+from planner.space import PlanSpace, parse_search
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "scenarios" / "tiny-gpt-8xa100.yaml"
+# 336 valid plans of the tiny model: small enough to enumerate in a test, large enough to search
+SMALL = ["search.micro_batch_size=[1, 2]", "search.cp=[1]", "search.zero_stage=[1, 3]"]
+# a 13B-parameter model on the 8 GPUs: many plans do not fit
+BIG = ["model.num_layers=16", "model.hidden_size=8192", "model.num_attention_heads=64",
+       "search.cp=[1]", "search.micro_batch_size=[1, 2]", "search.schedule=[1f1b]"]
+
+
+def request(tmp_path, *overrides, study="s", **kw):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    sc = load_scenario(TINY, list(overrides))
+    return SearchRequest(scenario=sc, spec=parse_search(sc), objective=make_objective(kw.pop("objective", "throughput")),
+                         storage=str(tmp_path / "study.journal"), study_name=study, **kw)
+
+
+def best_tokens(result):
+    return max(r.evaluation.tokens_per_s for r in result.records if r.evaluation.fits)
+
+
+@pytest.fixture(scope="module")
+def exhaustive(tmp_path_factory):
+    return run_search(request(tmp_path_factory.mktemp("exh"), *SMALL, strategy="exhaustive"))
+
+
+# -- the contract every strategy meets ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strategy", ["exhaustive", "tpe"])
+def test_strategy_contract(tmp_path, strategy, exhaustive):
+    req = request(tmp_path, *SMALL, strategy=strategy, trials=40)
+    res = run_search(req)
+    assert res.strategy == strategy
+    space = PlanSpace(req.scenario, req.spec)
+    study = optuna.load_study(study_name="s", storage=open_storage(req.storage))
+    trials = study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED))
+    assert len(trials) == len(res.records) == res.budget
+    assert study.get_trials(states=(TrialState.RUNNING, TrialState.FAIL, TrialState.WAITING)) == []
+    valid = set(exhaustive.enumeration.valid)
+    check = Evaluator(space)
+    for t, rec in zip(trials, res.records):
+        e = rec.evaluation
+        assert rec.number == t.number
+        assert e.candidate == space.candidate(t.params)       # the trial's knobs are the plan simulated
+        assert (t.state == TrialState.PRUNED) == (e.status == "invalid")
+        if e.simulated:
+            assert e.candidate in valid
+            assert t.values == [e.tokens_per_s]
+        if rec.number < 5:                                    # and re-simulating gives the same
+            assert check.evaluate(e.candidate) == e
+    assert res.simulations <= len({r.evaluation.candidate for r in res.records if r.evaluation.simulated})
+
+
+def test_exhaustive_simulates_every_valid_plan_once(exhaustive):
+    plans = [r.evaluation.candidate for r in exhaustive.records]
+    assert len(plans) == len(set(plans)) == len(exhaustive.enumeration.valid) == 336
+    assert set(plans) == set(exhaustive.enumeration.valid)
+    assert exhaustive.simulations == 336
+
+
+def test_tpe_finds_the_exhaustive_optimum_within_1_percent(tmp_path, exhaustive):
+    res = run_search(request(tmp_path, *SMALL, strategy="tpe", trials=60, seed=0))
+    assert len(res.records) == 60
+    assert best_tokens(res) >= 0.99 * best_tokens(exhaustive)
+
+
+def test_auto_picks_exhaustive_below_the_threshold_and_tpe_above(tmp_path):
+    small = run_search(request(tmp_path, *SMALL, "search.exhaustive_threshold=400", study="a"))
+    assert small.strategy == "exhaustive"
+    large = run_search(request(tmp_path, *SMALL, "search.exhaustive_threshold=100", "search.trials=12", study="b"))
+    assert large.strategy == "tpe" and len(large.records) == 12
+
+
+def test_seeded_search_is_reproducible(tmp_path):
+    runs = [run_search(request(tmp_path / str(i), *SMALL, strategy="tpe", trials=40, seed=3)) for i in (1, 2)]
+    a, b = ([r.evaluation.candidate for r in res.records] for res in runs)
+    assert a == b
+    other = run_search(request(tmp_path / "3", *SMALL, strategy="tpe", trials=40, seed=4))
+    assert [r.evaluation.candidate for r in other.records] != a
+
+
+def test_memory_overflow_is_told_as_a_constraint(tmp_path):
+    res = run_search(request(tmp_path, *BIG, strategy="tpe", trials=40))
+    study = optuna.load_study(study_name="s", storage=open_storage(str(tmp_path / "study.journal")))
+    statuses = set()
+    for t in study.get_trials(states=(TrialState.COMPLETE, TrialState.PRUNED)):
+        e = next(r.evaluation for r in res.records if r.number == t.number)
+        statuses.add(e.status)
+        if e.status == "oom":
+            assert t.state == TrialState.COMPLETE and e.overflow > 0
+            assert t.constraints["memory"] == pytest.approx(e.overflow)
+            assert t.values == [e.tokens_per_s]            # told with its value: the sampler learns the boundary
+        elif e.status == "ok":
+            assert t.constraints["memory"] < 0 and t.constraints["structure"] == 0
+        else:
+            assert t.state == TrialState.PRUNED and t.constraints["structure"] > 0
+    assert {"ok", "oom"} <= statuses
+    rep = build_report("big", res, make_objective("throughput"))
+    assert rep.oom > 0 and all(r.evaluation.fits for r in rep.plans)
+
+
+def test_no_valid_plan_is_a_one_line_error_naming_the_constraint(tmp_path):
+    with pytest.raises(ConfigError) as e:
+        run_search(request(tmp_path, "search.tp=16"))
+    msg = str(e.value)
+    assert msg.startswith("search: no valid plan: every one of the ") and "\n" not in msg
+    assert "tp = 16" in msg or "16*" in msg
+
+
+def test_pareto_objective(tmp_path):
+    res = run_search(request(tmp_path, *BIG, strategy="tpe", trials=30, objective="throughput-vs-headroom"))
+    obj = make_objective("throughput-vs-headroom")
+    rep = build_report("big", res, obj)
+    front = [r.evaluation for r in rep.plans]
+    assert front and front == pareto_front(front, obj)
+    fits = [r.evaluation for r in res.records if r.evaluation.fits]
+    for e in fits:  # nothing that fits dominates a front plan
+        assert not any(e.tokens_per_s > f.tokens_per_s and e.headroom > f.headroom for f in front)
+
+
+# -- resume ---------------------------------------------------------------------------------------
+
+
+def test_resume_continues_without_recomputing(tmp_path):
+    first = run_search(request(tmp_path, *SMALL, strategy="tpe", trials=20))
+    again = run_search(request(tmp_path, *SMALL, strategy="tpe", trials=30, resume=True))
+    assert again.trials_before == 20 and len(again.records) == 30
+    assert [r.number for r in again.records] == list(range(30))
+    assert again.records[:20] == first.records                     # finished trials kept as they were
+    new = {r.evaluation.candidate for r in again.records[20:] if r.evaluation.simulated}
+    old = {r.evaluation.candidate for r in first.records}
+    assert again.simulations == len(new - old) <= 10               # memo seeded from the study
+
+
+def test_resume_of_a_missing_study_names_what_is_there(tmp_path):
+    run_search(request(tmp_path, *SMALL, strategy="tpe", trials=3, study="run1"))
+    with pytest.raises(ParaplanError) as e:
+        run_search(request(tmp_path, *SMALL, strategy="tpe", trials=3, study="run2", resume=True))
+    assert str(e.value) == f"--resume: no study named 'run2' in {tmp_path / 'study.journal'}; studies there: run1"
+
+
+def test_a_study_made_for_another_search_is_not_joined(tmp_path):
+    run_search(request(tmp_path, *SMALL, strategy="tpe", trials=3))
+    with pytest.raises(ParaplanError) as e:
+        run_search(request(tmp_path, *SMALL, "search.recompute=[full]", strategy="tpe", trials=3))
+    assert "was made for a different scenario, search section, objective or strategy" in str(e.value)
+
+
+@pytest.mark.parametrize("url,shown", [
+    ("bogus://nowhere", "--storage bogus://nowhere: cannot open it: "),
+    ("postgresql://me:secret@localhost:1/db", "--storage postgresql://me:***@localhost:1/db: cannot open it: "),
+    ("/no/such/folder/study.journal", "--storage: the folder of the journal file /no/such/folder/study.journal"),
+])
+def test_bad_storage_is_a_one_line_error(url, shown):
+    with pytest.raises(ParaplanError) as e:
+        open_storage(url)
+    assert str(e.value).startswith(shown) and "\n" not in str(e.value) and "secret" not in str(e.value)
+
+
+def _journal_counts(path):
+    storage = open_storage(str(path))
+    study = optuna.load_study(study_name=optuna.get_all_study_names(storage)[0], storage=storage)
+    return study.get_trials(deepcopy=False)
+
+
+def test_kill_9_then_resume_loses_and_recomputes_nothing(tmp_path):
+    """A search killed with SIGKILL mid-run, then `--resume`: every trial finished before the kill
+    is kept as it was, the interrupted one is marked failed, and only the missing trials run."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "paraplan", "plan", str(TINY), "--out", str(out), "--strategy", "tpe",
+           "--quiet", "--no-plots", *[a for s in SMALL for a in ("--set", s)]]
+    proc = subprocess.Popen(cmd + ["--trials", "5000"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    journal = out / "study.journal"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        if journal.exists() and sum(t.state.is_finished() for t in _journal_counts(journal)) >= 25:
+            break
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = [t for t in _journal_counts(journal) if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(before) >= 25
+    n = len(before) + 15
+    r = subprocess.run(cmd + ["--trials", str(n), "--resume"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    after = _journal_counts(journal)
+    done = [t for t in after if t.state in (TrialState.COMPLETE, TrialState.PRUNED)]
+    assert len(done) == n
+    assert [(t.number, t.params, t.values) for t in done[:len(before)]] == \
+           [(t.number, t.params, t.values) for t in before]
+    assert not [t for t in after if t.state == TrialState.RUNNING]
+    assert len([t for t in after if t.state == TrialState.FAIL]) <= 1
+    data = json.loads((out / "top_plans.json").read_text())
+    assert data["search"]["trials_before_this_run"] == len(before)
+    assert data["search"]["simulations_this_run"] <= 15
+
+
+def test_parallel_workers_share_one_study(tmp_path, exhaustive):
+    res = run_search(request(tmp_path, *SMALL, strategy="exhaustive", workers=2))
+    plans = {r.evaluation.candidate for r in res.records}
+    assert plans == set(exhaustive.enumeration.valid)
+    workers = {t.user_attrs["worker"] for t in res.study.get_trials(deepcopy=False)}
+    assert len(workers) == 2
+    assert len(plans) <= res.simulations <= len(res.records)   # both workers' simulations counted
+    assert best_tokens(res) == best_tokens(exhaustive)
+
+
+def test_baseline_joins_the_ranking_so_the_best_is_never_slower(tmp_path):
+    res = run_search(request(tmp_path, *SMALL, strategy="tpe", trials=5))
+    rep = build_report("tiny", res, make_objective("throughput"))
+    assert res.baseline_in_space and res.baseline.fits
+    assert rep.best.tokens_per_s >= res.baseline.tokens_per_s
+    assert dataclasses.replace(res.baseline).candidate.plan == load_scenario(TINY).plan
+
+
+def test_cluster_size_as_a_knob_gives_a_gpu_count_front(tmp_path):
+    res = run_search(request(tmp_path, *SMALL, "search.num_nodes=[1, 2]", "search.tp=[1, 2]", strategy="exhaustive",
+                             objective="throughput-vs-gpus"))
+    worlds = {r.evaluation.world_size for r in res.records}
+    assert worlds == {8, 16}
+    for r in res.records:  # dp follows the cluster size
+        p = r.evaluation.candidate.plan
+        assert p.tp * p.pp * p.cp * p.dp == r.evaluation.world_size or r.evaluation.status == "invalid"
+    rep = build_report("tiny", res, make_objective("throughput-vs-gpus"))
+    front = [(r.evaluation.world_size, r.evaluation.tokens_per_s) for r in rep.plans]
+    assert front[0][0] == 16 and front[-1][0] == 8 and front[0][1] > front[-1][1]

@@ -1,0 +1,85 @@
+"""paraplan.serialize: a scenario back to the loader's YAML, exactly."""
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from paraplan.errors import ConfigError
+from paraplan.loader import load_scenario
+from paraplan.serialize import scenario_to_mapping
+from paraplan.specs import MoESpec, RoutingSpec, RunSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+SCENARIOS = sorted((ROOT / "scenarios").glob("*.yaml"))
+
+
+def _through_yaml(mapping):
+    """What a user gets back from the file: safe_dump then safe_load."""
+    return yaml.safe_load(yaml.safe_dump(mapping, sort_keys=False))
+
+
+@pytest.mark.parametrize("path", SCENARIOS, ids=[p.stem for p in SCENARIOS])
+def test_round_trip_of_every_bundled_scenario(path):
+    sc = load_scenario(path)
+    mapping = scenario_to_mapping(sc)
+    try:
+        back = load_scenario(_through_yaml(mapping))
+    except ConfigError as e:
+        if sc.model.moe is not None and "moe" in str(e):
+            pytest.skip(f"the loader does not read model.moe yet: {e}")
+        raise
+    assert back == dataclasses.replace(sc, search=())
+
+
+def test_units_are_the_loaders_and_read_cleanly():
+    sc = load_scenario(ROOT / "scenarios" / "gpt3-175b-1024xa100.yaml")
+    m = scenario_to_mapping(sc)
+    inter = m["cluster"]["inter_node"]
+    assert inter["nic_bandwidth_Gbps"] == 200.0            # 25e9 bytes/s written back in Gb/s
+    assert sc.cluster.inter_node.nic_bandwidth == 25e9
+    assert inter["latency_us"] == pytest.approx(sc.cluster.inter_node.latency * 1e6)
+    assert len(repr(inter["latency_us"])) <= 6              # the shortest decimal, not 4.999999999999999
+    assert m["cluster"]["intra_node"]["bandwidth_GBps"] == sc.cluster.intra_node.bandwidth / 1e9
+    assert m["cluster"]["gpu"] == "a100-sxm-80gb"
+
+
+def test_model_is_written_in_full_and_search_is_left_out():
+    sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml", ["search.tp=[1, 2]"])
+    assert sc.search
+    m = scenario_to_mapping(sc)
+    assert "search" not in m
+    assert m["model"]["num_kv_heads"] == 8 and m["model"]["head_dim"] == 128
+    assert m["model"]["activation"] == "swiglu" and "preset" not in m["model"]
+    assert m["run"] == {k: v for k, v in dataclasses.asdict(RunSpec()).items() if v is not None}
+    assert set(m) == {"name", "model", "cluster", "training", "plan", "run"}
+
+
+def test_plan_keeps_core_keys_and_drops_defaults():
+    sc = load_scenario(ROOT / "scenarios" / "llama3-405b-16384xh100.yaml")
+    plan = scenario_to_mapping(sc)["plan"]
+    assert plan["first_stage_layers"] == 7 and plan["last_stage_layers"] == 7
+    for key in ("tp", "pp", "dp", "cp", "micro_batch_size", "schedule", "zero_stage", "recompute"):
+        assert key in plan
+    assert "tp_comm_overlap" not in plan  # at its default
+
+
+def test_moe_is_written_with_routing():
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml")
+    moe = MoESpec(num_experts=8, top_k=2, expert_ffn_hidden_size=512, capacity_factor=1.25,
+                  routing=RoutingSpec(distribution="zipf", s=1.1, seed=3))
+    sc = dataclasses.replace(sc, model=dataclasses.replace(sc.model, moe=moe))
+    m = scenario_to_mapping(sc)["model"]["moe"]
+    assert m["routing"] == {"distribution": "zipf", "s": 1.1, "seed": 3}
+    assert m["capacity_factor"] == 1.25 and m["num_experts"] == 8
+    try:
+        back = load_scenario(_through_yaml(scenario_to_mapping(sc)))
+    except ConfigError as e:
+        pytest.skip(f"the loader does not read model.moe yet: {e}")
+    assert back.model.moe == moe
+
+
+def test_profile_file_path_becomes_absolute(tmp_path):
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml")
+    sc = dataclasses.replace(sc, cluster=dataclasses.replace(sc.cluster, gpu="profiles/my-gpu.yaml"))
+    assert Path(scenario_to_mapping(sc)["cluster"]["gpu"]).is_absolute()
