@@ -407,7 +407,7 @@ def _work(job: _Job, *, evaluator: Evaluator | None, study_storage, progress) ->
         if strategy.exhausted(sampler, study):
             break
         done = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED, TrialState.RUNNING)))
-        if done >= job.budget:
+        if done >= job.budget and not getattr(strategy, "runs_every_plan", False):
             break
         trial = study.ask(dists)
         try:

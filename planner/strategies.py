@@ -99,6 +99,10 @@ class Exhaustive:
 
     plans: tuple[Candidate, ...]
     name: str = "exhaustive"
+    runs_every_plan = True
+    """Stops when no plan is left unvisited, not on a trial count: workers sharing the study may
+    both pick a plan (a repeat costs nothing, it is memoised), and a count would then end one
+    plan short."""
 
     def budget(self, requested: int) -> int:
         return len(self.plans)
