@@ -17,7 +17,7 @@ TOPOLOGIES = ("fat-tree", "rail-optimized")
 ATTENTION_KERNELS = ("flash", "unfused")
 
 # bytes per element of the compute dtype (weights/activations as the kernels see them)
-DTYPE_BYTES = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
+DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
 
 ROUTING_DISTRIBUTIONS = ("uniform", "zipf", "histogram")

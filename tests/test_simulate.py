@@ -96,3 +96,16 @@ def test_infeasible_plan_lists_every_reason(gpt3):
     assert any("plan.tp: 5 does not divide model.num_attention_heads" in r for r in reasons)
     assert any("plan.pp: model.num_layers (96)" in r for r in reasons)
     assert any("tp*pp*cp*dp" in r for r in reasons)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
+def test_every_precision_simulates(gpt3, precision):
+    r = simulate(replace(gpt3, training=replace(gpt3.training, precision=precision)))
+    assert r.step_time_s > 0
+    if precision == "fp32":  # TF32 tensor cores, 4-byte activations: slower than bf16
+        assert r.step_time_s > simulate(gpt3).step_time_s
+
+
+def test_fp8_is_refused_on_ampere(gpt3):
+    with pytest.raises(InfeasiblePlanError, match="training.precision: fp8 needs Hopper"):
+        simulate(replace(gpt3, training=replace(gpt3.training, precision="fp8")))
