@@ -15,6 +15,7 @@ import importlib.util
 import json
 import re
 
+from paraplan.cli.tables import elided
 from paraplan.errors import InfeasiblePlanError, ParaplanError
 from paraplan.fileio import write_atomic
 
@@ -169,7 +170,9 @@ def format_summary(m: dict) -> str:
         lines.append(f"  MFU                 {m['mfu'] * 100:9.1f} %  of {m['peak_flops_per_rank'] / 1e12:.0f} TFLOP/s ({m['peak_profile']})")
     lines += ["", "  peak memory per rank (MiB): params  grads  optim  act+buf   peak  "
               f"[{m['ranks'][0]['memory']['source']}]"]
-    for r in _ranks_to_show(m["ranks"]):
+    ranks = m["ranks"]
+    largest = max(range(len(ranks)), key=lambda i: ranks[i]["memory"]["peak_total"])
+    for r in elided(ranks, largest):
         if r is None:
             lines.append("    ...")
             continue
@@ -180,17 +183,3 @@ def format_summary(m: dict) -> str:
         lines.append(f"  note: {note}")
     lines.append(f"  FLOPs: {m['flop_formula']}")
     return "\n".join(lines)
-
-
-def _ranks_to_show(ranks, limit: int = 8):
-    if len(ranks) <= limit:
-        return ranks
-    big = max(ranks, key=lambda r: r["memory"]["peak_total"])
-    keep = sorted({0, 1, big["rank"], len(ranks) - 1})
-    out, prev = [], -1
-    for i in keep:
-        if i != prev + 1:
-            out.append(None)
-        out.append(ranks[i])
-        prev = i
-    return out

@@ -5,6 +5,7 @@ import json
 import sys
 
 from paraplan.errors import ParaplanError
+from paraplan.cli.tables import elided
 from paraplan.fileio import write_atomic
 
 
@@ -74,7 +75,8 @@ def format_result(sc, r) -> str:
         lines += ["", *_moe_lines(sc, r.moe)]
     lines.append("")
     lines.append("  memory per GPU by stage (GiB): weights grads optim activ reserved total")
-    for s in _stages_to_show(r.stages):
+    largest = max(r.stages, key=lambda st: st.memory["total"]).stage
+    for s in elided(list(r.stages), largest):
         if s is None:
             lines.append("    ...")
             continue
@@ -102,19 +104,4 @@ def _moe_lines(sc, moe) -> list[str]:
         f"step {moe.balanced_step_time_s:.3f} s balanced",
         "    FLOPs and MFU count the router and only the active experts (top-k routed + shared)",
     ]
-    return out
-
-
-def _stages_to_show(stages, limit: int = 8):
-    """Every stage when few; else the first two, the largest and the last two (None marks a gap)."""
-    if len(stages) <= limit:
-        return list(stages)
-    big = max(stages, key=lambda s: s.memory["total"]).stage
-    keep = sorted({0, 1, big, len(stages) - 2, len(stages) - 1})
-    out, prev = [], -1
-    for i in keep:
-        if i != prev + 1:
-            out.append(None)
-        out.append(stages[i])
-        prev = i
     return out
