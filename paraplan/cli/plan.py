@@ -29,34 +29,22 @@ OBJECTIVE_CHOICES = ("throughput", "cost", "throughput-vs-headroom", "throughput
 JOURNAL = "study.journal"
 
 
-def _positive_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
-    return v
+def _number(cast, what: str, ok):
+    """An argparse type: `cast` the text, then require `ok(value)`; errors say `what` was expected."""
+    def parse(text: str):
+        try:
+            v = cast(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+        if not ok(v):
+            raise argparse.ArgumentTypeError(f"expected {what}, got {text if cast is float else v}")
+        return v
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        v = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
-    return v
-
-
-def _positive_float(text: str) -> float:
-    try:
-        v = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not v > 0 or v == float("inf"):
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text}")
-    return v
+_positive_int = _number(int, "a positive integer", lambda v: v >= 1)
+_non_negative_int = _number(int, "an integer >= 0", lambda v: v >= 0)
+_positive_float = _number(float, "a positive number", lambda v: 0 < v < float("inf"))
 
 
 def add_arguments(p) -> None:
