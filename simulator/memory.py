@@ -124,15 +124,13 @@ def stage_memory(
     return StageMemory(weights=weights, gradients=dg + eg, optimizer=do + eo, activations=acts, reserved=reserved)
 
 
-def working_set_bytes(model, plan, seq_length: int, attention_kernel: str, is_last_stage: bool,
-                      moe_ffn_bytes: float | None = None) -> float:
+def working_set_bytes(model, plan, seq_length: int, attention_kernel: str, is_last_stage: bool) -> float:
     """Transient buffers on top of the stored activations: under full recompute the layer being
     recomputed holds its full activations during its backward; the last stage holds one
     microbatch of logits (16-bit GEMM output + fp32 copy for the cross-entropy)."""
     out = 0.0
     if plan.recompute == "full":
-        out += activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length,
-                                          attention_kernel, moe_ffn_bytes)
+        out += activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel)
     if is_last_stage:
         tokens = plan.micro_batch_size * seq_length // plan.cp
         out += tokens * (model.vocab_size / plan.tp) * 6

@@ -16,6 +16,7 @@ import numpy as np
 
 from hwmodels.compute import gemm_time, memory_bound_time
 from hwmodels.network import collective_time
+from paraplan.placement import GroupLayout
 from simulator.cost import Cost
 
 
@@ -150,18 +151,15 @@ def deepep_time(ctx, routed: float, skew: float, ep_layout) -> float:
     NVLink once, sent directly by a peer in its node or forwarded by the peer that took it off the
     network, so the NVLink leg moves all copies, as a one-node all-to-all would. The two overlap;
     `skew` scales both for the busiest rank's receive side."""
-    from hwmodels.network import collective_time as coll
-    from paraplan.placement import GroupLayout
-
     m, b = ctx.model, ctx.act_bytes
     h, nodes = m.hidden_size, ep_layout.num_nodes
     remote_nodes = nodes_reached(m.moe.num_experts, m.moe.top_k, nodes) * (nodes - 1) / nodes
     net_bytes = routed * remote_nodes * h * b * skew
     # one network hop per destination node, each a point-to-point transfer of its share
-    rdma = coll(ctx.network, "send_recv", net_bytes, GroupLayout(size=2, ranks_per_node=1, num_nodes=2))
+    rdma = collective_time(ctx.network, "send_recv", net_bytes, GroupLayout(size=2, ranks_per_node=1, num_nodes=2))
     ppn = ep_layout.ranks_per_node
     nvl_bytes = routed * m.moe.top_k * h * b * skew
-    nvl = coll(ctx.network, "all_to_all", nvl_bytes, GroupLayout(size=ppn, ranks_per_node=ppn, num_nodes=1))
+    nvl = collective_time(ctx.network, "all_to_all", nvl_bytes, GroupLayout(size=ppn, ranks_per_node=ppn, num_nodes=1))
     return max(rdma, nvl)
 
 

@@ -29,7 +29,8 @@ class MoEReport:
     """One MoE layer, forward + backward, on the most loaded rank."""
     balanced_moe_layer_time_s: float
     """The same with a perfectly balanced router."""
-    balanced_step_time_s: float
+    balanced_step_time_s: float | None
+    """The step with a balanced router; None when the reference run was skipped."""
     ep_group: str
     ep_tiers: tuple[str, ...]
     expert_data_parallel: int

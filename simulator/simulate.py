@@ -5,7 +5,7 @@ import math
 from dataclasses import dataclass
 
 from hwmodels.compute import memory_bound_time
-from hwmodels.network import build_network, collective_time
+from hwmodels.network import build_network, collective_time, tier_names_crossed
 from hwmodels.profile import load_profile
 from paraplan.errors import InfeasiblePlanError
 from paraplan.placement import GroupLayout, expert_group_layouts, group_layout, pp_neighbour_layout
@@ -48,7 +48,10 @@ class _Layers:
     working: float
 
 
-def simulate(sc: Scenario, *, _balanced_routing: bool = False) -> SimResult:
+def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routing: bool = False) -> SimResult:
+    """One iteration of `sc`'s plan. For an MoE model, `imbalance_reference` also simulates the
+    iteration with a perfectly balanced router, for the report's step-time comparison (callers
+    that only rank plans, like the planner, skip that second run)."""
     gpu = load_profile(sc.cluster.gpu)
     problems = structural_problems(sc, gpu.arch)
     if problems:
@@ -138,7 +141,8 @@ def simulate(sc: Scenario, *, _balanced_routing: bool = False) -> SimResult:
     peak_mem = max(mm.total for mm in mems)
     moe = None
     if draw is not None:
-        moe = _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, eng.step_time, _balanced_routing)
+        moe = _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, eng.step_time,
+                          balanced=_balanced_routing, reference=imbalance_reference)
     return SimResult(
         scenario=sc.name,
         step_time_s=eng.step_time,
@@ -267,17 +271,21 @@ def _sync_time(sc: Scenario, net, emb_params: float, gpn: int) -> float:
     return t
 
 
-def _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, step_time, balanced) -> MoEReport:
+def _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, step_time, *, balanced: bool,
+                reference: bool) -> MoEReport:
     """The imbalance effect: the drawn routing against a perfectly balanced router, per MoE layer
-    and for the whole step (a second simulation with balanced routing)."""
-    from hwmodels.network import tier_names_crossed
-
+    and, when `reference`, for the whole step (a second simulation with balanced routing)."""
     m = sc.model
     ref = draw_routing(m.moe, sc.plan.ep, routed_tokens_per_rank(ctx), balanced=True)
     ref_block = moe_block(ctx, ref, ep_layout, etp_layout, overlap_shared=sc.plan.moe_shared_expert_overlap)
     layer = kinds.fwd["moe"].total + kinds.bwd["moe"].total
     ref_layer = layer_forward(ctx, ref_block).total + layer_backward(ctx, ref_block).total
-    uniform_step = step_time if balanced else simulate(sc, _balanced_routing=True).step_time_s
+    if balanced:
+        uniform_step = step_time
+    elif reference:
+        uniform_step = simulate(sc, imbalance_reference=False, _balanced_routing=True).step_time_s
+    else:
+        uniform_step = None
     return MoEReport(
         routing=m.moe.routing.distribution,
         imbalance=draw.imbalance,
