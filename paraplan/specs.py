@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 ACTIVATIONS = ("gelu", "swiglu")
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
 ZERO_STAGES = (0, 1, 2, 3)
 TOPOLOGIES = ("fat-tree", "rail-optimized")

@@ -129,6 +129,10 @@ def megatron_args_text(sc: Scenario) -> str:
             f"pretrain_gpt.py $(grep -v '^#' megatron_args.txt)\n")
     if sc.plan.schedule == "gpipe" and sc.plan.pp > 1:
         head += "# Note: Megatron-LM has no GPipe schedule; it runs 1F1B (same bubble, less activation memory).\n"
+    if sc.plan.schedule == "zero-bubble" and sc.plan.pp > 1:
+        head += ("# Note: Megatron-LM has no zero-bubble schedule; these arguments run (interleaved) 1F1B, which "
+                 "keeps the weight gradients in the backward (a larger bubble than predicted): simulate the plan with "
+                 "--set plan.schedule=1f1b for its step time, or launch it with paraplan launch / torchtitan.\n")
     return head + " \\\n".join(lines) + "\n"
 
 
@@ -150,7 +154,8 @@ def torchtitan_toml(sc: Scenario) -> str:
                          f"so this config shards weights too (more all-gathers than simulated)")
     else:
         replicate, shard = p.dp, 1
-    schedule = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B"}[p.schedule]
+    schedule = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
+                "zero-bubble": "InterleavedZeroBubble"}[p.schedule]
     local_batch = t.global_batch_size // p.dp if p.pp > 1 else p.micro_batch_size
     if not p.sequence_parallel and p.tp > 1:
         notes.append("torchtitan always shards activations along the sequence under TP (sequence parallel)")

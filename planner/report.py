@@ -109,7 +109,7 @@ def plan_label(p: PlanSpec) -> str:
 def _row(r: Ranked, objective: Objective, show_nodes: bool) -> str:
     e = r.evaluation
     p = e.candidate.plan
-    sched = {"interleaved-1f1b": "inter", "1f1b": "1f1b", "gpipe": "gpipe"}[p.schedule]
+    sched = {"interleaved-1f1b": "inter", "1f1b": "1f1b", "gpipe": "gpipe", "zero-bubble": "zb"}[p.schedule]
     if p.virtual_pipeline_stages > 1:
         sched += f"x{p.virtual_pipeline_stages}"
     cols = [f"{r.rank:>2}"]

@@ -24,7 +24,7 @@ range**, so `search: {}` or no section at all means "every valid factorisation o
 | dp | derived: world / (tp x pp x cp); a list filters the derived value |
 | ep | 1 for a dense model; for MoE, divisors of the world size that divide num_experts |
 | micro_batch_size | divisors of training.global_batch_size up to 16 |
-| schedule | gpipe, 1f1b, interleaved-1f1b |
+| schedule | gpipe, 1f1b, interleaved-1f1b (zero-bubble only when listed: Megatron-LM cannot run it) |
 | virtual_pipeline_stages | divisors of model.num_layers (used by interleaved-1f1b only; others run 1) |
 | sequence_parallel | false, true |
 | zero_stage | 0, 1, 2, 3 |
@@ -69,6 +69,9 @@ KNOBS = (
 DEGREE_KNOBS = ("num_nodes", "tp", "pp", "dp", "cp", "ep", "micro_batch_size", "virtual_pipeline_stages")
 ENUM_KNOBS = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "recompute": RECOMPUTE,
               "sequence_parallel": (False, True)}
+# zero-bubble is searched only when the scenario lists it: Megatron-LM, whose arguments `plan`
+# writes, has no zero-bubble schedule (torchtitan and `paraplan launch` run it).
+DEFAULT_SCHEDULES = tuple(s for s in SCHEDULES if s != "zero-bubble")
 SETTINGS = ("allow_tp_across_nodes", "trials", "exhaustive_threshold", "gpu_hour_cost")
 
 DEFAULT_TRIALS = 300
@@ -236,7 +239,7 @@ def _defaults(sc: Scenario, num_nodes: tuple[int, ...], allow_tp_across_nodes: b
         "cp": tuple(divisors),
         "ep": ep,
         "micro_batch_size": tuple(d for d in _divisors(t.global_batch_size) if d <= MAX_DEFAULT_MICRO_BATCH),
-        "schedule": SCHEDULES,
+        "schedule": DEFAULT_SCHEDULES,
         "virtual_pipeline_stages": tuple(_divisors(m.num_layers)),
         "sequence_parallel": (False, True),
         "zero_stage": ZERO_STAGES,

@@ -21,6 +21,9 @@ import simpy
 from simulator.schedules import Op
 
 
+SPAN_CATEGORY = {"F": "forward", "B": "backward", "W": "weight_grad"}
+
+
 @dataclass(frozen=True)
 class StageWork:
     """What one stage does in an iteration."""
@@ -94,19 +97,26 @@ def run_iteration(
         return ev
 
     def producer_of(stage: int, op: Op):
+        """The op of another stage this one waits for (a W waits only for its own stage's B,
+        which the op order already puts before it)."""
         vstage = op.chunk * pp + stage
         if op.kind == "F":
             return ("F", op.microbatch, vstage - 1) if vstage > 0 else None
-        return ("B", op.microbatch, vstage + 1) if vstage < last_vstage else None
+        if op.kind == "B":
+            return ("B", op.microbatch, vstage + 1) if vstage < last_vstage else None
+        return None
 
     def consumed_elsewhere(stage: int, op: Op) -> bool:
         vstage = op.chunk * pp + stage
         return (op.kind == "F" and vstage < last_vstage) or (op.kind == "B" and vstage > 0)
 
-    last_b = [
-        {c: max(i for i, o in enumerate(w.ops) if o.kind == "B" and o.chunk == c) for c in w.grad_buckets}
-        for w in works
-    ]
+    def last_grad_op(ops: list[Op], chunk: int) -> int:
+        """Index of the op that produces a chunk's last weight gradients: its last W when the
+        backward is split, else its last B."""
+        kind = "W" if any(o.kind == "W" for o in ops) else "B"
+        return max(i for i, o in enumerate(ops) if o.kind == kind and o.chunk == chunk)
+
+    last_b = [{c: last_grad_op(w.ops, c) for c in w.grad_buckets} for w in works]
 
     def prepared(stage: int, work: StageWork):
         """Per op, everything the stream needs, computed once: its dependency, duration, NIC time,
@@ -118,7 +128,7 @@ def run_iteration(
             duration, nic = totals[(op.kind, op.chunk)]
             name = f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "")
             produces = (op.kind, op.microbatch, op.chunk * pp + stage) if consumed_elsewhere(stage, op) else None
-            out.append((producer_of(stage, op), duration, nic, name, op.kind == "F", produces, final_b.get(i)))
+            out.append((producer_of(stage, op), duration, nic, name, SPAN_CATEGORY[op.kind], produces, final_b.get(i)))
         return out
 
     def compute_stream(stage: int):
@@ -127,7 +137,7 @@ def run_iteration(
         timeout = env.timeout
         now = lambda: env.now  # noqa: E731
         bubble = comm = contention = 0.0
-        for dep, duration, nic, name, forward, produces, grads_of in prepared(stage, work):
+        for dep, duration, nic, name, category, produces, grads_of in prepared(stage, work):
             if dep is not None:
                 t0 = now()
                 produced = yield event(dep)
@@ -151,7 +161,7 @@ def run_iteration(
                 shared += extra
                 yield timeout(extra)
             contention += shared
-            spans.append(Span(stage, "compute", name, "forward" if forward else "backward", start, now()))
+            spans.append(Span(stage, "compute", name, category, start, now()))
             if produces is not None:
                 event(produces).succeed(now())
             traces[stage].ops_done += 1

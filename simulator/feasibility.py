@@ -46,8 +46,8 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
     vpp = p.virtual_pipeline_stages
     if p.schedule == "interleaved-1f1b" and vpp < 2:
         out.append("plan.virtual_pipeline_stages: interleaved-1f1b needs at least 2 virtual stages per rank")
-    if p.schedule != "interleaved-1f1b" and vpp > 1:
-        out.append(f"plan.virtual_pipeline_stages: {vpp} virtual stages need schedule interleaved-1f1b")
+    if p.schedule not in ("interleaved-1f1b", "zero-bubble") and vpp > 1:
+        out.append(f"plan.virtual_pipeline_stages: {vpp} virtual stages need schedule interleaved-1f1b or zero-bubble")
     if p.schedule == "interleaved-1f1b" and p.pp < 2:
         out.append("plan.schedule: interleaved-1f1b needs pp >= 2")
     uneven = p.first_stage_layers is not None or p.last_stage_layers is not None
@@ -70,14 +70,14 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
         )
     if p.dp > 0 and p.micro_batch_size > 0 and sc.training.global_batch_size % (p.dp * p.micro_batch_size) == 0:
         mbs = sc.num_microbatches
-        if p.schedule == "interleaved-1f1b" and p.pp > 1 and mbs % p.pp:
+        if vpp > 1 and p.pp > 1 and mbs % p.pp:
             # Megatron: "number of microbatches must be divisible by pipeline-model-parallel-size
-            # when using interleaved schedule"
+            # when using interleaved schedule" (the zero-bubble order walks the chunks the same way)
             out.append(
-                f"plan.schedule: interleaved-1f1b needs the number of microbatches ({mbs}) to be a "
-                f"multiple of pp ({p.pp})"
+                f"plan.schedule: {p.schedule} with virtual stages needs the number of microbatches ({mbs}) "
+                f"to be a multiple of pp ({p.pp})"
             )
-        if p.schedule in ("1f1b", "interleaved-1f1b") and mbs < p.pp:
+        if p.schedule in ("1f1b", "interleaved-1f1b", "zero-bubble") and mbs < p.pp:
             out.append(f"plan.schedule: {p.schedule} needs at least pp = {p.pp} microbatches, got {mbs}")
     return out
 

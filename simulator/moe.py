@@ -97,6 +97,9 @@ class MoEBlock:
 
     forward: Cost
     backward: Cost
+    weight_grad: float = 0.0
+    """Seconds of the backward's weight-gradient GEMMs (router, experts, shared experts): the W
+    pass of a split-backward schedule."""
 
     def __call__(self, ctx, backward: bool) -> Cost:
         return (self.backward if backward else self.forward).scaled(1.0)
@@ -106,7 +109,26 @@ def moe_block(ctx, draw: RoutingDraw, ep_layout, etp_layout, *, overlap_shared: 
     return MoEBlock(
         forward=_moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=False),
         backward=_moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=True),
+        weight_grad=_moe_weight_grad(ctx, draw),
     )
+
+
+def _moe_weight_grad(ctx, draw: RoutingDraw) -> float:
+    """dW = x^T dY of the router, of each local expert's projections at the tokens it received
+    (the busiest rank) and of the shared experts: the weight-gradient halves of the backward GEMMs
+    that `_gemm(..., backward=True)` prices."""
+    m, etp = ctx.model, ctx.plan.expert_tp
+    h, f = m.hidden_size, m.moe.expert_ffn_hidden_size // etp
+    up = (m.ffn_matrices - 1) * f
+    wgrad = lambda k, n, tokens: gemm_time(ctx.gpu, k, n, max(1, int(round(tokens))), ctx.dtype)  # noqa: E731
+    total = wgrad(h, m.moe.num_experts, routed_tokens_per_rank(ctx))
+    for n in draw.expert_tokens[draw.busiest_rank]:
+        if n > 0:
+            total += wgrad(h, up, n * etp) + wgrad(f, h, n * etp)
+    if m.moe.num_shared_experts:
+        fs = m.moe.num_shared_experts * m.moe.expert_ffn_hidden_size // ctx.plan.tp
+        total += wgrad(h, (m.ffn_matrices - 1) * fs, ctx.tokens) + wgrad(fs, h, ctx.tokens)
+    return total
 
 
 def _gemm(ctx, m: float, k: int, n: int, backward: bool) -> float:

@@ -1,7 +1,9 @@
 """Pipeline schedules as pure functions: the op order each stage executes in one iteration.
 
-An op is (kind, microbatch, chunk): kind 'F' or 'B', chunk the virtual-pipeline model chunk held
-by that stage (0 when not interleaved). The engine replays these lists; it never invents order.
+An op is (kind, microbatch, chunk): kind 'F' (forward), 'B' (backward) or, in the zero-bubble
+schedule, 'B' for the input gradient only and 'W' for the weight gradient; chunk is the
+virtual-pipeline model chunk held by that stage (0 when not interleaved). The engine replays these
+lists; it never invents order.
 """
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import NamedTuple
 
 
 class Op(NamedTuple):
-    kind: str  # 'F' forward, 'B' backward
+    kind: str  # 'F' forward, 'B' backward (input gradient only when the schedule has 'W' ops), 'W' weight gradient
     microbatch: int
     chunk: int = 0
 
@@ -45,14 +47,12 @@ def _interleaved_unit(k: int, num_stages: int, num_chunks: int, forward: bool) -
     return microbatch, chunk
 
 
-def interleaved_1f1b(num_stages: int, num_microbatches: int, stage: int, num_chunks: int) -> list[Op]:
-    """Interleaved 1F1B with virtual stages (Narayanan et al. SC'21, Sec. 2.2.2), Megatron order:
-    warmup = 2(p - s - 1) + (v - 1)p forwards, then 1F1B, then cooldown. Needs M % p == 0."""
+def _interleaved_order(num_stages: int, num_microbatches: int, stage: int, num_chunks: int,
+                       warmup: int) -> list[Op]:
+    """`warmup` forwards, then one forward and one backward alternately, then the remaining
+    backwards, over virtual microbatches in Megatron's order (`_interleaved_unit`)."""
     total = num_microbatches * num_chunks
-    if num_microbatches == num_stages:
-        warmup = total
-    else:
-        warmup = min((num_stages - stage - 1) * 2 + (num_chunks - 1) * num_stages, total)
+    warmup = min(warmup, total)
     fwd = [Op("F", *_interleaved_unit(k, num_stages, num_chunks, True)) for k in range(total)]
     bwd = [Op("B", *_interleaved_unit(k, num_stages, num_chunks, False)) for k in range(total)]
     ops = fwd[:warmup]
@@ -63,6 +63,43 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, stage: int, num_chu
     return ops
 
 
+def interleaved_1f1b(num_stages: int, num_microbatches: int, stage: int, num_chunks: int) -> list[Op]:
+    """Interleaved 1F1B with virtual stages (Narayanan et al. SC'21, Sec. 2.2.2), Megatron order:
+    warmup = 2(p - s - 1) + (v - 1)p forwards, then 1F1B, then cooldown. Needs M % p == 0."""
+    if num_microbatches == num_stages:
+        warmup = num_microbatches * num_chunks
+    else:
+        warmup = (num_stages - stage - 1) * 2 + (num_chunks - 1) * num_stages
+    return _interleaved_order(num_stages, num_microbatches, stage, num_chunks, warmup)
+
+
+def zero_bubble(num_stages: int, num_microbatches: int, stage: int, num_chunks: int = 1) -> list[Op]:
+    """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 3.1; PyTorch
+    ScheduleInterleavedZeroBubble). The backward is split into B, the input gradient that the
+    previous stage waits for, and W, the weight gradient that only the optimizer needs.
+
+    B and F follow 1F1B (interleaved over virtual stages when num_chunks > 1, one extra warm-up
+    forward per hop to the last stage: (v - 1)p + p - s - 1). Stage s holds back its first s W
+    passes and otherwise runs each W right after a B, oldest first; the held-back ones run at the
+    end. Later stages thus keep the backward chain moving and do their weight gradients while
+    earlier stages still work: with equal F, B, W the bubble falls from 1F1B's (p-1)(F+B+W) to
+    (p-1)(F+B-W), at 1F1B's number of microbatches in flight. Needs M % p == 0 when interleaved."""
+    warmup = (num_chunks - 1) * num_stages + num_stages - stage - 1
+    ops: list[Op] = []
+    pending: list[Op] = []
+    for op in _interleaved_order(num_stages, num_microbatches, stage, num_chunks, warmup):
+        ops.append(op)
+        if op.kind == "B":
+            pending.append(Op("W", op.microbatch, op.chunk))
+            if len(pending) > stage:
+                ops.append(pending.pop(0))
+    return ops + pending
+
+
+SPLIT_BACKWARD_SCHEDULES = ("zero-bubble",)
+"""Schedules whose ops split the backward into B (input gradient) and W (weight gradient)."""
+
+
 def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> list[list[Op]]:
     """Op lists for every stage."""
     if name == "gpipe":
@@ -71,12 +108,19 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks
         return [one_f_one_b(num_stages, num_microbatches, s) for s in range(num_stages)]
     if name == "interleaved-1f1b":
         return [interleaved_1f1b(num_stages, num_microbatches, s, num_chunks) for s in range(num_stages)]
+    if name == "zero-bubble":
+        return [zero_bubble(num_stages, num_microbatches, s, num_chunks) for s in range(num_stages)]
     raise ValueError(f"unknown schedule {name!r}")
 
 
 def peak_in_flight(ops: list[Op], chunk_weights: list[float] | None = None) -> float:
     """Largest activation footprint a stage holds: forwards done whose backward has not run,
-    weighted per chunk (e.g. by its layer count). Read off the op order, not a formula."""
+    weighted per chunk (e.g. by its layer count). Read off the op order, not a formula.
+
+    With split backwards a microbatch's activations count until its W: an upper bound, since the
+    B pass already frees what only the input gradient needed (the weight gradients keep the
+    inputs of the linear layers, the M_W of Qi et al. 2024, Sec. 3)."""
+    split = any(op.kind == "W" for op in ops)
     live = 0.0
     peak = 0.0
     for op in ops:
@@ -84,6 +128,6 @@ def peak_in_flight(ops: list[Op], chunk_weights: list[float] | None = None) -> f
         if op.kind == "F":
             live += w
             peak = max(peak, live)
-        else:
+        elif op.kind == ("W" if split else "B"):
             live -= w
     return peak

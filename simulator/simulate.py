@@ -20,8 +20,10 @@ from simulator.moe import (
     dispatch_buffer_bytes, draw_routing, moe_activation_bytes, moe_block, routed_tokens_per_rank,
 )
 from simulator.result import BREAKDOWN_KEYS, MoEReport, SimResult, StageResult
-from simulator.schedules import build_schedule, peak_in_flight
-from simulator.workload import LayerContext, embedding_cost, head_cost, layer_backward, layer_forward
+from simulator.schedules import SPLIT_BACKWARD_SCHEDULES, build_schedule, peak_in_flight
+from simulator.workload import (
+    LayerContext, embedding_cost, head_cost, head_weight_grad, layer_backward, layer_forward, layer_weight_grad,
+)
 
 # Megatron DDP bucket size: max(40M, 1M x dp) parameters (megatron/core/distributed/distributed_data_parallel.py)
 BUCKET_PARAMS = 40_000_000
@@ -43,6 +45,7 @@ class _Layers:
 
     fwd: dict
     bwd: dict
+    wgrad: dict  # kind -> seconds of the backward's weight-gradient GEMMs (the W pass)
     params: dict  # kind -> (params sharded over dp x cp, expert params sharded over edp)
     acts: dict  # kind -> stored activation bytes per microbatch
     working: float
@@ -71,6 +74,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
     layers = layers_per_chunk(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers)
     n_mb = sc.num_microbatches
     schedule = build_schedule(p.schedule, p.pp, n_mb, vpp)
+    split_backward = p.schedule in SPLIT_BACKWARD_SCHEDULES
     kinds, draw = _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, balanced=_balanced_routing)
     w_bytes, _, _ = state_bytes_per_param(tr.precision)
     emb_params = m.embedding_params() / p.tp
@@ -92,8 +96,11 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
             kinds_in_chunk = ["moe" if m.is_moe_layer(i) else "dense" for i in range(start, start + layers[s][c])]
             chunk = _chunk_work(ctx, kinds, kinds_in_chunk, zero3, first=s == 0 and c == 0,
                                 last=s == p.pp - 1 and c == len(layers[s]) - 1, emb_params=emb_params)
-            f, b, c_dense, c_expert, acts = chunk
+            f, b, w, c_dense, c_expert, acts = chunk
             op_cost[("F", c)], op_cost[("B", c)] = f, b
+            if split_backward:
+                op_cost[("B", c)] = b.scaled(1.0).add("compute", -w)
+                op_cost[("W", c)] = Cost().add("compute", w)
             dense_params += c_dense
             expert_params += c_expert
             chunk_acts.append(acts)
@@ -171,7 +178,7 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     attn_params = m.attention_params() / p.tp
     dense_acts = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel)
     kinds = _Layers(
-        fwd={"dense": layer_forward(ctx)}, bwd={"dense": layer_backward(ctx)},
+        fwd={"dense": layer_forward(ctx)}, bwd={"dense": layer_backward(ctx)}, wgrad={"dense": layer_weight_grad(ctx)},
         params={"dense": (attn_params + m.ffn_matrices * m.hidden_size * m.ffn_hidden_size / p.tp, 0.0)},
         acts={"dense": dense_acts}, working=0.0,
     )
@@ -182,6 +189,7 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     block = moe_block(ctx, draw, ep_layout, etp_layout, overlap_shared=p.moe_shared_expert_overlap)
     kinds.fwd["moe"] = layer_forward(ctx, block)
     kinds.bwd["moe"] = layer_backward(ctx, block)
+    kinds.wgrad["moe"] = layer_weight_grad(ctx, block)
     shared = e.num_shared_experts * m.expert_params() / p.tp
     local_experts = e.num_experts // p.ep * m.expert_params() / p.expert_tp
     kinds.params["moe"] = (attn_params + m.hidden_size * e.num_experts + shared, local_experts)
@@ -190,16 +198,17 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     working = dispatch_buffer_bytes(ctx, draw)
     if p.recompute == "full":
         working += ffn
-    return _Layers(kinds.fwd, kinds.bwd, kinds.params, kinds.acts, working), draw
+    return _Layers(kinds.fwd, kinds.bwd, kinds.wgrad, kinds.params, kinds.acts, working), draw
 
 
 def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], zero3: dict, *, first: bool, last: bool,
-                emb_params: float) -> tuple[Cost, Cost, float, float, float]:
-    """(forward cost, backward cost, params sharded over dp x cp, expert params, activation bytes
-    per microbatch) of one model chunk: its layers, plus the embedding on the first chunk of the
-    pipeline and the LM head on the last."""
+                emb_params: float) -> tuple[Cost, Cost, float, float, float, float]:
+    """(forward cost, backward cost, seconds of the backward that are weight-gradient GEMMs,
+    params sharded over dp x cp, expert params, activation bytes per microbatch) of one model
+    chunk: its layers, plus the embedding on the first chunk of the pipeline and the LM head on
+    the last."""
     f, b = Cost(), Cost()
-    dense = expert = acts = 0.0
+    dense = expert = acts = wgrad = 0.0
     for kind in ("dense", "moe"):
         n = kinds_in_chunk.count(kind)
         if not n:
@@ -207,6 +216,7 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], zero3: dict, *, 
         gather, scatter = zero3.get(kind, (0.0, 0.0))
         f += _zero3_overlap(kinds.fwd[kind], n, gather)
         b += _zero3_overlap(kinds.bwd[kind], n, gather + scatter)
+        wgrad += n * kinds.wgrad[kind]
         dense += n * kinds.params[kind][0]
         expert += n * kinds.params[kind][1]
         acts += n * kinds.acts[kind]
@@ -217,9 +227,10 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], zero3: dict, *, 
     if last:
         f += head_cost(ctx, backward=False)
         b += head_cost(ctx, backward=True)
+        wgrad += head_weight_grad(ctx)
         if not (ctx.model.tied_embeddings and ctx.plan.pp == 1):
             dense += emb_params
-    return f, b, dense, expert, acts
+    return f, b, wgrad, dense, expert, acts
 
 
 def _first_layer_of_vstage(layers: list[list[int]], pp: int) -> list[int]:

@@ -44,7 +44,21 @@ def _linear(ctx: LayerContext, k: int, n: int, backward: bool) -> float:
     m = ctx.tokens
     if not backward:
         return gemm_time(ctx.gpu, m, n, k, ctx.dtype)
-    return gemm_time(ctx.gpu, m, k, n, ctx.dtype) + gemm_time(ctx.gpu, k, n, m, ctx.dtype)
+    return gemm_time(ctx.gpu, m, k, n, ctx.dtype) + _weight_grad_gemm(ctx, k, n)
+
+
+def _weight_grad_gemm(ctx: LayerContext, k: int, n: int) -> float:
+    """dW = x^T dY of the linear layer x (tokens, k) @ W (k, n): a (k, tokens) x (tokens, n) GEMM."""
+    return gemm_time(ctx.gpu, k, n, ctx.tokens, ctx.dtype)
+
+
+def _linear_shapes(ctx: LayerContext) -> list[tuple[int, int]]:
+    """(k, n) of a dense layer's four linear layers on one TP rank: QKV, attention projection,
+    MLP up (+gate), MLP down."""
+    m, p = ctx.model, ctx.plan
+    h, f = m.hidden_size, m.ffn_hidden_size // p.tp
+    return [(h, (m.q_channels + 2 * m.kv_channels) // p.tp), (m.q_channels // p.tp, h),
+            (h, (m.ffn_matrices - 1) * f), (f, h)]
 
 
 def _attention_core(ctx: LayerContext, backward: bool) -> float:
@@ -150,10 +164,7 @@ def _comm_exposed(ctx: LayerContext, comms: list[float], gemms: list[float]) -> 
 def attention_block(ctx: LayerContext, backward: bool) -> Cost:
     """Input norm, QKV (column-parallel), attention core, output projection (row-parallel) and the
     residual; with its TP collectives and the context-parallel exchange."""
-    m, p = ctx.model, ctx.plan
-    h = m.hidden_size
-    gemms = [_linear(ctx, h, (m.q_channels + 2 * m.kv_channels) // p.tp, backward),
-             _linear(ctx, m.q_channels // p.tp, h, backward)]
+    gemms = [_linear(ctx, k, n, backward) for k, n in _linear_shapes(ctx)[:2]]
     compute = sum(gemms) + _attention_core(ctx, backward) + _attention_elementwise(ctx, backward)
     tp = _comm_exposed(ctx, _tp_collective_pairs(ctx)[:2], gemms)
     return Cost().add("compute", compute).add("tp_comm", tp).add("cp_comm", _cp_comm(ctx, backward))
@@ -161,10 +172,8 @@ def attention_block(ctx: LayerContext, backward: bool) -> Cost:
 
 def dense_ffn_block(ctx: LayerContext, backward: bool) -> Cost:
     """Post-attention norm, MLP up (+gate, column-parallel), activation, MLP down (row-parallel)."""
-    m, p = ctx.model, ctx.plan
-    h, f = m.hidden_size, m.ffn_hidden_size // p.tp
-    gemms = [_linear(ctx, h, (m.ffn_matrices - 1) * f, backward), _linear(ctx, f, h, backward)]
-    compute = sum(gemms) + _ffn_elementwise(ctx, ctx.tokens, f, backward)
+    gemms = [_linear(ctx, k, n, backward) for k, n in _linear_shapes(ctx)[2:]]
+    compute = sum(gemms) + _ffn_elementwise(ctx, ctx.tokens, ctx.model.ffn_hidden_size // ctx.plan.tp, backward)
     tp = _comm_exposed(ctx, _tp_collective_pairs(ctx)[2:], gemms)
     return Cost().add("compute", compute).add("tp_comm", tp)
 
@@ -192,6 +201,22 @@ def layer_backward(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
     elif ctx.plan.recompute == "selective":
         cost.add("recompute", _attention_core(ctx, False))
     return cost
+
+
+def layer_weight_grad(ctx: LayerContext, ffn=dense_ffn_block) -> float:
+    """The W pass of one layer under a split-backward (zero-bubble) schedule: the weight-gradient
+    GEMMs, which layer_backward also contains (Qi et al. 2024, Sec. 2: B computes the input
+    gradient, W the parameter gradient). An MoE FFN brings its own (`weight_grad` of the block)."""
+    shapes = _linear_shapes(ctx)
+    attention = sum(_weight_grad_gemm(ctx, k, n) for k, n in shapes[:2])
+    if ffn is dense_ffn_block:
+        return attention + sum(_weight_grad_gemm(ctx, k, n) for k, n in shapes[2:])
+    return attention + ffn.weight_grad
+
+
+def head_weight_grad(ctx: LayerContext) -> float:
+    """The W pass of the LM head (the vocabulary-parallel projection's weight gradient)."""
+    return _weight_grad_gemm(ctx, ctx.model.hidden_size, ctx.model.vocab_size // ctx.plan.tp)
 
 
 def embedding_cost(ctx: LayerContext, backward: bool) -> Cost:

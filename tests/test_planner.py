@@ -71,6 +71,9 @@ def test_absent_knobs_take_their_full_valid_range():
     assert spec.values("num_nodes") == (1,)
     assert spec.values("ep") == (1,)                         # dense model
     assert spec.values("zero_stage") == (0, 1, 2, 3)
+    # zero-bubble only when listed: the Megatron-LM arguments the planner writes cannot run it
+    assert spec.values("schedule") == ("gpipe", "1f1b", "interleaved-1f1b")
+    assert parse_search(tiny("search.schedule=[1f1b, zero-bubble]")).values("schedule") == ("1f1b", "zero-bubble")
     assert spec.trials == DEFAULT_TRIALS and spec.exhaustive_threshold == DEFAULT_EXHAUSTIVE_THRESHOLD
     assert spec.allow_tp_across_nodes is False and spec.gpu_hour_cost is None
 
@@ -220,3 +223,12 @@ def test_dp_candidates_filter_the_derived_dp():
     assert enum.valid and {c.plan.dp for c in enum.valid} == {2}
     assert any(r.reason.startswith("search.dp: the derived dp = # is not among the candidates")
                for r in enum.rejections)
+
+
+def test_zero_bubble_exports_say_what_each_framework_runs():
+    from planner.emit import megatron_args_text, torchtitan_toml
+
+    sc = tiny("plan.pp=2", "plan.tp=1", "plan.dp=4", "plan.schedule=zero-bubble")
+    assert simulate(sc).step_time_s > 0
+    assert 'pipeline_parallel_schedule = "InterleavedZeroBubble"' in torchtitan_toml(sc)
+    assert "Megatron-LM has no zero-bubble schedule" in megatron_args_text(sc)

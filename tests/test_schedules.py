@@ -3,7 +3,7 @@ import pytest
 
 from simulator.cost import Cost
 from simulator.engine import StageWork, run_iteration
-from simulator.schedules import Op, build_schedule, interleaved_1f1b, one_f_one_b, peak_in_flight
+from simulator.schedules import Op, build_schedule, interleaved_1f1b, one_f_one_b, peak_in_flight, zero_bubble
 
 
 def names(ops):
@@ -21,16 +21,41 @@ def test_interleaved_matches_megatron_order():
     assert names(interleaved_1f1b(2, 4, 1, 2)) == "F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3"
 
 
-@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3)])
+@pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),
+                                    ("zero-bubble", 1), ("zero-bubble", 2)])
 def test_every_op_once(name, v):
     p, m = 3, 6
+    kinds = "FBW" if name == "zero-bubble" else "FB"
     for ops in build_schedule(name, p, m, v):
-        assert sorted(ops) == sorted(Op(k, mb, c) for k in "FB" for mb in range(m) for c in range(v))
+        assert sorted(ops) == sorted(Op(k, mb, c) for k in kinds for mb in range(m) for c in range(v))
+
+
+def test_zero_bubble_holds_back_s_weight_passes_on_stage_s():
+    # 1F1B's F/B order; stage s runs each W right after a B once s of them are pending
+    assert names(zero_bubble(4, 6, 0)) == "F0 F1 F2 F3 B0 W0 F4 B1 W1 F5 B2 W2 B3 W3 B4 W4 B5 W5"
+    assert names(zero_bubble(4, 6, 2)) == "F0 F1 B0 F2 B1 F3 B2 W0 F4 B3 W1 F5 B4 W2 B5 W3 W4 W5"
+    assert names(zero_bubble(4, 6, 3)) == "F0 B0 F1 B1 F2 B2 F3 B3 W0 F4 B4 W1 F5 B5 W2 W3 W4 W5"
+    # a W never precedes its B
+    for s, ops in enumerate(build_schedule("zero-bubble", 4, 8, 2)):
+        seen = set()
+        for op in ops:
+            assert op.kind != "W" or ("B", op.microbatch, op.chunk) in seen
+            seen.add((op.kind, op.microbatch, op.chunk))
+
+
+@pytest.mark.parametrize("p,m,v", [(2, 2, 1), (3, 5, 1), (4, 4, 1), (4, 8, 1), (2, 4, 2), (4, 8, 2), (4, 12, 3), (8, 16, 2)])
+def test_zero_bubble_never_deadlocks_and_ends_after_every_op(p, m, v):
+    works = split_works(build_schedule("zero-bubble", p, m, v))
+    res = run_iteration(works, num_chunks=v, p2p_time=0.1, overlap_grad_reduce=True, sync_time=0.0)
+    assert all(t.ops_done == 3 * m * v for t in res.stages)
 
 
 def test_in_flight_activations_read_off_the_schedule():
     assert [peak_in_flight(one_f_one_b(4, 8, s)) for s in range(4)] == [4, 3, 2, 1]
     assert peak_in_flight(build_schedule("gpipe", 4, 8)[0]) == 8
+    # zero-bubble holds a microbatch until its W (an upper bound): stage s keeps p - s in flight
+    # plus its s held-back W passes, so stage 0, the one 1F1B already fills most, is unchanged
+    assert [peak_in_flight(zero_bubble(4, 8, s)) for s in range(4)] == [4, 4, 4, 4]
 
 
 def uniform_works(ops_per_stage, f=1.0, b=2.0, buckets=None, opt=0.0):
@@ -40,6 +65,12 @@ def uniform_works(ops_per_stage, f=1.0, b=2.0, buckets=None, opt=0.0):
                   grad_buckets=buckets or {}, optimizer_time=opt, param_gather_time=0.0)
         for ops in ops_per_stage
     ]
+
+
+def split_works(ops_per_stage, f=1.0, b=1.0, w=1.0):
+    costs = {(k, c): Cost().add("compute", t) for k, t in (("F", f), ("B", b), ("W", w)) for c in range(3)}
+    return [StageWork(ops=ops, op_cost=costs, grad_buckets={}, optimizer_time=0.0, param_gather_time=0.0)
+            for ops in ops_per_stage]
 
 
 def compute_log(res, stage):
@@ -83,3 +114,37 @@ def test_overlapped_grad_reduce_hides_behind_backward():
     # F F B B = 6 s of compute; the first bucket is ready mid-way through the last backward
     assert hidden.step_time == pytest.approx(6.5)
     assert exposed.step_time == pytest.approx(7.0)
+
+
+def test_exact_zero_bubble_timeline_two_stages():
+    # F = B = W = 1 s, no p2p: stage 1 defers W0 so B1 reaches stage 0 one second earlier than
+    # if it ran W0 first (Qi et al. 2024, Fig. 3)
+    res = run_iteration(split_works(build_schedule("zero-bubble", 2, 2)), num_chunks=1, p2p_time=0.0,
+                        overlap_grad_reduce=True, sync_time=0.0)
+    assert compute_log(res, 0) == [(0.0, "F0"), (1.0, "F1"), (3.0, "B0"), (4.0, "W0"), (5.0, "B1"), (6.0, "W1"),
+                                   (7.0, "optimizer")]
+    assert compute_log(res, 1) == [(1.0, "F0"), (2.0, "B0"), (3.0, "F1"), (4.0, "B1"), (5.0, "W0"), (6.0, "W1"),
+                                   (7.0, "optimizer")]
+
+
+@pytest.mark.parametrize("p,m", [(2, 4), (4, 8), (4, 16), (8, 16)])
+def test_zero_bubble_bubble_is_p_minus_1_times_f_plus_b_minus_w(p, m):
+    # ZB-H1 with T_F = T_B = T_W: step = m(F + B + W) + (p - 1)(F + B - W), against 1F1B's
+    # m(F + B + W) + (p - 1)(F + B + W) with the same total backward (Qi et al. 2024, Sec. 3.1)
+    zb = run_iteration(split_works(build_schedule("zero-bubble", p, m)), num_chunks=1, p2p_time=0.0,
+                       overlap_grad_reduce=True, sync_time=0.0)
+    ofob = run_iteration(uniform_works(build_schedule("1f1b", p, m), f=1.0, b=2.0), num_chunks=1, p2p_time=0.0,
+                         overlap_grad_reduce=True, sync_time=0.0)
+    assert zb.step_time == pytest.approx(3 * m + (p - 1) * 1)
+    assert ofob.step_time == pytest.approx(3 * m + (p - 1) * 3)
+
+
+def test_zero_bubble_gradients_flow_after_the_last_weight_pass():
+    # one stage: F0 F1 B0 W0 B1 W1; the chunk's buckets follow the last W, not the last B
+    ops = build_schedule("zero-bubble", 1, 2)
+    works = [StageWork(ops=ops[0], op_cost={(k, 0): Cost().add("compute", 1.0) for k in "FBW"},
+                       grad_buckets={0: [0.5, 0.5]}, optimizer_time=0.0, param_gather_time=0.0)]
+    res = run_iteration(works, num_chunks=1, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0)
+    reduce = [sp for sp in res.spans if sp.stream == "dp-comm"]
+    assert reduce[0].start == pytest.approx(5.5)  # half-way through W1 (5 s to 6 s)
+    assert res.step_time == pytest.approx(6.5)
