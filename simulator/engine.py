@@ -14,6 +14,7 @@ both are active, so each is delayed by the smaller of the two overlapping transf
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import simpy
@@ -28,7 +29,7 @@ SPAN_CATEGORY = {"F": "forward", "B": "backward", "W": "weight_grad"}
 class StageWork:
     """What one stage does in an iteration."""
 
-    ops: list[Op]
+    ops: Sequence[Op]
     op_cost: dict  # (kind, chunk) -> workload.Cost
     grad_buckets: dict  # chunk -> list of bucket reduction times (seconds)
     optimizer_time: float
@@ -79,7 +80,7 @@ def run_iteration(
     env = simpy.Environment()
     pp = len(works)
     last_vstage = pp * num_chunks - 1
-    done: dict[tuple, simpy.Event] = {}
+    waiting: dict[tuple, simpy.Event] = {}
     spans: list[Span] = []
     traces = [StageTrace() for _ in range(pp)]
     grad_ready = [{c: env.event() for c in w.grad_buckets} for w in works]
@@ -90,11 +91,21 @@ def run_iteration(
     owed_compute = [0.0] * pp
     owed_grad = [0.0] * pp
 
-    def event(key):
-        ev = done.get(key)
+    # When each cross-stage output was produced; a SimPy event only for an input a stage waits on
+    # before it exists (most inputs are ready when asked for, and skip the event queue).
+    produced_at: dict[tuple, float] = {}
+
+    def wait_for(key):
+        ev = waiting.get(key)
         if ev is None:
-            ev = done[key] = env.event()
+            ev = waiting[key] = env.event()
         return ev
+
+    def produce(key, when: float) -> None:
+        produced_at[key] = when
+        ev = waiting.pop(key, None)
+        if ev is not None:
+            ev.succeed(when)
 
     def producer_of(stage: int, op: Op):
         """The op of another stage this one waits for (a W waits only for its own stage's B,
@@ -110,7 +121,7 @@ def run_iteration(
         vstage = op.chunk * pp + stage
         return (op.kind == "F" and vstage < last_vstage) or (op.kind == "B" and vstage > 0)
 
-    def last_grad_op(ops: list[Op], chunk: int) -> int:
+    def last_grad_op(ops: Sequence[Op], chunk: int) -> int:
         """Index of the op that produces a chunk's last weight gradients: its last W when the
         backward is split, else its last B."""
         kind = "W" if any(o.kind == "W" for o in ops) else "B"
@@ -140,7 +151,9 @@ def run_iteration(
         for dep, duration, nic, name, category, produces, grads_of in prepared(stage, work):
             if dep is not None:
                 t0 = now()
-                produced = yield event(dep)
+                produced = produced_at.get(dep)
+                if produced is None:
+                    produced = yield wait_for(dep)
                 t1 = now()
                 bubble += t1 - t0
                 arrival = produced + p2p_time
@@ -163,7 +176,7 @@ def run_iteration(
             contention += shared
             spans.append(Span(stage, "compute", name, category, start, now()))
             if produces is not None:
-                event(produces).succeed(now())
+                produce(produces, now())
             traces[stage].ops_done += 1
         # the op costs are fixed per (kind, chunk): book their components by count
         counts: dict = {}

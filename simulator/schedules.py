@@ -7,6 +7,8 @@ lists; it never invents order.
 """
 from __future__ import annotations
 
+import functools
+from collections.abc import Sequence
 from typing import NamedTuple
 
 
@@ -100,8 +102,14 @@ SPLIT_BACKWARD_SCHEDULES = ("zero-bubble",)
 """Schedules whose ops split the backward into B (input gradient) and W (weight gradient)."""
 
 
-def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> list[list[Op]]:
-    """Op lists for every stage."""
+@functools.lru_cache(maxsize=64)
+def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> tuple[tuple[Op, ...], ...]:
+    """Op sequences for every stage (immutable and cached: the planner and the balanced-router
+    reference run ask for the same schedules again and again)."""
+    return tuple(tuple(ops) for ops in _build_schedule(name, num_stages, num_microbatches, num_chunks))
+
+
+def _build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int) -> list[list[Op]]:
     if name == "gpipe":
         return [gpipe(num_stages, num_microbatches, s) for s in range(num_stages)]
     if name == "1f1b":
@@ -113,7 +121,7 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks
     raise ValueError(f"unknown schedule {name!r}")
 
 
-def peak_in_flight(ops: list[Op], chunk_weights: list[float] | None = None) -> float:
+def peak_in_flight(ops: Sequence[Op], chunk_weights: list[float] | None = None) -> float:
     """Largest activation footprint a stage holds: forwards done whose backward has not run,
     weighted per chunk (e.g. by its layer count). Read off the op order, not a formula.
 
