@@ -148,3 +148,38 @@ def test_zero_bubble_gradients_flow_after_the_last_weight_pass():
     reduce = [sp for sp in res.spans if sp.stream == "dp-comm"]
     assert reduce[0].start == pytest.approx(5.5)  # half-way through W1 (5 s to 6 s)
     assert res.step_time == pytest.approx(6.5)
+
+
+class _StageStub:
+    """What torch's schedule constructor reads of a pipeline stage: enough to build its op order."""
+
+    def __init__(self, index: int, pp: int, chunks: int):
+        self.stage_index, self.group_size, self.group_rank = index, pp, 0
+        self.num_stages, self.submod = pp * chunks, None
+        self.is_first, self.is_last = index == 0, index == pp * chunks - 1
+
+
+@pytest.mark.parametrize("name,torch_class,p,m,v", [
+    ("zero-bubble", "ScheduleInterleavedZeroBubble", 2, 4, 1), ("zero-bubble", "ScheduleInterleavedZeroBubble", 4, 8, 1),
+    ("zero-bubble", "ScheduleInterleavedZeroBubble", 4, 6, 1), ("zero-bubble", "ScheduleInterleavedZeroBubble", 2, 4, 2),
+    ("zero-bubble", "ScheduleInterleavedZeroBubble", 4, 8, 2), ("zero-bubble", "ScheduleInterleavedZeroBubble", 4, 12, 3),
+    ("interleaved-1f1b", "ScheduleInterleaved1F1B", 2, 4, 2), ("interleaved-1f1b", "ScheduleInterleaved1F1B", 4, 8, 2),
+    ("interleaved-1f1b", "ScheduleInterleaved1F1B", 4, 12, 3),
+])
+def test_schedule_is_the_order_the_executor_runs(name, torch_class, p, m, v):
+    # the simulator replays exactly what PyTorch's schedule class (the one paraplan launch runs for
+    # this name) executes on each rank; torch names the input-gradient backward I (our B under
+    # zero-bubble, the whole backward otherwise) and the weight gradient W
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    torch_order = getattr(schedules, torch_class)([_StageStub(c * p, p, v) for c in range(v)], m).pipeline_order
+    kind = {"F": "F", "I": "B", "W": "W", "B": "B"}
+    for stage, ops in enumerate(build_schedule(name, p, m, v)):
+        theirs = [str(a) for a in torch_order[stage] if a is not None]
+        ours = [f"{o.chunk * p + stage}{o.kind}{o.microbatch}" for o in ops]
+        assert ours == [_normalise(t, kind) for t in theirs]
+
+
+def _normalise(action: str, kind: dict) -> str:
+    """torch's action string '<stage><kind><microbatch>' with its kind letter mapped to ours."""
+    i = next(j for j, ch in enumerate(action) if ch.isalpha())
+    return action[:i] + kind[action[i]] + action[i + 1:]
