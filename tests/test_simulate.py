@@ -79,13 +79,15 @@ def test_more_microbatches_amortise_the_bubble(gpt3):
 
 
 def test_scale_costs_about_the_same(gpt3):
-    """Symmetry: ranks of a TP/DP group are simulated once, so 16x the GPUs costs no more events."""
-    import time
-
+    """Symmetry: ranks of a TP/DP group are simulated once, so 16x the GPUs simulates no more ops
+    (counted, not timed: the wall-clock figures are in benchmarks/bench_simulate.py)."""
     big = replace(gpt3, cluster=replace(gpt3.cluster, num_nodes=2048), plan=replace(gpt3.plan, dp=256),
                   training=replace(gpt3.training, global_batch_size=1536 * 16))
-    t0 = time.perf_counter(); simulate(gpt3); t1 = time.perf_counter(); simulate(big); t2 = time.perf_counter()
-    assert (t2 - t1) < 3 * (t1 - t0) + 0.05
+    small_run, big_run = simulate(gpt3), simulate(big)
+    assert len(big_run.stages) == len(small_run.stages) == gpt3.plan.pp
+    ops = lambda r: sum(1 for sp in r.spans if sp.stream == "compute")  # noqa: E731
+    assert ops(big_run) == ops(small_run)
+    assert len(big_run.spans) <= len(small_run.spans)  # fewer, larger gradient buckets at dp 256
 
 
 def test_infeasible_plan_lists_every_reason(gpt3):
