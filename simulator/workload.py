@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from hwmodels.compute import attention_time, gemm_time, memory_bound_time, unfused_attention_time
 from hwmodels.network import collective_time
 from paraplan.specs import DTYPE_BYTES
+from simulator.schedules import SPLIT_BACKWARD_SCHEDULES
 from simulator.cost import Cost
 
 @dataclass(frozen=True)
@@ -161,20 +162,31 @@ def _comm_exposed(ctx: LayerContext, comms: list[float], gemms: list[float]) -> 
     return sum(max(c / tp, c - g) + NVLINK_SM_SHARE * min(c, g) for c, g in zip(comms, gemms))
 
 
+def _hiding_gemms(ctx: LayerContext, shapes: list[tuple[int, int]], gemms: list[float], backward: bool) -> list[float]:
+    """The GEMM time each TP collective can hide behind: the whole linear layer, except in the
+    backward of a split-backward (zero-bubble) schedule, where the weight-gradient GEMM runs later
+    in its own W pass and only the input-gradient GEMM is there to overlap with."""
+    if not (backward and ctx.plan.schedule in SPLIT_BACKWARD_SCHEDULES):
+        return gemms
+    return [g - _weight_grad_gemm(ctx, k, n) for g, (k, n) in zip(gemms, shapes)]
+
+
 def attention_block(ctx: LayerContext, backward: bool) -> Cost:
     """Input norm, QKV (column-parallel), attention core, output projection (row-parallel) and the
     residual; with its TP collectives and the context-parallel exchange."""
-    gemms = [_linear(ctx, k, n, backward) for k, n in _linear_shapes(ctx)[:2]]
+    shapes = _linear_shapes(ctx)[:2]
+    gemms = [_linear(ctx, k, n, backward) for k, n in shapes]
     compute = sum(gemms) + _attention_core(ctx, backward) + _attention_elementwise(ctx, backward)
-    tp = _comm_exposed(ctx, _tp_collective_pairs(ctx)[:2], gemms)
+    tp = _comm_exposed(ctx, _tp_collective_pairs(ctx)[:2], _hiding_gemms(ctx, shapes, gemms, backward))
     return Cost().add("compute", compute).add("tp_comm", tp).add("cp_comm", _cp_comm(ctx, backward))
 
 
 def dense_ffn_block(ctx: LayerContext, backward: bool) -> Cost:
     """Post-attention norm, MLP up (+gate, column-parallel), activation, MLP down (row-parallel)."""
-    gemms = [_linear(ctx, k, n, backward) for k, n in _linear_shapes(ctx)[2:]]
+    shapes = _linear_shapes(ctx)[2:]
+    gemms = [_linear(ctx, k, n, backward) for k, n in shapes]
     compute = sum(gemms) + _ffn_elementwise(ctx, ctx.tokens, ctx.model.ffn_hidden_size // ctx.plan.tp, backward)
-    tp = _comm_exposed(ctx, _tp_collective_pairs(ctx)[2:], gemms)
+    tp = _comm_exposed(ctx, _tp_collective_pairs(ctx)[2:], _hiding_gemms(ctx, shapes, gemms, backward))
     return Cost().add("compute", compute).add("tp_comm", tp)
 
 

@@ -158,3 +158,13 @@ def test_zero_bubble_with_virtual_stages_needs_microbatches_a_multiple_of_pp(gpt
     sc = replace(gpt3, training=replace(gpt3.training, global_batch_size=16 * 12))  # 12 microbatches, pp 8
     with pytest.raises(InfeasiblePlanError, match="zero-bubble with virtual stages needs the number of microbatches"):
         simulate(plan_variant(sc, schedule="zero-bubble"))
+
+
+def test_zero_bubble_tp_overlap_hides_only_behind_input_gradient_gemms():
+    # --tp-comm-overlap hides a backward collective behind its linear layer's GEMMs; under
+    # zero-bubble the wgrad GEMM has moved to W, so less of the collective is hidden in B
+    sc = load_scenario(ROOT / "scenarios" / "llama3-70b-1024xh100.yaml")
+    overlap = dict(tp_comm_overlap=True, sequence_parallel=True)
+    inter = simulate(plan_variant(sc, **overlap))
+    zb = simulate(plan_variant(sc, schedule="zero-bubble", **overlap))
+    assert zb.breakdown["tp_comm"] > inter.breakdown["tp_comm"]
