@@ -121,13 +121,13 @@ def run_iteration(
         vstage = op.chunk * pp + stage
         return (op.kind == "F" and vstage < last_vstage) or (op.kind == "B" and vstage > 0)
 
-    def last_grad_op(ops: Sequence[Op], chunk: int) -> int:
-        """Index of the op that produces a chunk's last weight gradients: its last W when the
-        backward is split, else its last B."""
+    def last_grad_ops(ops: Sequence[Op]) -> dict[int, int]:
+        """Per chunk, the index of the op that produces its last weight gradients: its last W
+        when the backward is split, else its last B."""
         kind = "W" if any(o.kind == "W" for o in ops) else "B"
-        return max(i for i, o in enumerate(ops) if o.kind == kind and o.chunk == chunk)
+        return {o.chunk: i for i, o in enumerate(ops) if o.kind == kind}
 
-    last_b = [{c: last_grad_op(w.ops, c) for c in w.grad_buckets} for w in works]
+    last_b = [{c: i for c, i in last_grad_ops(w.ops).items() if c in w.grad_buckets} for w in works]
 
     def prepared(stage: int, work: StageWork):
         """Per op, everything the stream needs, computed once: its dependency, duration, NIC time,

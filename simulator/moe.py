@@ -118,24 +118,45 @@ def _moe_weight_grad(ctx, draw: RoutingDraw) -> float:
     (the busiest rank) and of the shared experts: the weight-gradient halves of the backward GEMMs
     that `_gemm(..., backward=True)` prices."""
     m, etp = ctx.model, ctx.plan.expert_tp
-    h, f = m.hidden_size, m.moe.expert_ffn_hidden_size // etp
-    up = (m.ffn_matrices - 1) * f
-    wgrad = lambda k, n, tokens: gemm_time(ctx.gpu, k, n, max(1, int(round(tokens))), ctx.dtype)  # noqa: E731
-    total = wgrad(h, m.moe.num_experts, routed_tokens_per_rank(ctx))
+    total = _wgrad(ctx, routed_tokens_per_rank(ctx), m.hidden_size, m.moe.num_experts)
     for n in draw.expert_tokens[draw.busiest_rank]:
         if n > 0:
-            total += wgrad(h, up, n * etp) + wgrad(f, h, n * etp)
+            total += sum(_wgrad(ctx, n * etp, k, w) for k, w in _expert_linears(ctx))
     if m.moe.num_shared_experts:
-        fs = m.moe.num_shared_experts * m.moe.expert_ffn_hidden_size // ctx.plan.tp
-        total += wgrad(h, (m.ffn_matrices - 1) * fs, ctx.tokens) + wgrad(fs, h, ctx.tokens)
+        total += sum(_wgrad(ctx, ctx.tokens, k, w) for k, w in _shared_linears(ctx))
     return total
 
 
 def _gemm(ctx, m: float, k: int, n: int, backward: bool) -> float:
-    m = max(1, int(round(m)))
+    """A linear layer on m tokens, x (m, k) @ W (k, n); backward is dgrad plus wgrad."""
     if not backward:
-        return gemm_time(ctx.gpu, m, n, k, ctx.dtype)
-    return gemm_time(ctx.gpu, m, k, n, ctx.dtype) + gemm_time(ctx.gpu, k, n, m, ctx.dtype)
+        return gemm_time(ctx.gpu, _rows(m), n, k, ctx.dtype)
+    return gemm_time(ctx.gpu, _rows(m), k, n, ctx.dtype) + _wgrad(ctx, m, k, n)
+
+
+def _wgrad(ctx, m: float, k: int, n: int) -> float:
+    """dW = x^T dY of that layer: a (k, m) x (m, n) GEMM."""
+    return gemm_time(ctx.gpu, k, n, _rows(m), ctx.dtype)
+
+
+def _rows(m: float) -> int:
+    """Token counts are expected values; a GEMM gets a whole number of rows, at least one."""
+    return max(1, int(round(m)))
+
+
+def _expert_linears(ctx) -> list[tuple[int, int]]:
+    """(k, n) of one routed expert's up(+gate) and down projections on an expert-TP rank."""
+    m = ctx.model
+    f = m.moe.expert_ffn_hidden_size // ctx.plan.expert_tp
+    return [(m.hidden_size, (m.ffn_matrices - 1) * f), (f, m.hidden_size)]
+
+
+def _shared_linears(ctx) -> list[tuple[int, int]]:
+    """(k, n) of the shared experts' up(+gate) and down projections on a TP rank (one dense FFN of
+    num_shared x expert width)."""
+    m = ctx.model
+    f = m.moe.num_shared_experts * m.moe.expert_ffn_hidden_size // ctx.plan.tp
+    return [(m.hidden_size, (m.ffn_matrices - 1) * f), (f, m.hidden_size)]
 
 
 def expert_compute_time(ctx, tokens_per_expert, backward: bool) -> float:
@@ -144,15 +165,14 @@ def expert_compute_time(ctx, tokens_per_expert, backward: bool) -> float:
     activation over its intermediate. With expert_tp each expert is column/row split etp ways and
     works on the etp ranks' tokens together."""
     m, etp = ctx.model, ctx.plan.expert_tp
-    h, f = m.hidden_size, m.moe.expert_ffn_hidden_size // etp
-    up = (m.ffn_matrices - 1) * f
+    f = m.moe.expert_ffn_hidden_size // etp
     act_bytes = (3 if m.activation == "swiglu" else 2) * f * ctx.act_bytes
     total = 0.0
     for n in tokens_per_expert:
         if n <= 0:
             continue
         n = n * etp
-        total += _gemm(ctx, n, h, up, backward) + _gemm(ctx, n, f, h, backward)
+        total += sum(_gemm(ctx, n, k, w, backward) for k, w in _expert_linears(ctx))
         total += memory_bound_time(ctx.gpu, (2 if backward else 1) * n * act_bytes)
     return total
 
@@ -193,9 +213,8 @@ def _shared_experts(ctx, backward: bool) -> tuple[float, float]:
         return 0.0, 0.0
     from simulator.workload import _tp_collective_pairs  # the dense MLP's collectives
 
-    h = m.hidden_size
     f = m.moe.num_shared_experts * m.moe.expert_ffn_hidden_size // p.tp
-    compute = _gemm(ctx, ctx.tokens, h, (m.ffn_matrices - 1) * f, backward) + _gemm(ctx, ctx.tokens, f, h, backward)
+    compute = sum(_gemm(ctx, ctx.tokens, k, w, backward) for k, w in _shared_linears(ctx))
     act = (3 if m.activation == "swiglu" else 2) * f * ctx.act_bytes * ctx.tokens
     compute += memory_bound_time(ctx.gpu, (2 if backward else 1) * act)
     return compute, sum(_tp_collective_pairs(ctx)[2:])
