@@ -173,6 +173,13 @@ def executor_problems(sc: Scenario) -> list[str]:
                    "its own tokens, as in Megatron-Core)")
     if m.moe is not None and m.moe.top_k > m.moe.num_experts:
         out.append(f"model.moe.top_k: {m.moe.top_k} is more than num_experts ({m.moe.num_experts})")
+    unsupported = [mod for mod in p.recompute_modules if mod in ("layernorm", "moe_act")]
+    if p.recompute == "selective" and unsupported:
+        # Megatron-Core frees these outputs and rebuilds them before the backward
+        # (CheckpointWithoutOutput); torch.utils.checkpoint around the op alone would keep them
+        # alive in the next GEMM's saved input, saving no memory.
+        out.append(f"plan.recompute_modules: the executor does not recompute {', '.join(unsupported)} (it needs "
+                   "checkpointing without the output, as Megatron-Core does); it runs core_attn, mlp, moe, shared_experts")
     if p.tp_comm_overlap:
         out.append("plan.tp_comm_overlap: the executor does not overlap TP communication with GEMMs (no "
                    "Transformer Engine userbuffers), so its step time would not measure this plan; use tp_comm_overlap: false")

@@ -141,6 +141,8 @@ class Block(nn.Module):
         else:
             self.ffn = MLP(spec.hidden_size, spec.ffn_hidden_size, spec.activation)
         self.full_recompute = False
+        self.ffn_recompute = False
+        """Checkpoint the FFN module (selective recompute of mlp, or of moe in an MoE layer)."""
 
     def forward(self, x):
         if self.full_recompute:
@@ -149,7 +151,8 @@ class Block(nn.Module):
 
     def _forward(self, x):
         x = x + self.attn(self.attn_norm(x))
-        return x + self.ffn(self.ffn_norm(x))
+        h = self.ffn_norm(x)
+        return x + (checkpoint(self.ffn, h, use_reentrant=False) if self.ffn_recompute else self.ffn(h))
 
 
 class Stage(nn.Module):
@@ -184,10 +187,17 @@ class Stage(nn.Module):
             return self.head(self.norm(x)).float()
         return x.to(self.act_dtype)
 
-    def set_recompute(self, mode: str) -> None:
+    def set_recompute(self, mode: str, modules: tuple[str, ...] = ("core_attn",)) -> None:
+        """full: checkpoint whole blocks; selective: the plan's modules (core_attn, mlp, moe,
+        shared_experts; executor_problems refuses the rest)."""
+        selective = set(modules) if mode == "selective" else set()
         for layer in self.layers.values():
             layer.full_recompute = mode == "full"
-            layer.attn.selective_recompute = mode == "selective"
+            layer.attn.selective_recompute = "core_attn" in selective
+            is_moe = hasattr(layer.ffn, "router")
+            layer.ffn_recompute = ("moe" if is_moe else "mlp") in selective
+            if is_moe and layer.ffn.shared is not None:
+                layer.ffn.shared_recompute = "shared_experts" in selective and "moe" not in selective
 
 
 # ----------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from paraplan.specs import ModelSpec
 
@@ -60,6 +61,8 @@ class MoE(nn.Module):
             from executor.model import MLP
 
             self.shared = MLP(spec.hidden_size, m.num_shared_experts * m.expert_ffn_hidden_size, spec.activation)
+        self.shared_recompute = False
+        """Checkpoint the shared experts (selective recompute of shared_experts)."""
         self.ep_group = None
         self.ep_size, self.ep_rank = 1, 0
         self.tokens_per_expert = torch.zeros(m.num_experts, dtype=torch.long, device="cpu")
@@ -107,7 +110,10 @@ class MoE(nn.Module):
         y = (y * flat_w[order, None]).to(x.dtype)
         out = torch.zeros_like(x).index_add(0, token_of, y)
         if self.shared is not None:
-            out = out + self.shared(x)
+            if self.shared_recompute:
+                out = out + checkpoint(self.shared, x, use_reentrant=False)
+            else:
+                out = out + self.shared(x)
         return out.reshape(shape)
 
     def _expert_parallel(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

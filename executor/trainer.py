@@ -82,7 +82,7 @@ class _Job:
         self.stages: list[Stage] = [st for _, st in self.parts]
         cp_group = self.g.mesh["cp"].get_group() if p.cp > 1 else None
         for st in self.stages:
-            st.set_recompute(p.recompute)
+            st.set_recompute(p.recompute, p.recompute_modules)
             for block in st.layers.values():
                 block.attn.cp_group = cp_group
             if p.tp > 1:

@@ -31,7 +31,7 @@ import yaml
 
 from paraplan.errors import ConfigError
 from paraplan.specs import (
-    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, MOE_DISPATCHERS, ROUTING_DISTRIBUTIONS, PRECISIONS, RECOMPUTE, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
+    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, MOE_DISPATCHERS, ROUTING_DISTRIBUTIONS, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
     ClusterSpec, InterNodeSpec, LinkSpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
 )
 
@@ -107,6 +107,20 @@ def _one_of(choices: tuple) -> Check:
         hint = _did_you_mean(value, choices) if words and isinstance(value, str) else ""
         raise _Invalid(f"{_show(value)} is not one of {', '.join(map(str, choices))}{hint}")
     return check
+
+
+def _distinct_list(check: Check) -> Check:
+    """A non-empty list (or a single value) whose items each pass `check`, none twice; a tuple."""
+    def check_list(value):
+        items = value if isinstance(value, list) else [value]
+        if not items:
+            raise _Invalid("expected a non-empty list")
+        out = tuple(check(v) for v in items)
+        twice = sorted({str(v) for v in out if out.count(v) > 1})
+        if twice:
+            raise _Invalid(f"{', '.join(twice)} listed twice")
+        return out
+    return check_list
 
 
 def _optional(check: Check) -> Check:
@@ -260,6 +274,7 @@ PLAN = _schema(
     sequence_parallel=Key(_boolean),
     zero_stage=Key(_one_of(ZERO_STAGES)),
     recompute=Key(_one_of(RECOMPUTE)),
+    recompute_modules=Key(_distinct_list(_one_of(RECOMPUTE_MODULES))),
     overlap_grad_reduce=Key(_boolean),
     overlap_param_gather=Key(_boolean),
     tp_comm_overlap=Key(_boolean),
@@ -624,6 +639,9 @@ def _gpu_profile(gpu: str):
 
 def _plan(raw: Any, cluster: ClusterSpec) -> PlanSpec:
     values = _validate(raw, "plan", PLAN)
+    if "recompute_modules" in values and values.get("recompute") != "selective":
+        raise ConfigError("plan.recompute_modules", "applies only with recompute: selective "
+                                                    f"(recompute is {values.get('recompute', 'none')})")
     values["dp"] = _data_parallel(values, cluster)
     return PlanSpec(**values)
 

@@ -16,15 +16,20 @@ from paraplan.errors import ConfigError
 
 ASSUMPTIONS = (
     "micro_batch_size null -> 1 (Megatron's default)",
-    "activation_recompute null -> none (Megatron-Core default when the plan fits)",
+    "activation_recompute null -> none (Megatron-Core default when the plan fits); 'selective (norm, act)' and "
+    "the like name Megatron-Core --recompute-modules (norm -> layernorm, act -> moe_act, attention -> core_attn); "
+    "plain 'selective' -> core_attn",
     "sequence_parallel null -> on when tp > 1 for records from 2023 on (Megatron-Core practice), off before",
     "ZeRO: the record's zero_stage (FSDP FULL_SHARD -> 3, SHARD_GRAD_OP -> 2); else distributed optimizer -> 1; "
-    "null, but the notes list --overlap-param-gather (which needs the distributed optimizer) -> 1; else 0",
+    "null, but the notes list --overlap-param-gather (which needs the distributed optimizer) -> 1; null on "
+    "Megatron-Core MoE runs -> 1 with --overlap-param-gather (the Megatron-Core MoE benchmark configs set "
+    "--use-distributed-optimizer --overlap-grad-reduce --overlap-param-gather); else 0",
     "Megatron flags named in a record's notes (--overlap-grad-reduce, --overlap-param-gather, --tp-comm-overlap) are set",
     "layers not divisible by pp x vpp: the embedding and the loss count as one layer each (DeepSpeed's "
     "'type:transformer|embedding' partition, Megatron-Core --account-for-embedding/loss-in-pipeline-split), "
     "so the first and last virtual stages hold (L + 2)/(pp x vpp) - 1 layers",
-    "tied_embeddings null -> true (Megatron GPT and MPT tie the input embedding and the LM head)",
+    "tied_embeddings null -> true for GELU models (Megatron GPT and MPT tie the input embedding and the LM head), "
+    "false for SwiGLU ones (the Llama family: Mixtral, Qwen3 untie them)",
     "attention kernel: records from before 2023 -> unfused (Megatron-LM and Megatron-DeepSpeed gained --use-flash-attn in 2023); later -> flash",
     "gradient reduction overlapped with backward from 2023 on (Megatron --overlap-grad-reduce, FSDP); earlier runs reduce after the backward",
     "inter-node network from the record's text (NIC count x rate); unstated -> the GPU generation's typical node (8 NICs, HDR 200G for A100, NDR 400G for H100)",
@@ -113,18 +118,39 @@ def _inter_node(text: str | None) -> dict:
     return {}
 
 
-def _recompute(text) -> str:
+# Words a record uses inside 'selective (...)' -> Megatron-Core --recompute-modules names
+_RECOMPUTE_WORDS = {"norm": "layernorm", "layernorm": "layernorm", "act": "moe_act", "moe_act": "moe_act",
+                    "mlp": "mlp", "moe": "moe", "shared": "shared_experts", "shared_experts": "shared_experts",
+                    "attention": "core_attn", "attention-core": "core_attn", "core_attn": "core_attn"}
+
+
+def _recompute(text) -> dict:
+    """The plan's recompute keys for a record's activation_recompute text."""
     t = str(text or "").lower()
     for mode in ("full", "selective", "none"):
         if t.startswith(mode):
-            return mode
-    return "none"
+            break
+    else:
+        return {"recompute": "none"}
+    out = {"recompute": mode}
+    named = re.match(r"selective\s*\(([^)]*)\)", t)
+    if named:
+        words = re.findall(r"[a-z_-]+", named[1])
+        modules = list(dict.fromkeys(_RECOMPUTE_WORDS[w] for w in words if w in _RECOMPUTE_WORDS))
+        if modules and modules != ["core_attn"]:
+            out["recompute_modules"] = modules
+    return out
 
 
-def _zero(par: dict, flags: set[str]) -> int:
+def _megatron_core_moe(rec: dict) -> bool:
+    return "megatron-core" in str(rec.get("framework")).lower() and bool(rec["model"].get("moe"))
+
+
+def _zero(rec: dict, flags: set[str]) -> int:
+    par = rec["parallelism"]
     if par.get("zero_stage") is not None:
         return int(par["zero_stage"])
-    if par.get("distributed_optimizer") is None and "--overlap-param-gather" in flags:
+    if par.get("distributed_optimizer") is None and ("--overlap-param-gather" in flags or _megatron_core_moe(rec)):
         return 1
     return 1 if par.get("distributed_optimizer") else 0
 
@@ -157,7 +183,8 @@ def record_to_scenario(rec: dict) -> dict:
         "num_kv_heads": m.get("num_kv_heads") or m["num_attention_heads"],
         "ffn_hidden_size": m.get("ffn_hidden_size") or 4 * m["hidden_size"],
         "vocab_size": m["vocab_size"], "activation": m.get("activation") or "gelu",
-        "tied_embeddings": True if m.get("tied_embeddings") is None else bool(m["tied_embeddings"]),
+        "tied_embeddings": (m.get("activation") != "swiglu") if m.get("tied_embeddings") is None
+        else bool(m["tied_embeddings"]),
     }
     if m.get("head_dim"):
         model["head_dim"] = m["head_dim"]
@@ -182,10 +209,11 @@ def record_to_scenario(rec: dict) -> dict:
             "virtual_pipeline_stages": vpp,
             "schedule": "interleaved-1f1b" if vpp > 1 else "1f1b",
             "sequence_parallel": sp,
-            "zero_stage": _zero(par, flags),
-            "recompute": _recompute(rec.get("activation_recompute")),
+            "zero_stage": _zero(rec, flags),
+            **_recompute(rec.get("activation_recompute")),
             "overlap_grad_reduce": modern or "--overlap-grad-reduce" in flags,
-            "overlap_param_gather": "--overlap-param-gather" in flags,
+            "overlap_param_gather": "--overlap-param-gather" in flags or (
+                _megatron_core_moe(rec) and par.get("zero_stage") is None and par.get("distributed_optimizer") is None),
             "tp_comm_overlap": "--tp-comm-overlap" in flags and sp and tp > 1,
             "ep": int(par.get("ep") or 1),
             "expert_tp": int(par.get("expert_tp") or 1),

@@ -128,7 +128,13 @@ def training_to_mapping(t: TrainingSpec) -> dict[str, Any]:
 
 
 def plan_to_mapping(p: PlanSpec) -> dict[str, Any]:
-    return _defaults_dropped(p, always=CORE_PLAN_KEYS)
+    out = _defaults_dropped(p, always=CORE_PLAN_KEYS)
+    if "recompute_modules" in out:  # meaningful (and accepted by the loader) only with selective
+        if p.recompute == "selective":
+            out["recompute_modules"] = list(p.recompute_modules)
+        else:
+            del out["recompute_modules"]
+    return out
 
 
 def run_to_mapping(r: RunSpec) -> dict[str, Any]:

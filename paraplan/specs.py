@@ -12,6 +12,9 @@ ACTIVATIONS = ("gelu", "swiglu")
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
 RECOMPUTE = ("none", "selective", "full")
+# What selective recompute re-runs, by Megatron-Core's --recompute-modules names
+RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "shared_experts")
+MOE_RECOMPUTE_MODULES = ("moe_act", "moe", "shared_experts")
 ZERO_STAGES = (0, 1, 2, 3)
 TOPOLOGIES = ("fat-tree", "rail-optimized")
 ATTENTION_KERNELS = ("flash", "unfused")
@@ -195,6 +198,11 @@ class PlanSpec:
     sequence_parallel: bool = False
     zero_stage: int = 0
     recompute: str = "none"
+    recompute_modules: tuple[str, ...] = ("core_attn",)
+    """What selective recompute re-runs in the backward (Megatron-Core --recompute-modules):
+    core_attn (the attention core), layernorm (the norms), mlp (a dense layer's MLP), moe_act (the
+    routed experts' activation function), moe (the whole MoE layer), shared_experts. Used only
+    with recompute = selective."""
     overlap_grad_reduce: bool = True
     """Bucketed gradient reduction overlapped with backward (Megatron --overlap-grad-reduce, DDP, FSDP)."""
     overlap_param_gather: bool = False
@@ -210,6 +218,13 @@ class PlanSpec:
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def recompute_label(self) -> str:
+        """The recompute mode as printed: selective names its modules when they are not the default."""
+        if self.recompute == "selective" and self.recompute_modules != ("core_attn",):
+            return f"selective({','.join(self.recompute_modules)})"
+        return self.recompute
 
 
 BACKENDS = ("nccl", "gloo")

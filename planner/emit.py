@@ -67,6 +67,8 @@ def megatron_args(sc: Scenario) -> list[str]:
         a += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
     if p.recompute == "selective":
         a += ["--recompute-granularity", "selective"]
+        if p.recompute_modules != ("core_attn",):
+            a += ["--recompute-modules", *p.recompute_modules]
     elif p.recompute == "full":
         a += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     if p.overlap_grad_reduce:
@@ -159,6 +161,9 @@ def torchtitan_toml(sc: Scenario) -> str:
     local_batch = t.global_batch_size // p.dp if p.pp > 1 else p.micro_batch_size
     if not p.sequence_parallel and p.tp > 1:
         notes.append("torchtitan always shards activations along the sequence under TP (sequence parallel)")
+    if p.recompute == "selective" and p.recompute_modules != ("core_attn",):
+        notes.append(f"the plan recomputes {', '.join(p.recompute_modules)}; torchtitan's selective "
+                     "checkpointing chooses by op, not by module, so its memory and recompute time differ")
     lines = [
         f"# torchtitan job config for {sc.name}: {p.tp * p.pp * p.cp * p.dp} GPUs "
         f"({_nodes(sc)}), written by `paraplan plan`.",

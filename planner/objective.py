@@ -107,7 +107,7 @@ class Evaluation:
     def from_json(cls, d: Mapping[str, Any]) -> Evaluation:
         step = d.get("step_time_s")
         return cls(
-            candidate=Candidate(num_nodes=int(d["num_nodes"]), plan=PlanSpec(**d["plan"])),
+            candidate=Candidate(num_nodes=int(d["num_nodes"]), plan=_plan_from_json(d["plan"])),
             status=d["status"], reasons=tuple(d.get("reasons", ())), world_size=int(d["world_size"]),
             step_time_s=math.nan if step is None else float(step), tokens_per_s=float(d["tokens_per_s"]),
             mfu=float(d["mfu"]), peak_memory_bytes=float(d["peak_memory_bytes"]),
@@ -245,3 +245,8 @@ def pareto_front(evs: list[Evaluation], objective: Objective) -> list[Evaluation
             front.append(evs[i])
             best = v1
     return front
+
+
+def _plan_from_json(d: Mapping[str, Any]) -> PlanSpec:
+    """A PlanSpec from its asdict() JSON form (lists back to the tuples the spec holds)."""
+    return PlanSpec(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})

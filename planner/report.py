@@ -100,7 +100,7 @@ def plan_label(p: PlanSpec) -> str:
         parts.append(f"ep{p.ep}")
     parts.append(f"mbs{p.micro_batch_size}")
     sched = p.schedule + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
-    parts += [sched, "sp" if p.sequence_parallel else "no-sp", f"zero{p.zero_stage}", p.recompute]
+    parts += [sched, "sp" if p.sequence_parallel else "no-sp", f"zero{p.zero_stage}", p.recompute_label]
     if p.first_stage_layers is not None or p.last_stage_layers is not None:
         parts.append(f"stages {p.first_stage_layers or '-'}/{p.last_stage_layers or '-'}")
     return " ".join(parts)
@@ -117,7 +117,7 @@ def _row(r: Ranked, objective: Objective, show_nodes: bool) -> str:
         cols.append(f"{e.world_size:>5}")
     cols += [f"{p.tp:>2}", f"{p.pp:>3}", f"{p.dp:>4}", f"{p.cp:>2}"]
     cols += [f"{p.ep:>2}", f"{p.micro_batch_size:>3}", f"{sched:<8}", f"{'on' if p.sequence_parallel else 'off':<3}",
-             f"{p.zero_stage:>4}", f"{p.recompute:<9}", f"{e.step_time_s:8.3f}", f"{e.tokens_per_s:>11,.0f}",
+             f"{p.zero_stage:>4}", f"{p.recompute_label:<9}", f"{e.step_time_s:8.3f}", f"{e.tokens_per_s:>11,.0f}",
              f"{e.mfu * 100:5.1f}%", f"{e.peak_memory_bytes / GiB:5.1f}/{e.memory_capacity_bytes / GiB:<5.1f}",
              f"{e.headroom * 100:4.0f}%"]
     if objective.name == "cost":

@@ -1,7 +1,7 @@
 """Structural checks of a plan against the model and cluster: every reason, not the first one."""
 from __future__ import annotations
 
-from paraplan.specs import Scenario
+from paraplan.specs import MOE_RECOMPUTE_MODULES, Scenario
 
 
 def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
@@ -90,6 +90,9 @@ def _moe_problems(sc: Scenario) -> list[str]:
             out.append("plan.ep: expert parallelism needs an MoE model (model.moe); this model is dense, use ep: 1")
         if p.expert_tp != 1:
             out.append("plan.expert_tp: needs an MoE model (model.moe); this model is dense, use expert_tp: 1")
+        moe_only = [mod for mod in p.recompute_modules if mod in MOE_RECOMPUTE_MODULES]
+        if p.recompute == "selective" and moe_only:
+            out.append(f"plan.recompute_modules: {', '.join(moe_only)} need an MoE model (model.moe); this model is dense")
         return out
     e = m.moe
     out = []

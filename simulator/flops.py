@@ -17,12 +17,19 @@ def layer_gemm_flops_per_token(model, index: int) -> float:
     """Forward GEMM FLOPs per token of layer `index`: attention projections plus the dense MLP, or
     for an MoE layer the router and only the experts a token activates (top_k routed + shared)."""
     h, q, kv = model.hidden_size, model.q_channels, model.kv_channels
-    attn = 2 * (h * (q + 2 * kv) + q * h)
-    if model.is_moe_layer(index):
-        e = model.moe
-        active = (e.top_k + e.num_shared_experts) * model.ffn_matrices * h * e.expert_ffn_hidden_size
-        return attn + 2 * (h * e.num_experts + active)
-    return attn + 2 * model.ffn_matrices * h * model.ffn_hidden_size
+    return 2 * (h * (q + 2 * kv) + q * h) + _ffn_flops_per_token(model, index)
+
+
+def _ffn_flops_per_token(model, index: int, *, shared_only: bool = False) -> float:
+    """Forward GEMM FLOPs per token of layer `index`'s FFN (dense MLP, or router + active experts;
+    `shared_only`: just an MoE layer's shared experts)."""
+    h = model.hidden_size
+    if not model.is_moe_layer(index):
+        return 0.0 if shared_only else 2 * model.ffn_matrices * h * model.ffn_hidden_size
+    e = model.moe
+    experts = e.num_shared_experts + (0 if shared_only else e.top_k)
+    router = 0 if shared_only else h * e.num_experts
+    return 2 * (router + experts * model.ffn_matrices * h * e.expert_ffn_hidden_size)
 
 
 def forward_flops_per_token(model, seq_length: int) -> tuple[float, float, float]:
@@ -38,9 +45,23 @@ def model_flops(model, seq_length: int, tokens: int) -> float:
     return 3 * tokens * (gemm + attention + head)
 
 
-def hardware_flops(model, seq_length: int, tokens: int, recompute: str) -> float:
-    """Model FLOPs plus what recomputation re-runs (full: every layer's forward; selective: the
-    attention core), as in Korthikanti et al. 2022's HFU."""
+def hardware_flops(model, seq_length: int, tokens: int, recompute: str,
+                   recompute_modules: tuple[str, ...] = ("core_attn",)) -> float:
+    """Model FLOPs plus what recomputation re-runs, as in Korthikanti et al. 2022's HFU: full =
+    every layer's forward; selective = its modules' GEMMs (core_attn the attention products, mlp
+    the dense MLPs, moe the router and active experts, shared_experts the shared experts; the norm
+    and activation modules are elementwise)."""
     gemm, attention, _ = forward_flops_per_token(model, seq_length)
-    extra = {"full": gemm + attention, "selective": attention}.get(recompute, 0.0)
+    extra = 0.0
+    if recompute == "full":
+        extra = gemm + attention
+    elif recompute == "selective":
+        mods = recompute_modules
+        extra = attention if "core_attn" in mods else 0.0
+        for i in range(model.num_layers):
+            moe_layer = model.is_moe_layer(i)
+            if ("mlp" in mods and not moe_layer) or ("moe" in mods and moe_layer):
+                extra += _ffn_flops_per_token(model, i)
+            elif "shared_experts" in mods and moe_layer:
+                extra += _ffn_flops_per_token(model, i, shared_only=True)
     return model_flops(model, seq_length, tokens) + tokens * extra

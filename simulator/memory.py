@@ -59,7 +59,9 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     divided by tp only under sequence parallelism; tensor-parallel tensors (Q, K, V, attention
     output, MLP intermediates: 24h for GPT's MHA + 4h GELU MLP) divided by tp; the s^2 softmax
     terms (5as) unless the attention is fused (FlashAttention keeps only the fp32 logsumexp) or
-    recomputed (selective). Full recompute keeps only each layer's input (2h).
+    recomputed (selective core_attn). Full recompute keeps only each layer's input (2h).
+    Selective recompute of other modules frees what they would keep: layernorm the two norm
+    outputs (4h of the 10h), mlp the dense MLP intermediates.
     For an MoE layer `moe_ffn_bytes` (this rank's router, dispatch and expert tensors, from
     simulator.moe.moe_activation_bytes) replaces the dense MLP intermediates."""
     t = plan.tp
@@ -70,13 +72,14 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     sp = t if plan.sequence_parallel else 1
     if plan.recompute == "full":
         return tokens * 2 * h / sp
-    h_wide = 10 * h / sp
+    recomputed = plan.recompute_modules if plan.recompute == "selective" else ()
+    h_wide = (6 if "layernorm" in recomputed else 10) * h / sp
     mlp_mats = model.ffn_matrices - 1
-    mlp = 2 * (mlp_mats * f + f) / t if moe_ffn_bytes is None else 0.0
+    mlp = 2 * (mlp_mats * f + f) / t if moe_ffn_bytes is None and "mlp" not in recomputed else 0.0
     tp_sharded = 2 * (model.q_channels + 2 * model.kv_channels + model.q_channels) / t + mlp
     if attention_kernel == "flash":
         scores = 4 * a / t  # fp32 logsumexp per head
-    elif plan.recompute == "selective":
+    elif "core_attn" in recomputed:
         scores = 0.0
     else:
         scores = 5 * a * seq_length / t  # softmax out (2), dropout mask (1), dropout out (2)
@@ -126,11 +129,15 @@ def stage_memory(
 
 def working_set_bytes(model, plan, seq_length: int, attention_kernel: str, is_last_stage: bool) -> float:
     """Transient buffers on top of the stored activations: under full recompute the layer being
-    recomputed holds its full activations during its backward; the last stage holds one
+    recomputed holds its full activations during its backward (under selective mlp recompute, its
+    MLP intermediates); the last stage holds one
     microbatch of logits (16-bit GEMM output + fp32 copy for the cross-entropy)."""
     out = 0.0
     if plan.recompute == "full":
         out += activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel)
+    elif plan.recompute == "selective" and "mlp" in plan.recompute_modules:  # the MLP being recomputed
+        tokens = plan.micro_batch_size * seq_length // plan.cp
+        out += tokens * 2 * model.ffn_matrices * model.ffn_hidden_size / plan.tp
     if is_last_stage:
         tokens = plan.micro_batch_size * seq_length // plan.cp
         out += tokens * (model.vocab_size / plan.tp) * 6

@@ -10,7 +10,7 @@ tokens sets the pace of the layer: its expert GEMMs are the longest and it recei
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -100,6 +100,12 @@ class MoEBlock:
     weight_grad: float = 0.0
     """Seconds of the backward's weight-gradient GEMMs (router, experts, shared experts): the W
     pass of a split-backward schedule."""
+    expert_activation: float = 0.0
+    """Seconds of the routed experts' activation function in the forward (what moe_act recompute
+    re-runs)."""
+    shared_forward: Cost = field(default_factory=Cost)
+    """The shared experts' forward, compute and TP collectives (what shared_experts recompute
+    re-runs)."""
 
     def __call__(self, ctx, backward: bool) -> Cost:
         return (self.backward if backward else self.forward).scaled(1.0)
@@ -110,6 +116,9 @@ def moe_block(ctx, draw: RoutingDraw, ep_layout, etp_layout, *, overlap_shared: 
         forward=_moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=False),
         backward=_moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=True),
         weight_grad=_moe_weight_grad(ctx, draw),
+        expert_activation=sum(_expert_activation(ctx, n * ctx.plan.expert_tp, False)
+                              for n in draw.expert_tokens[draw.busiest_rank] if n > 0),
+        shared_forward=_shared_forward(ctx),
     )
 
 
@@ -164,17 +173,24 @@ def expert_compute_time(ctx, tokens_per_expert, backward: bool) -> float:
     tokens it received (a grouped GEMM runs each expert's problem at its own size), plus the
     activation over its intermediate. With expert_tp each expert is column/row split etp ways and
     works on the etp ranks' tokens together."""
-    m, etp = ctx.model, ctx.plan.expert_tp
-    f = m.moe.expert_ffn_hidden_size // etp
-    act_bytes = (3 if m.activation == "swiglu" else 2) * f * ctx.act_bytes
+    etp = ctx.plan.expert_tp
     total = 0.0
     for n in tokens_per_expert:
         if n <= 0:
             continue
         n = n * etp
         total += sum(_gemm(ctx, n, k, w, backward) for k, w in _expert_linears(ctx))
-        total += memory_bound_time(ctx.gpu, (2 if backward else 1) * n * act_bytes)
+        total += _expert_activation(ctx, n, backward)
     return total
+
+
+def _expert_activation(ctx, n: float, backward: bool) -> float:
+    """The activation over one expert's intermediate for n tokens: GELU reads f and writes f,
+    SwiGLU reads the gate and up halves (2f) and writes f; the backward moves twice the bytes."""
+    m = ctx.model
+    f = m.moe.expert_ffn_hidden_size // ctx.plan.expert_tp
+    act_bytes = (3 if m.activation == "swiglu" else 2) * f * ctx.act_bytes
+    return memory_bound_time(ctx.gpu, (2 if backward else 1) * n * act_bytes)
 
 
 def nodes_reached(experts: int, top_k: int, nodes: int) -> float:
@@ -220,6 +236,11 @@ def _shared_experts(ctx, backward: bool) -> tuple[float, float]:
     return compute, sum(_tp_collective_pairs(ctx)[2:])
 
 
+def _shared_forward(ctx) -> Cost:
+    compute, tp = _shared_experts(ctx, False)
+    return Cost().add("compute", compute).add("tp_comm", tp)
+
+
 def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: bool, backward: bool) -> Cost:
     m, b = ctx.model, ctx.act_bytes
     h, experts = m.hidden_size, m.moe.num_experts
@@ -261,22 +282,31 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     return cost
 
 
-def moe_activation_bytes(ctx, draw: RoutingDraw) -> float:
+def moe_activation_bytes(ctx, draw: RoutingDraw, *, recomputed: tuple[str, ...] | None = None) -> float:
     """Tensors one MoE FFN keeps for its backward on the busiest rank, one microbatch: fp32 router
     logits and probabilities (tokens x E each), the expert outputs kept for the probability-weighted
     combine (copies x h), the received expert inputs for the weight gradients (load x h), the
     expert intermediates (up/gate outputs and activation output: load x f x ffn_matrices), and
     the shared experts' like a dense MLP of their width. The all-to-all inputs are not kept (its
-    backward is another all-to-all)."""
+    backward is another all-to-all). Selective recompute frees what it re-runs: moe everything
+    (the layer's input is kept with the attention block's), moe_act the activation outputs,
+    shared_experts the shared experts' tensors. `recomputed` overrides the plan's modules (() for
+    everything the layer makes, e.g. while it is being recomputed)."""
     m, b, p = ctx.model, ctx.act_bytes, ctx.plan
+    if recomputed is None:
+        recomputed = p.recompute_modules if p.recompute == "selective" else ()
+    if "moe" in recomputed:
+        return 0.0
     h = m.hidden_size
     f = m.moe.expert_ffn_hidden_size // p.expert_tp
     routed = routed_tokens_per_rank(ctx)
     load = float(draw.rank_loads.max()) * p.expert_tp
     out = 2 * routed * m.moe.num_experts * 4 + draw.sent_per_rank * h * b
-    out += load * h * b + load * f * m.ffn_matrices * b
-    shared = m.moe.num_shared_experts * m.moe.expert_ffn_hidden_size // p.tp
-    out += ctx.tokens * shared * m.ffn_matrices * b
+    kept_mats = m.ffn_matrices - ("moe_act" in recomputed)
+    out += load * h * b + load * f * kept_mats * b
+    if "shared_experts" not in recomputed:
+        shared = m.moe.num_shared_experts * m.moe.expert_ffn_hidden_size // p.tp
+        out += ctx.tokens * shared * m.ffn_matrices * b
     return out
 
 

@@ -134,7 +134,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
     tokens = tr.global_batch_size * tr.seq_length
     peak = gpu.peak(ctx.dtype)
     flops = model_flops(m, tr.seq_length, tokens)
-    hw_flops = hardware_flops(m, tr.seq_length, tokens, p.recompute)
+    hw_flops = hardware_flops(m, tr.seq_length, tokens, p.recompute, p.recompute_modules)
     world = p.world_size
     stages = tuple(
         StageResult(
@@ -196,8 +196,8 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     ffn = moe_activation_bytes(ctx, draw)
     kinds.acts["moe"] = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, ffn)
     working = dispatch_buffer_bytes(ctx, draw)
-    if p.recompute == "full":
-        working += ffn
+    if p.recompute == "full" or (p.recompute == "selective" and "moe" in p.recompute_modules):
+        working += moe_activation_bytes(ctx, draw, recomputed=())  # the layer being recomputed
     return _Layers(kinds.fwd, kinds.bwd, kinds.wgrad, kinds.params, kinds.acts, working), draw
 
 

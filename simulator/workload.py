@@ -200,18 +200,49 @@ def layer_forward(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
 def layer_backward(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
     """Backward of one layer plus what the recompute mode re-runs first:
     full = the whole layer forward (GEMMs, attention, TP/EP communication; Chen et al. 2016 /
-    Megatron --recompute-granularity full), booked as compute under `recompute` and its
-    communication under its own kind; selective = the attention core only (Korthikanti et al. 2022,
-    Sec. 5)."""
+    Megatron --recompute-granularity full); selective = the plan's recompute_modules (see
+    selective_recompute). Recomputed compute is booked under `recompute`, its communication
+    under its own kind."""
     cost = attention_block(ctx, True)
     cost += ffn(ctx, True)
     if ctx.plan.recompute == "full":
-        fwd = layer_forward(ctx, ffn)
-        cost.add("recompute", fwd.parts["compute"])
-        fwd.parts["compute"] = 0.0
-        cost += fwd
+        cost += _as_recompute(layer_forward(ctx, ffn))
     elif ctx.plan.recompute == "selective":
+        cost += selective_recompute(ctx, ffn)
+    return cost
+
+
+def _as_recompute(fwd: Cost) -> Cost:
+    """A forward re-run in the backward: its compute moved under `recompute`."""
+    fwd.parts["recompute"] += fwd.parts["compute"]
+    fwd.parts["compute"] = 0.0
+    return fwd
+
+
+def selective_recompute(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
+    """The forward pieces selective recompute re-runs before a layer's backward, by Megatron-Core
+    --recompute-modules: core_attn = the attention core (Korthikanti et al. 2022, Sec. 5);
+    layernorm = the two norms; mlp = a dense layer's MLP (GEMMs, activation, TP collectives);
+    moe = the whole MoE layer (router, dispatch, experts, combine); moe_act = the routed experts'
+    activation function; shared_experts = the shared experts. Modules a layer does not have cost
+    nothing there (mlp in an MoE layer, the MoE ones in a dense layer)."""
+    mods = ctx.plan.recompute_modules
+    cost = Cost()
+    if "core_attn" in mods:
         cost.add("recompute", _attention_core(ctx, False))
+    if "layernorm" in mods:
+        norm = _h_wide_tokens(ctx) * 2 * ctx.model.hidden_size * ctx.act_bytes
+        cost.add("recompute", 2 * memory_bound_time(ctx.gpu, norm))
+    if ffn is dense_ffn_block:
+        if "mlp" in mods:
+            cost += _as_recompute(dense_ffn_block(ctx, False))
+    elif "moe" in mods:
+        cost += _as_recompute(ffn(ctx, False))
+    else:
+        if "moe_act" in mods:
+            cost.add("recompute", ffn.expert_activation)
+        if "shared_experts" in mods:
+            cost += _as_recompute(ffn.shared_forward.scaled(1.0))
     return cost
 
 

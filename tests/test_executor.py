@@ -66,6 +66,8 @@ PLANS = {
         scenario("dp2-full-recompute", dp=2, micro_batch_size=4, recompute="full"),
         scenario("tp2", tp=2, micro_batch_size=4),
         scenario("tp2-sp-selective", tp=2, micro_batch_size=4, sequence_parallel=True, recompute="selective"),
+        scenario("tp2-sp-selective-mlp", tp=2, micro_batch_size=4, sequence_parallel=True, recompute="selective",
+                 recompute_modules=("core_attn", "mlp")),
         scenario("pp2-gpipe", pp=2, micro_batch_size=2, schedule="gpipe"),
         scenario("pp2-1f1b", pp=2, micro_batch_size=2, schedule="1f1b"),
         scenario("pp2-interleaved", pp=2, micro_batch_size=2, schedule="interleaved-1f1b", virtual_pipeline_stages=2),
@@ -76,6 +78,10 @@ PLANS = {
         scenario("moe-dp2-ddp", "moe", dp=2, micro_batch_size=2),
         scenario("moe-ep2", "moe", dp=2, ep=2, micro_batch_size=2),
         scenario("moe-ep2-zero1-adam", "moe", dp=2, ep=2, micro_batch_size=2, zero_stage=1, opt="adam"),
+        scenario("moe-ep2-selective-moe", "moe", dp=2, ep=2, micro_batch_size=2, recompute="selective",
+                 recompute_modules=("mlp", "moe")),
+        scenario("moe-ep2-selective-shared", "moe", dp=2, ep=2, micro_batch_size=2, recompute="selective",
+                 recompute_modules=("shared_experts",)),
         scenario("moe-capacity-ep2", "moe-capacity", dp=2, ep=2, micro_batch_size=2),
         scenario("moe-tp2-sp", "moe", tp=2, micro_batch_size=4, sequence_parallel=True),
         scenario("moe-tp2-sp-ep2", "moe", tp=2, ep=2, micro_batch_size=4, sequence_parallel=True),
@@ -312,6 +318,9 @@ def test_executor_refusals():
     assert "plan.sequence_parallel: MoE with tp > 1 needs sequence_parallel" in problems(tp=2, model=MOE)
     assert "plan.expert_tp" in problems(expert_tp=2)
     assert "plan.tp_comm_overlap" in problems(tp=2, sequence_parallel=True, tp_comm_overlap=True)
+    assert "does not recompute layernorm, moe_act" in problems(
+        dp=2, model=MOE, recompute="selective", recompute_modules=("layernorm", "moe_act", "moe"))
+    assert problems(dp=2, model=MOE, recompute="selective", recompute_modules=("core_attn", "mlp", "shared_experts")) == ""
 
 
 def test_zero3_under_zero_bubble_is_said():
@@ -368,3 +377,18 @@ def test_zero1_shards_are_balanced_to_the_element():
         assert torch.allclose(params[0], torch.full((1000,), want)) and torch.allclose(params[1], torch.full((3,), want))
     finally:
         dist.destroy_process_group()
+
+
+def test_selective_recompute_modules_reach_the_blocks():
+    from executor.model import Stage
+
+    st = Stage(MOE, range(MOE.num_layers), first=True, last=True)
+    st.set_recompute("selective", ("mlp", "shared_experts"))
+    dense, moe = st.layers["0"], st.layers["1"]
+    assert dense.ffn_recompute and not moe.ffn_recompute and moe.ffn.shared_recompute
+    assert not dense.attn.selective_recompute and not dense.full_recompute
+    st.set_recompute("selective", ("core_attn", "moe"))
+    assert not dense.ffn_recompute and moe.ffn_recompute and not moe.ffn.shared_recompute
+    assert dense.attn.selective_recompute
+    st.set_recompute("full")
+    assert dense.full_recompute and not dense.ffn_recompute and not dense.attn.selective_recompute

@@ -56,7 +56,7 @@ def format_result(sc, r) -> str:
         f"global batch {sc.training.global_batch_size}, {sc.training.precision}",
         f"  plan: tp {p.tp}  pp {p.pp}  dp {p.dp}  cp {p.cp}  mbs {p.micro_batch_size}  "
         f"{p.schedule}" + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
-        + f"  sp {'on' if p.sequence_parallel else 'off'}  zero {p.zero_stage}  recompute {p.recompute}"
+        + f"  sp {'on' if p.sequence_parallel else 'off'}  zero {p.zero_stage}  recompute {p.recompute_label}"
         f"  ({r.num_microbatches} microbatches)",
         "",
         f"  step time        {r.step_time_s:10.3f} s",

@@ -1,0 +1,193 @@
+"""Selective recompute by module (Megatron-Core --recompute-modules): time, memory, FLOPs, input."""
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hwmodels.compute import memory_bound_time
+from hwmodels.network import build_network
+from hwmodels.profile import load_profile
+from paraplan.errors import ConfigError
+from paraplan.loader import load_scenario
+from paraplan.placement import expert_group_layouts, group_layout
+from paraplan.published import record_to_scenario
+from paraplan.serialize import plan_to_mapping
+from simulator.feasibility import structural_problems
+from simulator.flops import hardware_flops, model_flops
+from simulator.memory import activation_bytes_per_layer
+from simulator.moe import draw_routing, moe_activation_bytes, moe_block, routed_tokens_per_rank
+from simulator.simulate import simulate
+from simulator.workload import LayerContext, _attention_core, dense_ffn_block, layer_backward, selective_recompute
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def with_modules(sc, *modules):
+    return replace(sc, plan=replace(sc.plan, recompute="selective", recompute_modules=tuple(modules)))
+
+
+@pytest.fixture(scope="module")
+def llama8b():
+    """Llama-3 8B with tp 2 and sequence parallelism, so the MLP has TP collectives."""
+    sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml")
+    return replace(sc, plan=replace(sc.plan, tp=2, dp=sc.plan.dp // 2, sequence_parallel=True))
+
+
+@pytest.fixture(scope="module")
+def mixtral():
+    return load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml")
+
+
+def context(sc):
+    gpu = load_profile(sc.cluster.gpu)
+    p, gpn = sc.plan, sc.cluster.gpus_per_node
+    return LayerContext(model=sc.model, plan=p, gpu=gpu, network=build_network(sc.cluster, gpu),
+                        seq_length=sc.training.seq_length, dtype="bf16", attention_kernel="flash",
+                        tp_layout=group_layout(("tp",), p, gpn), cp_layout=group_layout(("cp",), p, gpn))
+
+
+def test_default_module_is_the_attention_core(llama8b):
+    """selective without modules = [core_attn]: the previous meaning, exactly."""
+    sc = replace(llama8b, plan=replace(llama8b.plan, recompute="selective"))
+    assert sc.plan.recompute_modules == ("core_attn",)
+    ctx = context(sc)
+    cost = selective_recompute(ctx)
+    assert cost.parts["recompute"] == _attention_core(ctx, False)
+    assert cost.total == cost.parts["recompute"]
+
+
+def test_each_module_costs_its_forward(llama8b):
+    sc = with_modules(llama8b, "layernorm", "mlp")
+    ctx = context(sc)
+    m, p = sc.model, sc.plan
+    tokens_h = ctx.tokens / (p.tp if p.sequence_parallel else 1)
+    norms = 2 * memory_bound_time(ctx.gpu, tokens_h * 2 * m.hidden_size * 2)
+    mlp = dense_ffn_block(ctx, False)
+    cost = selective_recompute(ctx)
+    assert cost.parts["recompute"] == pytest.approx(norms + mlp.parts["compute"], rel=1e-12)
+    assert cost.parts["tp_comm"] == pytest.approx(mlp.parts["tp_comm"], rel=1e-12)  # the MLP's collectives re-run
+    assert mlp.parts["tp_comm"] > 0
+    # the backward is the plain backward plus exactly that
+    plain = layer_backward(context(replace(sc, plan=replace(p, recompute="none"))))
+    assert layer_backward(ctx).total == pytest.approx(plain.total + cost.total, rel=1e-12)
+
+
+def test_module_recompute_trades_time_for_memory(llama8b):
+    none = simulate(replace(llama8b, plan=replace(llama8b.plan, recompute="none")))
+    norm = simulate(with_modules(llama8b, "layernorm"))
+    mlp = simulate(with_modules(llama8b, "layernorm", "mlp"))
+    assert none.step_time_s < norm.step_time_s < mlp.step_time_s
+    assert none.stages[0].memory["activations"] > norm.stages[0].memory["activations"] \
+        > mlp.stages[0].memory["activations"]
+    assert none.hfu < mlp.hfu and none.mfu == pytest.approx(mlp.mfu * mlp.step_time_s / none.step_time_s)
+
+
+def test_layernorm_and_mlp_activation_savings_by_hand(llama8b):
+    """Korthikanti's 10h h-wide bytes per token lose the two norm outputs (4h); mlp drops the MLP
+    intermediates (2 bytes x (gate + up + activation output) x f / tp)."""
+    m, p, s = llama8b.model, llama8b.plan, llama8b.training.seq_length
+    tokens = p.micro_batch_size * s
+    sp = p.tp if p.sequence_parallel else 1
+    base = activation_bytes_per_layer(m, replace(p, recompute="none"), s, "flash")
+    norm = activation_bytes_per_layer(m, replace(p, recompute="selective", recompute_modules=("layernorm",)), s, "flash")
+    mlp = activation_bytes_per_layer(m, replace(p, recompute="selective", recompute_modules=("mlp",)), s, "flash")
+    assert base - norm == pytest.approx(tokens * 4 * m.hidden_size / sp)
+    assert base - mlp == pytest.approx(tokens * 2 * 3 * m.ffn_hidden_size / p.tp)
+
+
+def test_moe_modules(mixtral):
+    sc = mixtral
+    ctx = context(sc)
+    gpn = sc.cluster.gpus_per_node
+    etp, ep, _ = expert_group_layouts(sc.plan, gpn)
+    draw = draw_routing(sc.model.moe, sc.plan.ep, routed_tokens_per_rank(ctx))
+    block = moe_block(ctx, draw, ep, etp, overlap_shared=False)
+    f = sc.model.moe.expert_ffn_hidden_size
+    load = float(draw.rank_loads.max())
+    # moe_act re-runs the routed experts' SwiGLU: reads gate and up (2f), writes f, per routed token
+    by_hand = sum(memory_bound_time(ctx.gpu, n * 3 * f * 2) for n in draw.expert_tokens[draw.busiest_rank] if n > 0)
+    assert block.expert_activation == pytest.approx(by_hand, rel=1e-12)
+    act_ctx = context(with_modules(sc, "moe_act"))
+    assert selective_recompute(act_ctx, block).parts["recompute"] == pytest.approx(by_hand, rel=1e-12)
+    # ... and frees the activation outputs; moe frees the whole layer's FFN tensors
+    kept = moe_activation_bytes(ctx, draw)
+    assert kept - moe_activation_bytes(act_ctx, draw) == pytest.approx(load * f * 2)
+    assert moe_activation_bytes(context(with_modules(sc, "moe")), draw) == 0.0
+    whole = selective_recompute(context(with_modules(sc, "moe")), block)
+    assert whole.parts["recompute"] == pytest.approx(block.forward.parts["compute"], rel=1e-12)
+    assert whole.parts["ep_comm"] == pytest.approx(block.forward.parts["ep_comm"], rel=1e-12)
+    assert whole.parts["ep_comm"] > 0  # the dispatch and combine re-run
+
+
+def test_moe_recompute_in_the_simulation(mixtral):
+    none = simulate(replace(mixtral, plan=replace(mixtral.plan, recompute="none")))
+    act = simulate(with_modules(mixtral, "layernorm", "moe_act"))
+    whole = simulate(with_modules(mixtral, "moe"))
+    assert none.step_time_s < act.step_time_s < whole.step_time_s
+    assert none.peak_memory_bytes > act.peak_memory_bytes > whole.peak_memory_bytes
+
+
+def test_hardware_flops_count_recomputed_gemms(llama8b, mixtral):
+    m, s = llama8b.model, llama8b.training.seq_length
+    base = model_flops(m, s, 1000)
+    mlp_per_token = m.num_layers * 2 * 3 * m.hidden_size * m.ffn_hidden_size
+    assert hardware_flops(m, s, 1000, "selective", ("mlp",)) == pytest.approx(base + 1000 * mlp_per_token)
+    assert hardware_flops(m, s, 1000, "selective", ("layernorm",)) == base  # no matmuls
+    mm = mixtral.model
+    e = mm.moe
+    moe_per_token = mm.num_layers * 2 * (mm.hidden_size * e.num_experts + e.top_k * 3 * mm.hidden_size * e.expert_ffn_hidden_size)
+    assert hardware_flops(mm, s, 1000, "selective", ("moe",)) == pytest.approx(model_flops(mm, s, 1000) + 1000 * moe_per_token)
+
+
+def test_bad_input(llama8b):
+    base = ROOT / "scenarios" / "llama3-8b-64xh100.yaml"
+    with pytest.raises(ConfigError, match=r"plan\.recompute_modules.*not one of core_attn, layernorm"):
+        load_scenario(base, ["plan.recompute=selective", "plan.recompute_modules=[core_atn]"])
+    with pytest.raises(ConfigError, match=r"plan\.recompute_modules.*mlp listed twice"):
+        load_scenario(base, ["plan.recompute=selective", "plan.recompute_modules=[mlp, mlp]"])
+    with pytest.raises(ConfigError, match=r"plan\.recompute_modules: applies only with recompute: selective"):
+        load_scenario(base, ["plan.recompute=full", "plan.recompute_modules=[mlp]"])
+    sc = load_scenario(base, ["plan.recompute=selective", "plan.recompute_modules=moe_act"])
+    assert sc.plan.recompute_modules == ("moe_act",)
+    assert any("plan.recompute_modules: moe_act need an MoE model" in r for r in structural_problems(sc))
+
+
+def test_round_trip_and_exports(llama8b):
+    from planner.emit import megatron_args, torchtitan_toml
+
+    sc = with_modules(llama8b, "layernorm", "mlp")
+    mapping = plan_to_mapping(sc.plan)
+    assert mapping["recompute_modules"] == ["layernorm", "mlp"]
+    assert "recompute_modules" not in plan_to_mapping(replace(sc.plan, recompute="full"))
+    assert load_scenario({"model": "llama3-8b", "cluster": {"gpu": "h100-sxm-80gb", "num_nodes": 8, "gpus_per_node": 8},
+                          "training": {"seq_length": 8192, "global_batch_size": 512, "precision": "bf16"},
+                          "plan": mapping}).plan == sc.plan
+    assert "--recompute-modules layernorm mlp" in " ".join(megatron_args(sc))
+    assert "--recompute-modules" not in megatron_args(replace(sc, plan=replace(sc.plan, recompute_modules=("core_attn",))))
+    assert "chooses by op, not by module" in torchtitan_toml(sc)
+
+
+@pytest.mark.parametrize("text, keys", [
+    ("selective (norm, act)", {"recompute": "selective", "recompute_modules": ["layernorm", "moe_act"]}),
+    ("selective (attention-core recompute) + sequence parallelism ('present work')", {"recompute": "selective"}),
+    ("selective + sequence parallelism", {"recompute": "selective"}),
+    ("full (--checkpoint-activations)", {"recompute": "full"}),
+    (None, {"recompute": "none"}),
+])
+def test_published_records_name_their_modules(text, keys):
+    from paraplan.published import _recompute  # noqa: PLC2701
+
+    assert _recompute(text) == keys
+
+
+def test_plan_survives_the_planner_journal(llama8b):
+    """The study journal stores plans as JSON (tuples become lists); reading one back gives the
+    same, hashable plan."""
+    import dataclasses
+    import json
+
+    from planner.objective import _plan_from_json  # noqa: PLC2701
+
+    plan = with_modules(llama8b, "layernorm", "mlp").plan
+    back = _plan_from_json(json.loads(json.dumps(dataclasses.asdict(plan))))
+    assert back == plan and hash(back) == hash(plan)
