@@ -135,7 +135,8 @@ def working_set_bytes(model, plan, seq_length: int, attention_kernel: str, is_la
     out = 0.0
     if plan.recompute == "full":
         out += activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel)
-    elif plan.recompute == "selective" and "mlp" in plan.recompute_modules:  # the MLP being recomputed
+    elif plan.recompute == "selective" and "mlp" in plan.recompute_modules and \
+            not all(model.is_moe_layer(i) for i in range(model.num_layers)):  # a dense MLP being recomputed
         tokens = plan.micro_batch_size * seq_length // plan.cp
         out += tokens * 2 * model.ffn_matrices * model.ffn_hidden_size / plan.tp
     if is_last_stage:
