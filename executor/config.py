@@ -173,8 +173,8 @@ def executor_problems(sc: Scenario) -> list[str]:
                    "its own tokens, as in Megatron-Core)")
     if m.moe is not None and m.moe.top_k > m.moe.num_experts:
         out.append(f"model.moe.top_k: {m.moe.top_k} is more than num_experts ({m.moe.num_experts})")
-    unsupported = [mod for mod in p.recompute_modules if mod in ("layernorm", "moe_act")]
-    if p.recompute == "selective" and unsupported:
+    unsupported = [mod for mod in p.recomputed_modules if mod in ("layernorm", "moe_act")]
+    if unsupported:
         # Megatron-Core frees these outputs and rebuilds them before the backward
         # (CheckpointWithoutOutput); torch.utils.checkpoint around the op alone would keep them
         # alive in the next GEMM's saved input, saving no memory.

@@ -142,15 +142,19 @@ def _recompute(text) -> dict:
     return out
 
 
-def _megatron_core_moe(rec: dict) -> bool:
-    return "megatron-core" in str(rec.get("framework")).lower() and bool(rec["model"].get("moe"))
+def _megatron_core_moe_defaults(rec: dict) -> bool:
+    """A Megatron-Core MoE record that leaves ZeRO null: its benchmark configs' distributed
+    optimizer with --overlap-param-gather applies."""
+    par = rec["parallelism"]
+    return ("megatron-core" in str(rec.get("framework")).lower() and bool(rec["model"].get("moe"))
+            and par.get("zero_stage") is None and par.get("distributed_optimizer") is None)
 
 
 def _zero(rec: dict, flags: set[str]) -> int:
     par = rec["parallelism"]
     if par.get("zero_stage") is not None:
         return int(par["zero_stage"])
-    if par.get("distributed_optimizer") is None and ("--overlap-param-gather" in flags or _megatron_core_moe(rec)):
+    if _megatron_core_moe_defaults(rec) or (par.get("distributed_optimizer") is None and "--overlap-param-gather" in flags):
         return 1
     return 1 if par.get("distributed_optimizer") else 0
 
@@ -212,8 +216,7 @@ def record_to_scenario(rec: dict) -> dict:
             "zero_stage": _zero(rec, flags),
             **_recompute(rec.get("activation_recompute")),
             "overlap_grad_reduce": modern or "--overlap-grad-reduce" in flags,
-            "overlap_param_gather": "--overlap-param-gather" in flags or (
-                _megatron_core_moe(rec) and par.get("zero_stage") is None and par.get("distributed_optimizer") is None),
+            "overlap_param_gather": "--overlap-param-gather" in flags or _megatron_core_moe_defaults(rec),
             "tp_comm_overlap": "--tp-comm-overlap" in flags and sp and tp > 1,
             "ep": int(par.get("ep") or 1),
             "expert_tp": int(par.get("expert_tp") or 1),

@@ -130,8 +130,8 @@ def training_to_mapping(t: TrainingSpec) -> dict[str, Any]:
 def plan_to_mapping(p: PlanSpec) -> dict[str, Any]:
     out = _defaults_dropped(p, always=CORE_PLAN_KEYS)
     if "recompute_modules" in out:  # meaningful (and accepted by the loader) only with selective
-        if p.recompute == "selective":
-            out["recompute_modules"] = list(p.recompute_modules)
+        if p.recomputed_modules:
+            out["recompute_modules"] = list(p.recomputed_modules)
         else:
             del out["recompute_modules"]
     return out

@@ -220,9 +220,14 @@ class PlanSpec:
         return self.tp * self.pp * self.dp * self.cp
 
     @property
+    def recomputed_modules(self) -> tuple[str, ...]:
+        """The modules selective recompute re-runs; () under none or full (which re-runs the layer)."""
+        return self.recompute_modules if self.recompute == "selective" else ()
+
+    @property
     def recompute_label(self) -> str:
         """The recompute mode as printed: selective names its modules when they are not the default."""
-        if self.recompute == "selective" and self.recompute_modules != ("core_attn",):
+        if self.recomputed_modules not in ((), ("core_attn",)):
             return f"selective({','.join(self.recompute_modules)})"
         return self.recompute
 

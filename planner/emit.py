@@ -161,7 +161,7 @@ def torchtitan_toml(sc: Scenario) -> str:
     local_batch = t.global_batch_size // p.dp if p.pp > 1 else p.micro_batch_size
     if not p.sequence_parallel and p.tp > 1:
         notes.append("torchtitan always shards activations along the sequence under TP (sequence parallel)")
-    if p.recompute == "selective" and p.recompute_modules != ("core_attn",):
+    if p.recomputed_modules not in ((), ("core_attn",)):
         notes.append(f"the plan recomputes {', '.join(p.recompute_modules)}; torchtitan's selective "
                      "checkpointing chooses by op, not by module, so its memory and recompute time differ")
     lines = [

@@ -90,8 +90,8 @@ def _moe_problems(sc: Scenario) -> list[str]:
             out.append("plan.ep: expert parallelism needs an MoE model (model.moe); this model is dense, use ep: 1")
         if p.expert_tp != 1:
             out.append("plan.expert_tp: needs an MoE model (model.moe); this model is dense, use expert_tp: 1")
-        moe_only = [mod for mod in p.recompute_modules if mod in MOE_RECOMPUTE_MODULES]
-        if p.recompute == "selective" and moe_only:
+        moe_only = [mod for mod in p.recomputed_modules if mod in MOE_RECOMPUTE_MODULES]
+        if moe_only:
             out.append(f"plan.recompute_modules: {', '.join(moe_only)} need an MoE model (model.moe); this model is dense")
         return out
     e = m.moe

@@ -72,7 +72,7 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     sp = t if plan.sequence_parallel else 1
     if plan.recompute == "full":
         return tokens * 2 * h / sp
-    recomputed = plan.recompute_modules if plan.recompute == "selective" else ()
+    recomputed = plan.recomputed_modules
     h_wide = (6 if "layernorm" in recomputed else 10) * h / sp
     mlp_mats = model.ffn_matrices - 1
     mlp = 2 * (mlp_mats * f + f) / t if moe_ffn_bytes is None and "mlp" not in recomputed else 0.0
@@ -135,7 +135,7 @@ def working_set_bytes(model, plan, seq_length: int, attention_kernel: str, is_la
     out = 0.0
     if plan.recompute == "full":
         out += activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel)
-    elif plan.recompute == "selective" and "mlp" in plan.recompute_modules and \
+    elif "mlp" in plan.recomputed_modules and \
             not all(model.is_moe_layer(i) for i in range(model.num_layers)):  # a dense MLP being recomputed
         tokens = plan.micro_batch_size * seq_length // plan.cp
         out += tokens * 2 * model.ffn_matrices * model.ffn_hidden_size / plan.tp

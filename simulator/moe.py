@@ -294,7 +294,7 @@ def moe_activation_bytes(ctx, draw: RoutingDraw, *, recomputed: tuple[str, ...] 
     everything the layer makes, e.g. while it is being recomputed)."""
     m, b, p = ctx.model, ctx.act_bytes, ctx.plan
     if recomputed is None:
-        recomputed = p.recompute_modules if p.recompute == "selective" else ()
+        recomputed = p.recomputed_modules
     if "moe" in recomputed:
         return 0.0
     h = m.hidden_size

@@ -196,7 +196,7 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     ffn = moe_activation_bytes(ctx, draw)
     kinds.acts["moe"] = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, ffn)
     working = dispatch_buffer_bytes(ctx, draw)
-    if p.recompute == "full" or (p.recompute == "selective" and "moe" in p.recompute_modules):
+    if p.recompute == "full" or "moe" in p.recomputed_modules:
         working += moe_activation_bytes(ctx, draw, recomputed=())  # the layer being recomputed
     return _Layers(kinds.fwd, kinds.bwd, kinds.wgrad, kinds.params, kinds.acts, working), draw
 
