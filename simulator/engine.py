@@ -8,9 +8,16 @@ produces them. Cross-stage dependencies are SimPy events; a pipeline send arrive
 after the producer finishes. At the end every stage waits for the global gradient-norm sync
 (Megatron clips gradients with a norm reduced over all ranks), then runs its optimizer step.
 
-NIC sharing (flow-level, max-min fair): an op whose traffic crosses nodes (an MoE all-to-all) and a
-gradient bucket reduced over the network at the same time each get half the GPU's NIC share while
-both are active, so each is delayed by the smaller of the two overlapping transfers.
+NIC sharing (flow-level, max-min fair): an op whose traffic crosses nodes (an MoE all-to-all), a
+gradient bucket reduced over the network and a pipeline send between stages on different nodes
+each get an equal share of the GPU's NIC while they overlap, so two overlapping flows are each
+delayed by the traffic they both move in the overlap (an op's traffic is taken as spread evenly
+over the op; buckets and sends saturate the NIC while they run). A pipeline send uses the
+sender's NIC and the receiver's: it shares with the sender's gradient bucket and with the
+receiver's running op and bucket, and arrives late by the larger of the two sides' delays (the
+running op's share is added to the receiver's next op, which saves an event per send and moves
+that op's end by at most one send); an op or a bucket that starts while a send is on its NIC is
+delayed by the overlap (the send's arrival was settled when it left).
 """
 from __future__ import annotations
 
@@ -75,8 +82,10 @@ def run_iteration(
     p2p_time: float,
     overlap_grad_reduce: bool,
     sync_time: float,
+    p2p_nic: float = 0.0,
 ) -> EngineResult:
-    """Simulate one iteration; returns per-stage breakdowns summing to each stage's end time."""
+    """Simulate one iteration; returns per-stage breakdowns summing to each stage's end time.
+    `p2p_nic`: seconds of each pipeline send on the NICs (0 when neighbouring stages share a node)."""
     env = simpy.Environment()
     pp = len(works)
     last_vstage = pp * num_chunks - 1
@@ -87,13 +96,18 @@ def run_iteration(
     # NIC state per stage: until when the current gradient bucket holds the NIC, the running op's
     # (end, NIC seconds, duration), and delays one stream owes the other from sharing.
     bucket_nic_until = [0.0] * pp
-    op_nic = [(0.0, 0.0, 0.0)] * pp
+    op_nic = [(0.0, 0.0, 0.0, 0.0)] * pp
     owed_compute = [0.0] * pp
     owed_grad = [0.0] * pp
+    # until when a pipeline send (out) or receive (in) holds each stage's NIC; the share a send
+    # took from the receiver's running op, paid when that op's successor starts
+    link_nic_until = [0.0] * pp
+    owed_next = [0.0] * pp
 
-    # When each cross-stage output was produced; a SimPy event only for an input a stage waits on
-    # before it exists (most inputs are ready when asked for, and skip the event queue).
-    produced_at: dict[tuple, float] = {}
+    # When each cross-stage output was produced and when it arrives at its consumer; a SimPy event
+    # only for an input a stage waits on before it exists (most inputs are ready when asked for,
+    # and skip the event queue).
+    produced_at: dict[tuple, tuple[float, float]] = {}
 
     def wait_for(key):
         ev = waiting.get(key)
@@ -101,11 +115,49 @@ def run_iteration(
             ev = waiting[key] = env.event()
         return ev
 
-    def produce(key, when: float) -> None:
-        produced_at[key] = when
+    def produce(key, when: float, arrival: float) -> None:
+        produced_at[key] = (when, arrival)
         ev = waiting.pop(key, None)
         if ev is not None:
-            ev.succeed(when)
+            ev.succeed((when, arrival))
+
+    def op_nic_left(stage: int, t: float, window: float = float("inf")) -> float:
+        """NIC seconds the stage's current op (running, or about to start once its input has
+        arrived) moves between t and t + window, its traffic spread evenly over the op."""
+        op_start, op_end, op_nic_s, op_dur = op_nic[stage]
+        overlap = min(t + window, op_end) - max(t, op_start)
+        return op_nic_s * overlap / op_dur if overlap > 0 and op_dur else 0.0
+
+    def send(stage: int, to: int, t: float) -> float:
+        """A pipeline send leaving `stage` at t for `to`: its arrival, after sharing the sender's
+        NIC with its gradient bucket and the receiver's with its running op and bucket. (Written
+        with conditionals rather than min/max: it runs once per pipeline send.)"""
+        delay = bucket_nic_until[stage] - t  # the sender's bucket
+        if delay > 0:
+            delay = delay if delay < p2p_nic else p2p_nic
+            owed_grad[stage] += delay
+        else:
+            delay = 0.0
+        receiver = 0.0
+        op_start, op_end, op_nic_s, op_dur = op_nic[to]  # the receiver's current op (op_nic_left)
+        if op_nic_s and op_end > t:
+            overlap = (op_end if op_end < t + p2p_nic else t + p2p_nic) - (t if t > op_start else op_start)
+            if overlap > 0:
+                receiver = op_nic_s * overlap / op_dur
+                owed_next[to] += receiver
+        busy = bucket_nic_until[to] - t  # the receiver's bucket
+        if busy > 0:
+            busy = busy if busy < p2p_nic else p2p_nic
+            owed_grad[to] += busy
+            receiver += busy
+        if receiver > delay:
+            delay = receiver
+        until = t + p2p_nic + delay
+        if until > link_nic_until[stage]:
+            link_nic_until[stage] = until
+        if until > link_nic_until[to]:
+            link_nic_until[to] = until
+        return t + p2p_time + delay
 
     def producer_of(stage: int, op: Op):
         """The op of another stage this one waits for (a W waits only for its own stage's B,
@@ -138,7 +190,10 @@ def run_iteration(
         for i, op in enumerate(work.ops):
             duration, nic = totals[(op.kind, op.chunk)]
             name = f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "")
-            produces = (op.kind, op.microbatch, op.chunk * pp + stage) if consumed_elsewhere(stage, op) else None
+            produces = None
+            if consumed_elsewhere(stage, op):  # (key, the consuming stage)
+                produces = ((op.kind, op.microbatch, op.chunk * pp + stage),
+                            (stage + (1 if op.kind == "F" else -1)) % pp)
             out.append((producer_of(stage, op), duration, nic, name, SPAN_CATEGORY[op.kind], produces, final_b.get(i)))
         return out
 
@@ -149,6 +204,7 @@ def run_iteration(
         now = lambda: env.now  # noqa: E731
         bubble = comm = contention = 0.0
         for dep, duration, nic, name, category, produces, grads_of in prepared(stage, work):
+            recv = 0.0  # waiting for the input to arrive, folded into the op's timeout (one event)
             if dep is not None:
                 t0 = now()
                 produced = produced_at.get(dep)
@@ -156,28 +212,43 @@ def run_iteration(
                     produced = yield wait_for(dep)
                 t1 = now()
                 bubble += t1 - t0
-                arrival = produced + p2p_time
+                arrival = produced[1]
                 if arrival > t1:
-                    yield timeout(arrival - t1)
-                    comm += arrival - t1
+                    recv = arrival - t1
+                    comm += recv
                     spans.append(Span(stage, "pp-comm", f"recv {dep[0]}{dep[1]}", "pp_comm", t1, arrival))
-            start = now()
+            start = now() + recv
             if grads_of is not None:  # this chunk's gradients start flowing now
                 grad_ready[stage][grads_of].succeed((start, start + duration))
-            shared = min(nic, max(0.0, bucket_nic_until[stage] - start)) if nic else 0.0
-            if nic:
-                owed_grad[stage] += shared
-                op_nic[stage] = (start + duration + shared, nic, duration)
-            yield timeout(duration + shared)
+            # a send that landed while the previous op ran: its share, paid now (one event fewer)
+            shared = owed_next[stage]
+            if shared:
+                owed_next[stage] = 0.0
+            if nic:  # the op's traffic (spread evenly) that falls while a bucket or a send holds the NIC
+                busy = bucket_nic_until[stage] - start
+                if busy > 0:
+                    with_bucket = nic * (busy if busy < duration else duration) / duration
+                    owed_grad[stage] += with_bucket
+                    shared += with_bucket
+                busy = link_nic_until[stage] - start
+                if busy > 0:
+                    shared += nic * (busy if busy < duration else duration) / duration
+                op_nic[stage] = (start, start + duration + shared, nic, duration)
+            yield timeout(recv + duration + shared)
             while owed_compute[stage] > 0:  # a bucket that started during this op took NIC time
                 extra, owed_compute[stage] = owed_compute[stage], 0.0
                 shared += extra
                 yield timeout(extra)
             contention += shared
-            spans.append(Span(stage, "compute", name, category, start, now()))
+            end = now()
+            spans.append(Span(stage, "compute", name, category, start, end))
             if produces is not None:
-                produce(produces, now())
+                key, to = produces
+                produce(key, end, send(stage, to, end) if p2p_nic else end + p2p_time)
             traces[stage].ops_done += 1
+        if owed_next[stage]:  # a send landed during the last op
+            contention += owed_next[stage]
+            yield timeout(owed_next[stage])
         # the op costs are fixed per (kind, chunk): book their components by count
         counts: dict = {}
         for op in work.ops:
@@ -211,12 +282,9 @@ def run_iteration(
                     yield env.timeout(ready - env.now)
                 t0 = env.now
                 if nic:
-                    op_end, op_nic_s, op_dur = op_nic[stage]
-                    # the running op's NIC traffic still to come, spread evenly over the op
-                    left = op_nic_s * max(0.0, op_end - t0) / op_dur if op_dur else 0.0
-                    clash = min(nic, left)
+                    clash = min(nic, op_nic_left(stage, t0))
                     owed_compute[stage] += clash
-                    seconds += clash
+                    seconds += clash + min(nic, max(0.0, link_nic_until[stage] - t0))
                     bucket_nic_until[stage] = t0 + seconds
                 yield env.timeout(seconds)
                 while owed_grad[stage] > 0:  # an op that started during this bucket took NIC time

@@ -127,9 +127,11 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
         ))
 
     p2p_bytes = ctx.tokens * m.hidden_size * ctx.act_bytes / p.tp  # scatter-gather (SC'21 Sec. 4.1)
-    p2p = collective_time(net, "send_recv", p2p_bytes, pp_neighbour_layout(p, gpn)) if p.pp > 1 else 0.0
+    pp_pair = pp_neighbour_layout(p, gpn)
+    p2p = collective_time(net, "send_recv", p2p_bytes, pp_pair) if p.pp > 1 else 0.0
     sync = _sync_time(sc, net, emb_params, gpn)
-    eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce, sync_time=sync)
+    eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce,
+                        sync_time=sync, p2p_nic=p2p if pp_pair.num_nodes > 1 else 0.0)
 
     tokens = tr.global_batch_size * tr.seq_length
     peak = gpu.peak(ctx.dtype)

@@ -150,6 +150,52 @@ def test_nic_sharing_slows_overlapping_traffic():
     assert (quiet.step_time, shared.step_time) == (5.5, 6.0)
 
 
+def test_pipeline_send_shares_the_nic_with_the_receivers_all_to_all():
+    """pp 2 on two nodes, 2 microbatches, every op 1 s; the last stage's forwards are all-to-all
+    bound (NIC busy throughout), each send takes 0.5 s on the NICs. Without sharing: 7.0 s.
+    With it: the second send (t = 2) lands while stage 1's F0 moves traffic, so both take the
+    0.5 s overlap (the send arrives 3.0; stage 1 pays its 0.5 s as its next op, B0, starts: B0
+    runs 2.5-4.0); stage 1's B0 send leaves at 4.0 and F1,
+    starting then, shares its first 0.5 s with it (ends 5.5); B1 ends 6.5, arrives 7.0, stage 0's
+    B1 ends 8.0."""
+    from simulator.cost import Cost
+    from simulator.engine import StageWork, run_iteration
+    from simulator.schedules import build_schedule
+
+    def works():
+        out = []
+        for stage, ops in enumerate(build_schedule("1f1b", 2, 2)):
+            f = Cost().add("compute", 1.0)
+            if stage == 1:
+                f = Cost().add("ep_comm", 1.0)
+                f.nic = 1.0
+            out.append(StageWork(ops=ops, op_cost={("F", 0): f, ("B", 0): Cost().add("compute", 1.0)},
+                                 grad_buckets={}, optimizer_time=0.0, param_gather_time=0.0))
+        return out
+    run = lambda nic: run_iteration(works(), num_chunks=1, p2p_time=0.5, overlap_grad_reduce=True,  # noqa: E731
+                                    sync_time=0, p2p_nic=nic)
+    quiet, shared = run(0.0), run(0.5)
+    assert (quiet.step_time, shared.step_time) == (7.0, 8.0)
+    assert shared.stages[1].breakdown["ep_comm"] == 2 * 1.0 + 2 * 0.5
+
+
+def test_pipeline_sends_use_the_nic_only_between_nodes(monkeypatch):
+    """pp 4 over 64 GPUs puts neighbouring stages on different nodes (a stage is 16 GPUs): the send
+    holds the NICs; pp 4 inside one 8-GPU node (tp 2): it does not."""
+    import simulator.simulate as sim
+    seen = []
+    real = sim.run_iteration
+    monkeypatch.setattr(sim, "run_iteration", lambda *a, **kw: seen.append(kw) or real(*a, **kw))
+    sim.simulate(load_scenario(MOE_BASE))
+    inside = {"model": {"preset": "llama3-8b"}, "cluster": {"gpu": "h100-sxm-80gb", "num_nodes": 1, "gpus_per_node": 8},
+              "training": {"seq_length": 4096, "global_batch_size": 16, "precision": "bf16"},
+              "plan": {"tp": 2, "pp": 4}}
+    sim.simulate(load_scenario(inside))
+    across, within = seen[0], seen[-1]  # (an MoE plan is also run with balanced routing)
+    assert across["p2p_nic"] == across["p2p_time"] > 0
+    assert within["p2p_nic"] == 0 and within["p2p_time"] > 0
+
+
 MOE_BASE = {"model": {"preset": "mixtral-8x7b"},
             "cluster": {"gpu": "h100-sxm-80gb", "num_nodes": 8, "gpus_per_node": 8},
             "training": {"seq_length": 4096, "global_batch_size": 256, "precision": "bf16"},
