@@ -93,8 +93,8 @@ def run_iteration(
     spans: list[Span] = []
     traces = [StageTrace() for _ in range(pp)]
     grad_ready = [{c: env.event() for c in w.grad_buckets} for w in works]
-    # NIC state per stage: until when the current gradient bucket holds the NIC, the running op's
-    # (end, NIC seconds, duration), and delays one stream owes the other from sharing.
+    # NIC state per stage: until when the current gradient bucket holds the NIC, the current op's
+    # (start, end, NIC seconds, duration), and delays one stream owes the other from sharing.
     bucket_nic_until = [0.0] * pp
     op_nic = [(0.0, 0.0, 0.0, 0.0)] * pp
     owed_compute = [0.0] * pp
@@ -104,10 +104,9 @@ def run_iteration(
     link_nic_until = [0.0] * pp
     owed_next = [0.0] * pp
 
-    # When each cross-stage output was produced and when it arrives at its consumer; a SimPy event
-    # only for an input a stage waits on before it exists (most inputs are ready when asked for,
-    # and skip the event queue).
-    produced_at: dict[tuple, tuple[float, float]] = {}
+    # When each cross-stage output arrives at its consumer; a SimPy event only for an input a stage
+    # waits on before it exists (most inputs are ready when asked for, and skip the event queue).
+    arrives_at: dict[tuple, float] = {}
 
     def wait_for(key):
         ev = waiting.get(key)
@@ -115,11 +114,11 @@ def run_iteration(
             ev = waiting[key] = env.event()
         return ev
 
-    def produce(key, when: float, arrival: float) -> None:
-        produced_at[key] = (when, arrival)
+    def produce(key, arrival: float) -> None:
+        arrives_at[key] = arrival
         ev = waiting.pop(key, None)
         if ev is not None:
-            ev.succeed((when, arrival))
+            ev.succeed(arrival)
 
     def op_nic_left(stage: int, t: float, window: float = float("inf")) -> float:
         """NIC seconds the stage's current op (running, or about to start once its input has
@@ -207,12 +206,11 @@ def run_iteration(
             recv = 0.0  # waiting for the input to arrive, folded into the op's timeout (one event)
             if dep is not None:
                 t0 = now()
-                produced = produced_at.get(dep)
-                if produced is None:
-                    produced = yield wait_for(dep)
+                arrival = arrives_at.get(dep)
+                if arrival is None:
+                    arrival = yield wait_for(dep)
                 t1 = now()
                 bubble += t1 - t0
-                arrival = produced[1]
                 if arrival > t1:
                     recv = arrival - t1
                     comm += recv
@@ -244,7 +242,7 @@ def run_iteration(
             spans.append(Span(stage, "compute", name, category, start, end))
             if produces is not None:
                 key, to = produces
-                produce(key, end, send(stage, to, end) if p2p_nic else end + p2p_time)
+                produce(key, send(stage, to, end) if p2p_nic else end + p2p_time)
             traces[stage].ops_done += 1
         if owed_next[stage]:  # a send landed during the last op
             contention += owed_next[stage]
