@@ -120,6 +120,12 @@ def run_iteration(
         if ev is not None:
             ev.succeed(arrival)
 
+    def held(until: float, t: float, window: float) -> float:
+        """Seconds of [t, t + window] during which a flow that holds the NIC until `until` (a
+        gradient bucket or a pipeline send) is still on it."""
+        busy = until - t
+        return 0.0 if busy <= 0 else busy if busy < window else window
+
     def op_nic_left(stage: int, t: float, window: float = float("inf")) -> float:
         """NIC seconds the stage's current op (running, or about to start once its input has
         arrived) moves between t and t + window, its traffic spread evenly over the op."""
@@ -129,33 +135,17 @@ def run_iteration(
 
     def send(stage: int, to: int, t: float) -> float:
         """A pipeline send leaving `stage` at t for `to`: its arrival, after sharing the sender's
-        NIC with its gradient bucket and the receiver's with its running op and bucket. (Written
-        with conditionals rather than min/max: it runs once per pipeline send.)"""
-        delay = bucket_nic_until[stage] - t  # the sender's bucket
-        if delay > 0:
-            delay = delay if delay < p2p_nic else p2p_nic
-            owed_grad[stage] += delay
-        else:
-            delay = 0.0
-        receiver = 0.0
-        op_start, op_end, op_nic_s, op_dur = op_nic[to]  # the receiver's current op (op_nic_left)
-        if op_nic_s and op_end > t:
-            overlap = (op_end if op_end < t + p2p_nic else t + p2p_nic) - (t if t > op_start else op_start)
-            if overlap > 0:
-                receiver = op_nic_s * overlap / op_dur
-                owed_next[to] += receiver
-        busy = bucket_nic_until[to] - t  # the receiver's bucket
-        if busy > 0:
-            busy = busy if busy < p2p_nic else p2p_nic
-            owed_grad[to] += busy
-            receiver += busy
-        if receiver > delay:
-            delay = receiver
+        NIC with its gradient bucket and the receiver's with its current op and bucket."""
+        sender = held(bucket_nic_until[stage], t, p2p_nic)
+        owed_grad[stage] += sender
+        with_op = op_nic_left(to, t, p2p_nic)
+        owed_next[to] += with_op
+        with_bucket = held(bucket_nic_until[to], t, p2p_nic)
+        owed_grad[to] += with_bucket
+        delay = max(sender, with_op + with_bucket)
         until = t + p2p_nic + delay
-        if until > link_nic_until[stage]:
-            link_nic_until[stage] = until
-        if until > link_nic_until[to]:
-            link_nic_until[to] = until
+        link_nic_until[stage] = max(link_nic_until[stage], until)
+        link_nic_until[to] = max(link_nic_until[to], until)
         return t + p2p_time + delay
 
     def producer_of(stage: int, op: Op):
@@ -223,14 +213,9 @@ def run_iteration(
             if shared:
                 owed_next[stage] = 0.0
             if nic:  # the op's traffic (spread evenly) that falls while a bucket or a send holds the NIC
-                busy = bucket_nic_until[stage] - start
-                if busy > 0:
-                    with_bucket = nic * (busy if busy < duration else duration) / duration
-                    owed_grad[stage] += with_bucket
-                    shared += with_bucket
-                busy = link_nic_until[stage] - start
-                if busy > 0:
-                    shared += nic * (busy if busy < duration else duration) / duration
+                with_bucket = nic * held(bucket_nic_until[stage], start, duration) / duration
+                owed_grad[stage] += with_bucket
+                shared += with_bucket + nic * held(link_nic_until[stage], start, duration) / duration
                 op_nic[stage] = (start, start + duration + shared, nic, duration)
             yield timeout(recv + duration + shared)
             while owed_compute[stage] > 0:  # a bucket that started during this op took NIC time
@@ -282,7 +267,7 @@ def run_iteration(
                 if nic:
                     clash = min(nic, op_nic_left(stage, t0))
                     owed_compute[stage] += clash
-                    seconds += clash + min(nic, max(0.0, link_nic_until[stage] - t0))
+                    seconds += clash + held(link_nic_until[stage], t0, nic)
                     bucket_nic_until[stage] = t0 + seconds
                 yield env.timeout(seconds)
                 while owed_grad[stage] > 0:  # an op that started during this bucket took NIC time
