@@ -52,18 +52,20 @@ def state_bytes_per_param(precision: str) -> tuple[float, float, float]:
 
 
 def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: str,
-                               moe_ffn_bytes: float | None = None) -> float:
+                               moe_ffn_bytes: float | None = None, act_bytes: int = 2) -> float:
     """Stored activations of one layer for one microbatch on one rank (Korthikanti et al. 2022,
-    Sec. 4.1 and Table 2; with 2-byte activations and 1-byte dropout masks):
-    h-wide tensors (LayerNorm inputs 4h, QKV and MLP inputs 4h, two dropout masks 2h) = 10h,
-    divided by tp only under sequence parallelism; tensor-parallel tensors (Q, K, V, attention
-    output, MLP intermediates: 24h for GPT's MHA + 4h GELU MLP) divided by tp; the s^2 softmax
-    terms (5as) unless the attention is fused (FlashAttention keeps only the fp32 logsumexp) or
-    recomputed (selective core_attn). Full recompute keeps only each layer's input (2h).
-    Selective recompute of other modules frees what they would keep: layernorm the two norm
-    outputs (4h of the 10h), mlp the dense MLP intermediates.
+    Sec. 4.1 and Table 2, there with 2-byte activations; here with `act_bytes` per element, 4 for
+    fp32 training, and 1-byte dropout masks): h-wide tensors (LayerNorm inputs 2 x h, QKV and MLP
+    inputs 2 x h elements, two dropout masks 2h bytes) = 10h bytes at 2 bytes, divided by tp only
+    under sequence parallelism; tensor-parallel tensors (Q, K, V, attention output, MLP
+    intermediates: 24h for GPT's MHA + 4h GELU MLP) divided by tp; the s^2 softmax terms (5as:
+    softmax and dropout outputs, dropout mask) unless the attention is fused (FlashAttention keeps
+    only the fp32 logsumexp) or recomputed (selective core_attn). Full recompute keeps only each
+    layer's input (2h). Selective recompute of other modules frees what they would keep: layernorm
+    the two norm outputs (4h of the 10h), mlp the dense MLP intermediates.
     For an MoE layer `moe_ffn_bytes` (this rank's router, dispatch and expert tensors, from
     simulator.moe.moe_activation_bytes) replaces the dense MLP intermediates."""
+    e = act_bytes
     t = plan.tp
     s = seq_length // plan.cp
     tokens = plan.micro_batch_size * s
@@ -71,18 +73,18 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     a = model.num_attention_heads
     sp = t if plan.sequence_parallel else 1
     if plan.recompute == "full":
-        return tokens * 2 * h / sp
+        return tokens * e * h / sp
     recomputed = plan.recomputed_modules
-    h_wide = (6 if "layernorm" in recomputed else 10) * h / sp
+    h_wide = ((2 if "layernorm" in recomputed else 4) * e + 2) * h / sp
     mlp_mats = model.ffn_matrices - 1
-    mlp = 2 * (mlp_mats * f + f) / t if moe_ffn_bytes is None and "mlp" not in recomputed else 0.0
-    tp_sharded = 2 * (model.q_channels + 2 * model.kv_channels + model.q_channels) / t + mlp
+    mlp = e * (mlp_mats * f + f) / t if moe_ffn_bytes is None and "mlp" not in recomputed else 0.0
+    tp_sharded = e * (model.q_channels + 2 * model.kv_channels + model.q_channels) / t + mlp
     if attention_kernel == "flash":
         scores = 4 * a / t  # fp32 logsumexp per head
     elif "core_attn" in recomputed:
         scores = 0.0
     else:
-        scores = 5 * a * seq_length / t  # softmax out (2), dropout mask (1), dropout out (2)
+        scores = (2 * e + 1) * a * seq_length / t  # softmax out (e), dropout mask (1), dropout out (e)
     return tokens * (h_wide + tp_sharded + scores) + (moe_ffn_bytes or 0.0)
 
 
@@ -101,7 +103,9 @@ def stage_memory(
     tp); `expert_params`: its local experts, whose states shard over the expert-data-parallel group
     (dp x cp x tp / (ep x expert_tp), Megatron-Core parallel folding); `activations`: the peak of
     microbatches in flight x their activation bytes, read off the schedule; `working_set`:
-    transient buffers on top (the layer being recomputed, logits, all-to-all buffers)."""
+    transient buffers on top (the layer being recomputed, logits, all-to-all buffers);
+    `max_layer_params`: under ZeRO-3, the sharded parameters of the largest unit this rank gathers
+    (a layer, or the embedding / LM head on the stages holding them; 0 where nothing is sharded)."""
     w, g, o = state_bytes_per_param(precision)
     shard = plan.dp * plan.cp
     expert_shard = max(1, plan.tp * plan.cp * plan.dp // (plan.ep * plan.expert_tp))
@@ -119,27 +123,32 @@ def stage_memory(
 
     dw, dg, do = states(dense_params, shard)
     ew, eg, eo = states(expert_params, expert_shard)
-    weights = dw + ew
-    if zero >= 3:  # the current and the prefetched layer gathered in full (FSDP prefetch)
+    weights, grads = dw + ew, dg + eg
+    if zero >= 3:
+        # the current and the prefetched unit gathered in full (FSDP prefetch), and the unit's
+        # full gradient until its reduce-scatter (Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3)
         weights += 2 * max_layer_params * w
+        grads += max_layer_params * g
     acts = activations + working_set
     reserved = RESERVED_BYTES + FRAGMENTATION * acts
-    return StageMemory(weights=weights, gradients=dg + eg, optimizer=do + eo, activations=acts, reserved=reserved)
+    return StageMemory(weights=weights, gradients=grads, optimizer=do + eo, activations=acts, reserved=reserved)
 
 
-def working_set_bytes(model, plan, seq_length: int, attention_kernel: str, is_last_stage: bool) -> float:
+def working_set_bytes(model, plan, seq_length: int, attention_kernel: str, is_last_stage: bool,
+                      act_bytes: int = 2) -> float:
     """Transient buffers on top of the stored activations: under full recompute the layer being
     recomputed holds its full activations during its backward (under selective mlp recompute, its
     MLP intermediates); the last stage holds one
-    microbatch of logits (16-bit GEMM output + fp32 copy for the cross-entropy)."""
+    microbatch of logits (the GEMM output at `act_bytes` + an fp32 copy for the cross-entropy)."""
     out = 0.0
     if plan.recompute == "full":
-        out += activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel)
+        out += activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel,
+                                          act_bytes=act_bytes)
     elif "mlp" in plan.recomputed_modules and \
             not all(model.is_moe_layer(i) for i in range(model.num_layers)):  # a dense MLP being recomputed
         tokens = plan.micro_batch_size * seq_length // plan.cp
-        out += tokens * 2 * model.ffn_matrices * model.ffn_hidden_size / plan.tp
+        out += tokens * act_bytes * model.ffn_matrices * model.ffn_hidden_size / plan.tp
     if is_last_stage:
         tokens = plan.micro_batch_size * seq_length // plan.cp
-        out += tokens * (model.vocab_size / plan.tp) * 6
+        out += tokens * (model.vocab_size / plan.tp) * (act_bytes + 4)
     return out

@@ -18,6 +18,7 @@ from hwmodels.compute import gemm_time, memory_bound_time
 from hwmodels.network import collective_time
 from paraplan.placement import GroupLayout
 from simulator.cost import Cost
+from simulator.workload import tp_collective_pairs, ffn_norm_residual
 
 
 @dataclass(frozen=True)
@@ -58,9 +59,27 @@ def expert_probabilities(moe, rng: np.random.Generator) -> np.ndarray:
         return np.full(e, 1.0 / e)
     if r.distribution == "zipf":
         p = 1.0 / np.arange(1, e + 1) ** r.s
-        return rng.permutation(p / p.sum())
+        return rng.permutation(cap_shares(p / p.sum(), 1.0 / moe.top_k))
     hist = np.asarray(r.tokens_per_expert, dtype=float)
-    return hist / hist.sum()
+    return cap_shares(hist / hist.sum(), 1.0 / moe.top_k)
+
+
+def cap_shares(p: np.ndarray, cap: float) -> np.ndarray:
+    """Shares `p` (summing to 1) with none above `cap`, the excess spread over the others in
+    proportion to their shares. Top-k routing sends a token to k distinct experts (Shazeer et al.
+    2017, noisy top-k gating), so an expert receives at most one copy per token: at most 1/k of the
+    copies. Capping k x p at 1 and spreading the rest proportionally is the usual treatment of
+    certainty units in probability-proportional-to-size sampling without replacement (Sarndal,
+    Swensson and Wretman, "Model Assisted Survey Sampling", 1992, Sec. 3.6)."""
+    p = np.asarray(p, dtype=float).copy()
+    while True:
+        over = p > cap * (1 + 1e-12)
+        if not over.any():
+            return p
+        excess = float((p[over] - cap).sum())
+        p[over] = cap
+        free = p < cap
+        p[free] += excess * p[free] / p[free].sum()
 
 
 def draw_routing(moe, ep: int, tokens_per_rank: float, *, balanced: bool = False) -> RoutingDraw:
@@ -75,6 +94,8 @@ def draw_routing(moe, ep: int, tokens_per_rank: float, *, balanced: bool = False
     else:
         rng = np.random.default_rng(moe.routing.seed)
         counts = rng.multinomial(int(round(total)), expert_probabilities(moe, rng)).astype(float)
+        # sampling noise can push a capped expert past one copy per token; keep it at the cap
+        counts = cap_shares(counts / counts.sum(), 1.0 / k) * counts.sum()
     dropped = 0.0
     if moe.capacity_factor is not None:
         # expert capacity = capacity_factor x tokens x top_k / experts (Fedus et al. 2021, Eq. 3)
@@ -103,6 +124,9 @@ class MoEBlock:
     expert_activation: float = 0.0
     """Seconds of the routed experts' activation function in the forward (what moe_act recompute
     re-runs)."""
+    module_forward: Cost = field(default_factory=Cost)
+    """The MoE module's forward without the norm and residual around it (what moe recompute
+    re-runs)."""
     shared_forward: Cost = field(default_factory=Cost)
     """The shared experts' forward, compute and TP collectives (what shared_experts recompute
     re-runs)."""
@@ -112,9 +136,14 @@ class MoEBlock:
 
 
 def moe_block(ctx, draw: RoutingDraw, ep_layout, etp_layout, *, overlap_shared: bool) -> MoEBlock:
+    """The MoE module's costs, plus the post-attention norm and residual around it for the FFN
+    sublayer's forward and backward."""
+    module = _moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=False)
     return MoEBlock(
-        forward=_moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=False),
-        backward=_moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=True),
+        forward=module.scaled(1.0).add("compute", ffn_norm_residual(ctx, False)),
+        backward=_moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=True)
+        .add("compute", ffn_norm_residual(ctx, True)),
+        module_forward=module,
         weight_grad=_moe_weight_grad(ctx, draw),
         expert_activation=sum(_expert_activation(ctx, n * ctx.plan.expert_tp, False)
                               for n in draw.expert_tokens[draw.busiest_rank] if n > 0),
@@ -227,13 +256,11 @@ def _shared_experts(ctx, backward: bool) -> tuple[float, float]:
     m, p = ctx.model, ctx.plan
     if not m.moe.num_shared_experts:
         return 0.0, 0.0
-    from simulator.workload import _tp_collective_pairs  # the dense MLP's collectives
-
     f = m.moe.num_shared_experts * m.moe.expert_ffn_hidden_size // p.tp
     compute = sum(_gemm(ctx, ctx.tokens, k, w, backward) for k, w in _shared_linears(ctx))
     act = (3 if m.activation == "swiglu" else 2) * f * ctx.act_bytes * ctx.tokens
     compute += memory_bound_time(ctx.gpu, (2 if backward else 1) * act)
-    return compute, sum(_tp_collective_pairs(ctx)[2:])
+    return compute, sum(tp_collective_pairs(ctx)[2:])
 
 
 def _shared_forward(ctx) -> Cost:
@@ -254,8 +281,6 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     # Permute copies by expert before dispatch; unpermute and weight-sum after combine.
     permute = memory_bound_time(ctx.gpu, factor * 2 * copies * h * b)
     unpermute = memory_bound_time(ctx.gpu, factor * (2 * copies * h * b + routed * h * b))
-    # Post-attention norm and the residual bias-dropout-add on the routed tokens.
-    norms = memory_bound_time(ctx.gpu, factor * routed * (2 * h * b + 3 * h * b + h))
     experts_t = expert_compute_time(ctx, busiest, backward)
     # All-to-all-v: every rank sends copies x h; the busiest receives load x h. The exchange ends
     # when the largest of those has moved (dispatch and combine move the same bytes; backward the
@@ -275,7 +300,7 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     if overlap_shared:
         # Megatron --moe-shared-expert-overlap: the shared experts run while tokens are dispatched
         dispatch = max(0.0, a2a - shared)
-    cost = Cost().add("compute", router + permute + unpermute + norms + experts_t + shared)
+    cost = Cost().add("compute", router + permute + unpermute + experts_t + shared)
     cost.add("ep_comm", dispatch + a2a + etp_comm).add("tp_comm", shared_tp)
     if ep_layout.num_nodes > 1:
         cost.nic += 2 * a2a  # network-bound: the NIC is busy for both exchanges

@@ -78,13 +78,16 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
     kinds, draw = _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, balanced=_balanced_routing)
     w_bytes, _, _ = state_bytes_per_param(tr.precision)
     emb_params = m.embedding_params() / p.tp
-    max_layer = max(sum(kinds.params[k]) for k in kinds.params)
 
     # ZeRO-3: per layer, all-gather its weights (forward and backward) and reduce-scatter its
-    # gradients (backward) over the data-parallel group
-    zero3 = {kind: (collective_time(net, "all_gather", sum(prm) * w_bytes, dp_layout),
-                    collective_time(net, "reduce_scatter", sum(prm) * GRAD_REDUCE_BYTES, dp_layout))
-             for kind, prm in kinds.params.items()} if p.zero_stage == 3 and shard > 1 else {}
+    # gradients (backward); dense weights over the data-parallel group, expert weights over the
+    # expert-data-parallel group (where they are sharded, simulator.memory.stage_memory)
+    zero3 = {}
+    if p.zero_stage == 3 and (shard > 1 or edp_layout.size > 1):
+        zero3 = {kind: _zero3_comm(net, [(dense, dp_layout), (expert, edp_layout)], w_bytes)
+                 for kind, (dense, expert) in kinds.params.items()}
+        zero3["embedding"] = _zero3_comm(net, [(emb_params, dp_layout)], w_bytes)
+    gathered_layer = max(dense * (shard > 1) + expert * (edp_layout.size > 1) for dense, expert in kinds.params.values())
 
     works, mems = [], []
     first_layer = _first_layer_of_vstage(layers, p.pp)
@@ -120,10 +123,12 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
             grad_bucket_nic={c: [nic for _, nic in bl] for c, bl in buckets.items() if bl},
             optimizer_time=memory_bound_time(gpu, local_opt * opt_bytes), param_gather_time=param_gather,
         ))
-        working = kinds.working + working_set_bytes(m, p, tr.seq_length, tr.attention, s == p.pp - 1)
+        working = kinds.working + working_set_bytes(m, p, tr.seq_length, tr.attention, s == p.pp - 1, ctx.act_bytes)
+        holds_embedding = s == 0 or (s == p.pp - 1 and not (m.tied_embeddings and p.pp == 1))
+        gathered = max(gathered_layer, emb_params * (shard > 1) if holds_embedding else 0.0)
         mems.append(stage_memory(
             plan=p, precision=tr.precision, dense_params=dense_params, expert_params=expert_params,
-            max_layer_params=max_layer, activations=peak_in_flight(schedule[s], chunk_acts), working_set=working,
+            max_layer_params=gathered, activations=peak_in_flight(schedule[s], chunk_acts), working_set=working,
         ))
 
     p2p_bytes = ctx.tokens * m.hidden_size * ctx.act_bytes / p.tp  # scatter-gather (SC'21 Sec. 4.1)
@@ -146,7 +151,9 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
         )
         for s in range(p.pp)
     )
-    critical = max(range(p.pp), key=lambda s: (eng.stages[s].end, -s))
+    # every stage ends at the closing sync: the slowest stage is the one with the most work in its
+    # breakdown (the least pipeline idle), the pipeline's bottleneck
+    critical = max(range(p.pp), key=lambda s: (eng.stages[s].end - eng.stages[s].breakdown.get("pp_bubble", 0.0), -s))
     peak_mem = max(mm.total for mm in mems)
     moe = None
     if draw is not None:
@@ -178,7 +185,7 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     MoE model, of an MoE layer (whose costs follow the seeded routing draw)."""
     m, p = ctx.model, ctx.plan
     attn_params = m.attention_params() / p.tp
-    dense_acts = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel)
+    dense_acts = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, act_bytes=ctx.act_bytes)
     kinds = _Layers(
         fwd={"dense": layer_forward(ctx)}, bwd={"dense": layer_backward(ctx)}, wgrad={"dense": layer_weight_grad(ctx)},
         params={"dense": (attn_params + m.ffn_matrices * m.hidden_size * m.ffn_hidden_size / p.tp, 0.0)},
@@ -196,7 +203,7 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     local_experts = e.num_experts // p.ep * m.expert_params() / p.expert_tp
     kinds.params["moe"] = (attn_params + m.hidden_size * e.num_experts + shared, local_experts)
     ffn = moe_activation_bytes(ctx, draw)
-    kinds.acts["moe"] = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, ffn)
+    kinds.acts["moe"] = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, ffn, ctx.act_bytes)
     working = dispatch_buffer_bytes(ctx, draw)
     if p.recompute == "full" or "moe" in p.recomputed_modules:
         working += moe_activation_bytes(ctx, draw, recomputed=())  # the layer being recomputed
@@ -209,29 +216,36 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], zero3: dict, *, 
     params sharded over dp x cp, expert params, activation bytes per microbatch) of one model
     chunk: its layers, plus the embedding on the first chunk of the pipeline and the LM head on
     the last."""
-    f, b = Cost(), Cost()
     dense = expert = acts = wgrad = 0.0
     for kind in ("dense", "moe"):
         n = kinds_in_chunk.count(kind)
-        if not n:
-            continue
-        gather, scatter = zero3.get(kind, (0.0, 0.0))
-        f += _zero3_overlap(kinds.fwd[kind], n, gather)
-        b += _zero3_overlap(kinds.bwd[kind], n, gather + scatter)
-        wgrad += n * kinds.wgrad[kind]
-        dense += n * kinds.params[kind][0]
-        expert += n * kinds.params[kind][1]
-        acts += n * kinds.acts[kind]
+        wgrad += n * kinds.wgrad[kind] if n else 0.0
+        dense += n * kinds.params[kind][0] if n else 0.0
+        expert += n * kinds.params[kind][1] if n else 0.0
+        acts += n * kinds.acts[kind] if n else 0.0
+    # (forward cost, backward cost, ZeRO-3 (gather, scatter)) of each piece in forward order
+    pieces = [(kinds.fwd[k], kinds.bwd[k], zero3.get(k, (0.0, 0.0))) for k in kinds_in_chunk]
+    no_comm = (0.0, 0.0)
     if first:
-        f += embedding_cost(ctx, backward=False)
-        b += embedding_cost(ctx, backward=True)
+        pieces.insert(0, (embedding_cost(ctx, backward=False), embedding_cost(ctx, backward=True),
+                          zero3.get("embedding", no_comm)))
         dense += emb_params
     if last:
-        f += head_cost(ctx, backward=False)
-        b += head_cost(ctx, backward=True)
+        # a tied head on the embedding's stage uses the weights gathered with the embedding
+        own_head = not (ctx.model.tied_embeddings and ctx.plan.pp == 1)
+        pieces.append((head_cost(ctx, backward=False), head_cost(ctx, backward=True),
+                       zero3.get("embedding", no_comm) if own_head else no_comm))
         wgrad += head_weight_grad(ctx)
-        if not (ctx.model.tied_embeddings and ctx.plan.pp == 1):
+        if own_head:
             dense += emb_params
+    if not zero3:
+        f, b = Cost(), Cost()
+        for fwd, bwd, _ in pieces:
+            f += fwd
+            b += bwd
+        return f, b, wgrad, dense, expert, acts
+    f = _zero3_chain([(fwd, gather) for fwd, _, (gather, _) in pieces])
+    b = _zero3_chain([(bwd, gather + scatter) for _, bwd, (gather, scatter) in reversed(pieces)])
     return f, b, wgrad, dense, expert, acts
 
 
@@ -257,17 +271,30 @@ def _grad_buckets(net, p, params: float, layout: GroupLayout, group: int) -> lis
     return [(t, t if layout.num_nodes > 1 else 0.0)] * n
 
 
-def _zero3_overlap(layer: Cost, n_layers: int, comm_per_layer: float) -> Cost:
-    """n identical layers; under ZeRO-3 each layer's parameters are all-gathered (and in backward
-    its gradients reduce-scattered) on a separate stream, prefetched one layer ahead (FSDP
-    forward/backward prefetch): time = comm + (n-1) x max(compute, comm) + compute. The part above
-    n x compute is exposed data-parallel communication."""
-    total = layer.scaled(n_layers)
-    if comm_per_layer <= 0 or n_layers == 0:
+def _zero3_comm(net, parts: list[tuple[float, GroupLayout]], w_bytes: float) -> tuple[float, float]:
+    """(all-gather, reduce-scatter) seconds of one ZeRO-3 unit whose parameters are `parts`
+    (count, the group they are sharded over); a group of one holds them whole and moves nothing."""
+    gather = sum(collective_time(net, "all_gather", n * w_bytes, lay) for n, lay in parts if n > 0 and lay.size > 1)
+    scatter = sum(collective_time(net, "reduce_scatter", n * GRAD_REDUCE_BYTES, lay)
+                  for n, lay in parts if n > 0 and lay.size > 1)
+    return gather, scatter
+
+
+def _zero3_chain(pieces: list[tuple[Cost, float]]) -> Cost:
+    """Pieces run in order, each (cost, ZeRO-3 communication: its weights' all-gather, in backward
+    also its gradients' reduce-scatter) on a separate stream, prefetched one piece ahead (FSDP
+    forward/backward prefetch, Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3.3): time =
+    comm_1 + sum_i max(compute_i, comm_(i+1)) + compute_n. The part above the compute is exposed
+    data-parallel communication. For n identical layers: comm + (n-1) x max(compute, comm) + compute."""
+    total = Cost()
+    for cost, _ in pieces:
+        total += cost
+    if not pieces:
         return total
-    c = layer.total
-    span = comm_per_layer + (n_layers - 1) * max(c, comm_per_layer) + c
-    return total.add("dp_comm", span - n_layers * c)
+    span = pieces[0][1] + pieces[-1][0].total
+    for (cost, _), (_, nxt) in zip(pieces, pieces[1:]):
+        span += max(cost.total, nxt)
+    return total.add("dp_comm", span - sum(cost.total for cost, _ in pieces))
 
 
 def _sync_time(sc: Scenario, net, emb_params: float, gpn: int) -> float:

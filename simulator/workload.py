@@ -106,14 +106,22 @@ def _attention_elementwise(ctx: LayerContext, backward: bool) -> float:
     return _memory_bound(ctx, kernels, backward)
 
 
-def _ffn_elementwise(ctx: LayerContext, tokens: float, width: int, backward: bool) -> float:
-    """The FFN side: post-attention LayerNorm (2h) and bias-dropout-add (3h + mask) on the h-wide
-    tokens, and the activation over `tokens` x `width` (GELU reads f and writes f; SwiGLU reads
-    the gate and up halves, 2f, and writes f)."""
+def ffn_norm_residual(ctx: LayerContext, backward: bool) -> float:
+    """What the FFN sublayer runs outside its MLP (Korthikanti et al. 2022 Sec. 4.1): the
+    post-attention LayerNorm (reads and writes h) and the bias-dropout-add (reads 2h, writes h plus
+    a 1-byte mask) on the h-wide tokens. Megatron-Core keeps both outside the `mlp` and `moe`
+    modules (TransformerLayer: pre_mlp_layernorm, mlp, mlp_bda), so recomputing those does not
+    re-run them."""
     m, b = ctx.model, ctx.act_bytes
     h, th = m.hidden_size, _h_wide_tokens(ctx)
-    act = (3 if m.activation == "swiglu" else 2) * width * b
-    return _memory_bound(ctx, [th * 2 * h * b, th * (3 * h * b + h), tokens * act], backward)
+    return _memory_bound(ctx, [th * 2 * h * b, th * (3 * h * b + h)], backward)
+
+
+def _mlp_activation(ctx: LayerContext, width: int, backward: bool) -> float:
+    """The activation over the tokens x `width` intermediate: GELU reads f and writes f; SwiGLU
+    reads the gate and up halves, 2f, and writes f."""
+    act = (3 if ctx.model.activation == "swiglu" else 2) * width * ctx.act_bytes
+    return _memory_bound(ctx, [ctx.tokens * act], backward)
 
 
 # Fraction of the GPU's SMs an NVLink collective occupies while it runs beside compute
@@ -121,7 +129,7 @@ def _ffn_elementwise(ctx: LayerContext, tokens: float, width: int, backward: boo
 NVLINK_SM_SHARE = 0.15
 
 
-def _tp_collective_pairs(ctx: LayerContext) -> list[float]:
+def tp_collective_pairs(ctx: LayerContext) -> list[float]:
     """Tensor-parallel collectives of one layer in one direction, one per linear layer in the order
     QKV, attention projection, MLP up, MLP down: with sequence parallelism an all-gather before each
     column-parallel and a reduce-scatter after each row-parallel GEMM (Korthikanti et al. 2022,
@@ -177,17 +185,23 @@ def attention_block(ctx: LayerContext, backward: bool) -> Cost:
     shapes = _linear_shapes(ctx)[:2]
     gemms = [_linear(ctx, k, n, backward) for k, n in shapes]
     compute = sum(gemms) + _attention_core(ctx, backward) + _attention_elementwise(ctx, backward)
-    tp = _comm_exposed(ctx, _tp_collective_pairs(ctx)[:2], _hiding_gemms(ctx, shapes, gemms, backward))
+    tp = _comm_exposed(ctx, tp_collective_pairs(ctx)[:2], _hiding_gemms(ctx, shapes, gemms, backward))
     return Cost().add("compute", compute).add("tp_comm", tp).add("cp_comm", _cp_comm(ctx, backward))
 
 
-def dense_ffn_block(ctx: LayerContext, backward: bool) -> Cost:
-    """Post-attention norm, MLP up (+gate, column-parallel), activation, MLP down (row-parallel)."""
+def mlp_block(ctx: LayerContext, backward: bool) -> Cost:
+    """The MLP module: up (+gate, column-parallel), activation, down (row-parallel), with their TP
+    collectives."""
     shapes = _linear_shapes(ctx)[2:]
     gemms = [_linear(ctx, k, n, backward) for k, n in shapes]
-    compute = sum(gemms) + _ffn_elementwise(ctx, ctx.tokens, ctx.model.ffn_hidden_size // ctx.plan.tp, backward)
-    tp = _comm_exposed(ctx, _tp_collective_pairs(ctx)[2:], _hiding_gemms(ctx, shapes, gemms, backward))
+    compute = sum(gemms) + _mlp_activation(ctx, ctx.model.ffn_hidden_size // ctx.plan.tp, backward)
+    tp = _comm_exposed(ctx, tp_collective_pairs(ctx)[2:], _hiding_gemms(ctx, shapes, gemms, backward))
     return Cost().add("compute", compute).add("tp_comm", tp)
+
+
+def dense_ffn_block(ctx: LayerContext, backward: bool) -> Cost:
+    """The dense FFN sublayer: post-attention norm, the MLP, residual."""
+    return mlp_block(ctx, backward).add("compute", ffn_norm_residual(ctx, backward))
 
 
 def layer_forward(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
@@ -223,7 +237,7 @@ def selective_recompute(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
     """The forward pieces selective recompute re-runs before a layer's backward, by Megatron-Core
     --recompute-modules: core_attn = the attention core (Korthikanti et al. 2022, Sec. 5);
     layernorm = the two norms; mlp = a dense layer's MLP (GEMMs, activation, TP collectives);
-    moe = the whole MoE layer (router, dispatch, experts, combine); moe_act = the routed experts'
+    moe = the MoE layer (router, dispatch, experts, combine, shared experts); moe_act = the routed experts'
     activation function; shared_experts = the shared experts. Modules a layer does not have cost
     nothing there (mlp in an MoE layer, the MoE ones in a dense layer)."""
     mods = ctx.plan.recompute_modules
@@ -235,9 +249,9 @@ def selective_recompute(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
         cost.add("recompute", 2 * memory_bound_time(ctx.gpu, norm))
     if ffn is dense_ffn_block:
         if "mlp" in mods:
-            cost += _as_recompute(dense_ffn_block(ctx, False))
+            cost += _as_recompute(mlp_block(ctx, False))
     elif "moe" in mods:
-        cost += _as_recompute(ffn(ctx, False))
+        cost += _as_recompute(ffn.module_forward.scaled(1.0))
     else:
         if "moe_act" in mods:
             cost.add("recompute", ffn.expert_activation)
@@ -264,18 +278,23 @@ def head_weight_grad(ctx: LayerContext) -> float:
 
 def embedding_cost(ctx: LayerContext, backward: bool) -> Cost:
     """Vocab-parallel embedding lookup (Megatron VocabParallelEmbedding): gather rows, then an
-    all-reduce of the (tokens, h) output over TP (a reduce-scatter with sequence parallelism)."""
+    all-reduce of the (tokens, h) output over TP (reduce_from_tensor_model_parallel_region), or a
+    reduce-scatter with sequence parallelism. Their backwards: the all-reduce's is the identity,
+    the reduce-scatter's an all-gather of the gradient (Megatron-Core tensor_parallel/mappings.py)."""
     nbytes = ctx.tokens * ctx.model.hidden_size * ctx.act_bytes
     cost = Cost().add("compute", memory_bound_time(ctx.gpu, (4 if backward else 2) * nbytes))
-    if ctx.plan.tp > 1:
-        op = "reduce_scatter" if ctx.plan.sequence_parallel else "all_reduce"
-        cost.add("tp_comm", collective_time(ctx.network, op, nbytes, ctx.tp_layout))
+    if ctx.plan.tp > 1 and (ctx.plan.sequence_parallel or not backward):
+        op = {(False, False): "all_reduce", (True, False): "reduce_scatter", (True, True): "all_gather"}
+        cost.add("tp_comm", collective_time(ctx.network, op[ctx.plan.sequence_parallel, backward], nbytes, ctx.tp_layout))
     return cost
 
 
 def head_cost(ctx: LayerContext, backward: bool) -> Cost:
     """Final norm, LM head (column-parallel over the vocabulary) and vocab-parallel cross-entropy
-    (Megatron _VocabParallelCrossEntropy: fp32 logits read for max, exp-sum and gradient)."""
+    (Megatron _VocabParallelCrossEntropy: fp32 logits read for max, exp-sum and gradient). The
+    head's input: with sequence parallelism all-gathered in the forward and its gradient
+    reduce-scattered in the backward; without, copied (identity) forward and its gradient
+    all-reduced backward (copy_to_tensor_model_parallel_region)."""
     m, p = ctx.model, ctx.plan
     vocab = m.vocab_size // p.tp
     gemm = _linear(ctx, m.hidden_size, vocab, backward)
@@ -283,7 +302,8 @@ def head_cost(ctx: LayerContext, backward: bool) -> Cost:
     ce = memory_bound_time(ctx.gpu, (2 if backward else 3) * logits)
     norm = memory_bound_time(ctx.gpu, (2 if backward else 1) * 2 * ctx.tokens * m.hidden_size * ctx.act_bytes)
     cost = Cost().add("compute", gemm + ce + norm)
-    if p.tp > 1 and p.sequence_parallel:  # gather the sequence-parallel input of the head
+    if p.tp > 1 and (p.sequence_parallel or backward):
+        op = {(True, False): "all_gather", (True, True): "reduce_scatter", (False, True): "all_reduce"}
         nbytes = ctx.tokens * m.hidden_size * ctx.act_bytes
-        cost.add("tp_comm", collective_time(ctx.network, "all_gather", nbytes, ctx.tp_layout))
+        cost.add("tp_comm", collective_time(ctx.network, op[p.sequence_parallel, backward], nbytes, ctx.tp_layout))
     return cost

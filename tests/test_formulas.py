@@ -46,6 +46,29 @@ def test_activation_memory_matches_korthikanti_table2(sp):
     assert full == pytest.approx(2 * s * b * h / (t if sp else 1))
 
 
+def test_fp32_activations_take_four_bytes_an_element():
+    """Korthikanti's sbh(34 + 5as/h) counts 2-byte elements and 1-byte masks: with 4-byte
+    elements the 2-byte terms double (LayerNorm/QKV/MLP inputs 8h -> 16h, the 24h tp-sharded ones
+    -> 48h, softmax and dropout outputs 4as -> 8as) while the masks (2h, as) stay."""
+    t, s, b, h, a = 8, 2048, 1, 12288, 96
+    plan = PlanSpec(tp=t, pp=8, dp=16, sequence_parallel=True, recompute="none")
+    got = activation_bytes_per_layer(GPT3, plan, s, "unfused", act_bytes=4)
+    assert got == pytest.approx(s * b * h / t * (18 + 48 + 9 * a * s / h), rel=1e-12)
+    full = activation_bytes_per_layer(GPT3, replace(plan, recompute="full"), s, "unfused", act_bytes=4)
+    assert full == pytest.approx(4 * s * b * h / t)
+
+
+def test_fp32_training_reports_more_activation_memory():
+    from paraplan.loader import load_scenario
+    from simulator.simulate import simulate
+
+    bf16 = load_scenario("scenarios/llama3-8b-64xh100.yaml")
+    fp32 = replace(bf16, training=replace(bf16.training, precision="fp32"))
+    a16 = simulate(bf16).stages[0].memory["activations"]
+    a32 = simulate(fp32).stages[0].memory["activations"]
+    assert 1.8 * a16 < a32 < 2.0 * a16  # 1-byte masks and the fp32 flash logsumexp do not double
+
+
 def test_zero_stages_shard_model_states():
     plan = PlanSpec(tp=1, pp=1, dp=64, recompute="full")
     kw = dict(precision="bf16", dense_params=1e9, max_layer_params=1e7, activations=0.0)
@@ -56,7 +79,8 @@ def test_zero_stages_shard_model_states():
     z2 = stage_memory(plan=replace(plan, zero_stage=2), **kw)
     assert z2.gradients == pytest.approx(4e9 / 64)
     z3 = stage_memory(plan=replace(plan, zero_stage=3), **kw)
-    assert z3.weights == pytest.approx(2e9 / 64 + 2 * 2 * 1e7)
+    assert z3.weights == pytest.approx(2e9 / 64 + 2 * 2 * 1e7)  # + the current and the prefetched layer
+    assert z3.gradients == pytest.approx(4e9 / 64 + 4 * 1e7)  # + one layer's full gradient before its reduce-scatter
 
 
 def test_expert_states_shard_over_the_expert_data_parallel_group():

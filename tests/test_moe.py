@@ -11,9 +11,9 @@ from paraplan.errors import ConfigError, InfeasiblePlanError
 from paraplan.loader import load_scenario
 from paraplan.placement import GroupLayout, expert_group_layouts, group_layout
 from paraplan.specs import MoESpec, RoutingSpec
-from simulator.moe import draw_routing, expert_compute_time, moe_block, nodes_reached
+from simulator.moe import cap_shares, draw_routing, expert_compute_time, moe_block, nodes_reached
 from simulator.simulate import simulate
-from simulator.workload import LayerContext, dense_ffn_block
+from simulator.workload import LayerContext, dense_ffn_block, ffn_norm_residual
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -95,9 +95,7 @@ def test_ep1_expert_cost_equals_the_dense_ffn(h100_net):
         experts = expert_compute_time(ctx, draw.expert_tokens[0], backward)
         dense = dense_ffn_block(ctx, backward).parts["compute"]
         # the dense block also runs the post-attention norm and residual kernels
-        from simulator.workload import _ffn_elementwise
-        norms = _ffn_elementwise(ctx, 0, 0, backward)
-        assert experts == pytest.approx(dense - norms, rel=1e-9)
+        assert experts == pytest.approx(dense - ffn_norm_residual(ctx, backward), rel=1e-9)
 
 
 @pytest.mark.parametrize("routing", [RoutingSpec(), RoutingSpec(distribution="zipf", s=1.0, seed=1),
@@ -229,3 +227,25 @@ def test_flops_count_active_experts_only(h100_net):
     attn = 2 * (m.hidden_size * (m.q_channels + 2 * m.kv_channels) + m.q_channels * m.hidden_size)
     experts = 2 * (2 * 3 * m.hidden_size * 14336 + m.hidden_size * 8)  # top-2 SwiGLU experts + router
     assert gemm == pytest.approx(32 * (attn + experts))
+
+
+@pytest.mark.parametrize("s", [1.2, 2.0])
+def test_an_expert_gets_at_most_one_copy_per_token(s):
+    """Top-8 of 256 experts under a steep zipf: uncapped the favourite expert's share k x p
+    exceeds 1 (more copies than tokens); capped it takes every token once and the excess goes to
+    the others in proportion."""
+    moe = MoESpec(num_experts=256, top_k=8, expert_ffn_hidden_size=2048,
+                  routing=RoutingSpec(distribution="zipf", s=s, seed=3))
+    tokens, ep = 4096.0, 64
+    draw = draw_routing(moe, ep, tokens)
+    assert draw.expert_tokens.max() <= tokens * ep * (1 + 1e-9)
+    assert draw.expert_tokens.sum() == pytest.approx(tokens * ep * 8)  # copies are conserved
+
+
+def test_cap_shares_by_hand():
+    # 0.7 over a cap of 0.5: 0.2 spread over 0.2 and 0.1 in proportion (2:1)
+    assert cap_shares(np.array([0.7, 0.2, 0.1]), 0.5) == pytest.approx([0.5, 0.2 + 0.2 * 2 / 3, 0.1 + 0.2 / 3])
+    # a spread that pushes another share over the cap is capped in turn
+    assert cap_shares(np.array([0.6, 0.3, 0.1]), 0.4) == pytest.approx([0.4, 0.4, 0.2])
+    uniform = np.full(8, 1 / 8)
+    assert cap_shares(uniform, 1 / 8) == pytest.approx(uniform)

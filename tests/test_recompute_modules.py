@@ -17,7 +17,8 @@ from simulator.flops import hardware_flops, model_flops
 from simulator.memory import activation_bytes_per_layer
 from simulator.moe import draw_routing, moe_activation_bytes, moe_block, routed_tokens_per_rank
 from simulator.simulate import simulate
-from simulator.workload import LayerContext, _attention_core, dense_ffn_block, layer_backward, selective_recompute
+from simulator.workload import (LayerContext, _attention_core, dense_ffn_block, ffn_norm_residual, layer_backward,
+                                mlp_block, selective_recompute)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,9 +63,13 @@ def test_each_module_costs_its_forward(llama8b):
     m, p = sc.model, sc.plan
     tokens_h = ctx.tokens / (p.tp if p.sequence_parallel else 1)
     norms = 2 * memory_bound_time(ctx.gpu, tokens_h * 2 * m.hidden_size * 2)
-    mlp = dense_ffn_block(ctx, False)
+    mlp = mlp_block(ctx, False)
     cost = selective_recompute(ctx)
     assert cost.parts["recompute"] == pytest.approx(norms + mlp.parts["compute"], rel=1e-12)
+    # the mlp module leaves out the pre-MLP norm (counted once, under layernorm) and the residual
+    sublayer = dense_ffn_block(ctx, False).parts["compute"]
+    assert mlp.parts["compute"] == pytest.approx(sublayer - ffn_norm_residual(ctx, False), rel=1e-12)
+    assert mlp.parts["compute"] < sublayer
     assert cost.parts["tp_comm"] == pytest.approx(mlp.parts["tp_comm"], rel=1e-12)  # the MLP's collectives re-run
     assert mlp.parts["tp_comm"] > 0
     # the backward is the plain backward plus exactly that
@@ -114,7 +119,9 @@ def test_moe_modules(mixtral):
     assert kept - moe_activation_bytes(act_ctx, draw) == pytest.approx(load * f * 2)
     assert moe_activation_bytes(context(with_modules(sc, "moe")), draw) == 0.0
     whole = selective_recompute(context(with_modules(sc, "moe")), block)
-    assert whole.parts["recompute"] == pytest.approx(block.forward.parts["compute"], rel=1e-12)
+    # the MoE module re-runs; the pre-MLP norm and the residual around it do not
+    sublayer = block.forward.parts["compute"]
+    assert whole.parts["recompute"] == pytest.approx(sublayer - ffn_norm_residual(ctx, False), rel=1e-12)
     assert whole.parts["ep_comm"] == pytest.approx(block.forward.parts["ep_comm"], rel=1e-12)
     assert whole.parts["ep_comm"] > 0  # the dispatch and combine re-run
 

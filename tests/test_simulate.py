@@ -170,3 +170,98 @@ def test_zero_bubble_tp_overlap_hides_only_behind_input_gradient_gemms():
     inter = simulate(plan_variant(sc, **overlap))
     zb = simulate(plan_variant(sc, schedule="zero-bubble", **overlap))
     assert zb.breakdown["tp_comm"] > inter.breakdown["tp_comm"]
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_embedding_and_head_collectives_follow_megatrons_mappings(gpt3, sp):
+    """Embedding: all-reduce forward, nothing backward; with SP reduce-scatter forward, all-gather
+    backward. LM head input: nothing forward, all-reduce backward; with SP all-gather forward,
+    reduce-scatter backward (Megatron-Core tensor_parallel/mappings.py)."""
+    from hwmodels.network import build_network, collective_time
+    from hwmodels.profile import load_profile
+    from paraplan.placement import group_layout
+    from simulator.workload import LayerContext, embedding_cost, head_cost
+
+    gpu = load_profile(gpt3.cluster.gpu)
+    p, m = replace(gpt3.plan, sequence_parallel=sp), gpt3.model
+    net = build_network(gpt3.cluster, gpu)
+    tp_layout = group_layout(("tp",), p, 8)
+    ctx = LayerContext(model=m, plan=p, gpu=gpu, network=net, seq_length=gpt3.training.seq_length, dtype="bf16",
+                       attention_kernel="flash", tp_layout=tp_layout, cp_layout=group_layout(("cp",), p, 8))
+    nbytes = p.micro_batch_size * gpt3.training.seq_length * m.hidden_size * 2
+
+    def coll(op):
+        return collective_time(net, op, nbytes, tp_layout) if op else 0.0
+
+    want = {False: (("all_reduce", None), (None, "all_reduce")),
+            True: (("reduce_scatter", "all_gather"), ("all_gather", "reduce_scatter"))}[sp]
+    for fn, ops in zip((embedding_cost, head_cost), want):
+        for backward, op in zip((False, True), ops):
+            assert fn(ctx, backward).parts["tp_comm"] == pytest.approx(coll(op), rel=1e-12), (fn.__name__, backward)
+
+
+def test_zero3_with_nothing_to_shard_costs_what_zero0_does():
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml")
+    one = plan_variant(sc, tp=2, pp=4, dp=1)
+    z0, z3 = simulate(one), simulate(plan_variant(one, zero_stage=3))
+    assert z3.peak_memory_bytes == z0.peak_memory_bytes
+    assert z3.step_time_s == z0.step_time_s and z3.breakdown == z0.breakdown
+
+
+def test_zero3_chain_by_hand():
+    """Prefetch one piece ahead: comm_1 + sum max(compute_i, comm_i+1) + compute_n."""
+    from simulator.cost import Cost
+    from simulator.simulate import _zero3_chain  # noqa: PLC2701
+
+    pieces = [(Cost().add("compute", c), g) for c, g in [(1.0, 0.5), (2.0, 3.0), (1.0, 0.5), (4.0, 2.0)]]
+    out = _zero3_chain(pieces)
+    assert out.parts["compute"] == 8.0
+    # 0.5 + max(1, 3) + max(2, 0.5) + max(1, 2) + 4 = 11.5 -> 3.5 s exposed
+    assert out.parts["dp_comm"] == pytest.approx(3.5)
+
+
+def test_zero3_gathers_experts_over_the_expert_data_parallel_group():
+    """Mixtral on 64 GPUs (tp 2, pp 2, dp 16, ep 8): dense weights shard over dp = 16 ranks,
+    expert weights over expert-dp = 2 ranks on two nodes; each layer gathers both."""
+    from hwmodels.network import build_network, collective_time
+    from hwmodels.profile import load_profile
+    from paraplan.placement import expert_group_layouts, group_layout
+    from simulator.simulate import _zero3_comm  # noqa: PLC2701
+
+    sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml")
+    p = sc.plan
+    gpu = load_profile(sc.cluster.gpu)
+    net = build_network(sc.cluster, gpu)
+    dp, (_, _, edp) = group_layout(("cp", "dp"), p, 8), expert_group_layouts(p, 8)
+    assert (dp.size, edp.size, edp.num_nodes) == (16, 2, 2)
+    gather, scatter = _zero3_comm(net, [(1e8, dp), (2e8, edp)], 2)
+    assert gather == pytest.approx(collective_time(net, "all_gather", 2e8, dp)
+                                   + collective_time(net, "all_gather", 4e8, edp), rel=1e-12)
+    assert scatter == pytest.approx(collective_time(net, "reduce_scatter", 4e8, dp)
+                                    + collective_time(net, "reduce_scatter", 8e8, edp), rel=1e-12)
+    # a group of one holds its weights whole: nothing to move
+    assert _zero3_comm(net, [(1e8, group_layout(("cp",), p, 8))], 2) == (0.0, 0.0)
+    z0, z3 = simulate(plan_variant(sc, zero_stage=1)), simulate(plan_variant(sc, zero_stage=3))
+    assert z3.breakdown["dp_comm"] > z0.breakdown["dp_comm"]
+
+
+def test_zero3_counts_the_gathered_embedding():
+    """Llama-3 8B (untied, vocab 128k): the LM head (0.5 B params) outweighs a layer (0.22 B), so
+    on one stage ZeRO-3's gathered allowance is the head's."""
+    sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml")
+    one = plan_variant(sc, tp=1, pp=1, dp=64, zero_stage=3)
+    r = simulate(one)
+    head = sc.model.embedding_params()
+    w = r.stages[0].memory["weights"]
+    sharded = (2 * sc.model.embedding_params() + sc.model.num_layers * (sc.model.attention_params()
+               + 3 * sc.model.hidden_size * sc.model.ffn_hidden_size)) * 2 / 64
+    assert w == pytest.approx(sharded + 2 * head * 2, rel=1e-6)
+
+
+def test_the_reported_stage_is_the_busiest(gpt3):
+    """Every stage ends at the closing sync, so 'the slowest' is the one with the least idle: on
+    GPT-3 the last stage, which also runs the LM head and the loss."""
+    r = simulate(gpt3)
+    busy = [st.end_time_s - st.breakdown["pp_bubble"] for st in r.stages]
+    assert r.critical_stage == busy.index(max(busy)) == gpt3.plan.pp - 1
+    assert r.breakdown == r.stages[r.critical_stage].breakdown
