@@ -83,9 +83,18 @@ def run_iteration(
     overlap_grad_reduce: bool,
     sync_time: float,
     p2p_nic: float = 0.0,
+    align_grad_reduce: bool = False,
 ) -> EngineResult:
     """Simulate one iteration; returns per-stage breakdowns summing to each stage's end time.
-    `p2p_nic`: seconds of each pipeline send on the NICs (0 when neighbouring stages share a node)."""
+    `p2p_nic`: seconds of each pipeline send on the NICs (0 when neighbouring stages share a node).
+    `overlap_grad_reduce`: a chunk's gradient buckets are reduced as its last backward produces
+    them; else every bucket waits for the end of the stage's backward.
+    `align_grad_reduce` (with overlap): Megatron-Core's default launch points instead
+    (--align-grad-reduce, pipeline_parallel/schedules.py): under 1F1B only the first stage reduces
+    during its last backward, the others once their backward is over, in the pipeline's closing
+    bubble; under interleaved 1F1B stage s launches a chunk's whole reduction when it finishes the
+    backward s steps after the chunk's last one (all stages launch together), or after its last
+    backward when fewer remain."""
     env = simpy.Environment()
     pp = len(works)
     last_vstage = pp * num_chunks - 1
@@ -170,11 +179,33 @@ def run_iteration(
 
     last_b = [{c: i for c, i in last_grad_ops(w.ops).items() if c in w.grad_buckets} for w in works]
 
+    def launch_points(stage: int) -> tuple[dict[int, int], dict[int, list[int]], list[int]]:
+        """Where each chunk's gradient reduction starts: (op index -> chunk whose buckets fill
+        during that op, op index -> chunks launched whole when that op ends, chunks launched
+        after the stage's last op)."""
+        chunks = last_b[stage]
+        if not (overlap_grad_reduce and align_grad_reduce):
+            return {i: c for c, i in chunks.items()}, {}, []
+        if num_chunks == 1:
+            return ({i: c for c, i in chunks.items()}, {}, []) if stage == 0 else ({}, {}, sorted(chunks))
+        backwards = [i for i, o in enumerate(works[stage].ops) if o.kind == "B"]
+        at_end: dict[int, list[int]] = {}
+        after: list[int] = []
+        for c, i in sorted(chunks.items(), key=lambda kv: kv[1]):
+            k = backwards.index(i) + stage
+            if k < len(backwards):
+                at_end.setdefault(backwards[k], []).append(c)
+            else:
+                after.append(c)
+        return {}, at_end, after
+
+    launches = [launch_points(s) for s in range(pp)]
+
     def prepared(stage: int, work: StageWork):
         """Per op, everything the stream needs, computed once: its dependency, duration, NIC time,
         the event it produces for another stage, whether it starts a chunk's gradient flow."""
         totals = {key: (cost.total, cost.nic) for key, cost in work.op_cost.items()}
-        final_b = {i: c for c, i in last_b[stage].items()}
+        final_b, launch_after, _ = launches[stage]
         out = []
         for i, op in enumerate(work.ops):
             duration, nic = totals[(op.kind, op.chunk)]
@@ -183,7 +214,8 @@ def run_iteration(
             if consumed_elsewhere(stage, op):  # (key, the consuming stage)
                 produces = ((op.kind, op.microbatch, op.chunk * pp + stage),
                             (stage + (1 if op.kind == "F" else -1)) % pp)
-            out.append((producer_of(stage, op), duration, nic, name, SPAN_CATEGORY[op.kind], produces, final_b.get(i)))
+            out.append((producer_of(stage, op), duration, nic, name, SPAN_CATEGORY[op.kind], produces, final_b.get(i),
+                        launch_after.get(i, ())))
         return out
 
     def compute_stream(stage: int):
@@ -192,7 +224,7 @@ def run_iteration(
         timeout = env.timeout
         now = lambda: env.now  # noqa: E731
         bubble = comm = contention = 0.0
-        for dep, duration, nic, name, category, produces, grads_of in prepared(stage, work):
+        for dep, duration, nic, name, category, produces, grads_of, launched_after in prepared(stage, work):
             recv = 0.0  # waiting for the input to arrive, folded into the op's timeout (one event)
             if dep is not None:
                 t0 = now()
@@ -228,10 +260,14 @@ def run_iteration(
             if produces is not None:
                 key, to = produces
                 produce(key, send(stage, to, end) if p2p_nic else end + p2p_time)
+            for c in launched_after:  # whole chunks whose reduction is launched now
+                grad_ready[stage][c].succeed((end, end))
             traces[stage].ops_done += 1
         if owed_next[stage]:  # a send landed during the last op
             contention += owed_next[stage]
             yield timeout(owed_next[stage])
+        for c in launches[stage][2]:
+            grad_ready[stage][c].succeed((env.now, env.now))
         # the op costs are fixed per (kind, chunk): book their components by count
         counts: dict = {}
         for op in work.ops:
@@ -247,7 +283,11 @@ def run_iteration(
 
     def grad_stream(stage: int):
         work = works[stage]
-        order = sorted(work.grad_buckets, key=lambda c: last_b[stage][c])
+        during, at_end, after = launches[stage]
+        launch_order = {c: (i, 0) for i, c in during.items()}
+        launch_order.update({c: (i, 1) for i, cs in at_end.items() for c in cs})
+        launch_order.update({c: (len(work.ops), n) for n, c in enumerate(after)})
+        order = sorted(work.grad_buckets, key=lambda c: launch_order[c])
         if not overlap_grad_reduce and order:  # reduce everything once the backward is over
             spans_of = yield simpy.AllOf(env, list(grad_ready[stage].values()))
             backward_end = max(end for _, end in spans_of.values())

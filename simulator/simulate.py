@@ -136,7 +136,8 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
     p2p = collective_time(net, "send_recv", p2p_bytes, pp_pair) if p.pp > 1 else 0.0
     sync = _sync_time(sc, net, emb_params, gpn)
     eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce,
-                        sync_time=sync, p2p_nic=p2p if pp_pair.num_nodes > 1 else 0.0)
+                        sync_time=sync, p2p_nic=p2p if pp_pair.num_nodes > 1 else 0.0,
+                        align_grad_reduce=not split_backward)
 
     tokens = tr.global_batch_size * tr.seq_length
     peak = gpu.peak(ctx.dtype)

@@ -183,3 +183,38 @@ def _normalise(action: str, kind: dict) -> str:
     """torch's action string '<stage><kind><microbatch>' with its kind letter mapped to ours."""
     i = next(j for j, ch in enumerate(action) if ch.isalpha())
     return action[:i] + kind[action[i]] + action[i + 1:]
+
+
+def _span_times(res, stage, stream):
+    return [(sp.name, sp.start, sp.end) for sp in res.spans if sp.stage == stage and sp.stream == stream]
+
+
+def test_aligned_grad_reduce_1f1b_waits_for_the_bubble_except_on_the_first_stage():
+    """Megatron-Core --align-grad-reduce under 1F1B (p 2, M 2, F 1 s, B 2 s): stage 0 reduces as
+    its last backward (B1, 7-9 s) fills the buckets; stage 1 once its backward is over (7 s)."""
+    ops = build_schedule("1f1b", 2, 2)
+    kw = dict(num_chunks=1, p2p_time=0, overlap_grad_reduce=True, sync_time=0)
+    works = uniform_works(ops, buckets={0: [0.5, 0.5]})
+    free = run_iteration(works, **kw)
+    aligned = run_iteration(works, align_grad_reduce=True, **kw)
+    starts = lambda res, s: [t0 for _, t0, _ in _span_times(res, s, "dp-comm")]  # noqa: E731
+    assert starts(free, 1) == [6.0, 7.0]  # mid-way through and at the end of B1 (5-7 s)
+    assert starts(aligned, 1) == [7.0, 7.5]
+    assert starts(free, 0) == starts(aligned, 0) == [8.0, 9.0]
+    assert aligned.step_time == free.step_time == pytest.approx(9.5)
+
+
+def test_aligned_grad_reduce_interleaved_launches_s_backwards_later():
+    """Interleaved (p 2, M 4, v 2): stage s launches a chunk's whole reduction when the backward s
+    steps after the chunk's last one ends; stage 1's chunk 0 (last backward B3, its last op) after
+    its last op."""
+    ops = build_schedule("interleaved-1f1b", 2, 4, 2)
+    works = uniform_works(ops, buckets={0: [0.5], 1: [0.5]})
+    res = run_iteration(works, num_chunks=2, p2p_time=0, overlap_grad_reduce=True, sync_time=0,
+                        align_grad_reduce=True)
+    for stage, (chunk1_after, chunk0_after) in enumerate([("B3.1", "B3.0"), ("B2.0", "B3.0")]):
+        ends = {name: t1 for name, _, t1 in _span_times(res, stage, "compute")}
+        comm = _span_times(res, stage, "dp-comm")
+        assert [name for name, _, _ in comm] == ["grad-reduce c1 b0", "grad-reduce c0 b0"]
+        assert comm[0][1] == ends[chunk1_after]
+        assert comm[1][1] == max(ends[chunk0_after], comm[0][2])
