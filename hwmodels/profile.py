@@ -24,7 +24,7 @@ import yaml
 
 from hwmodels.curves import Curve, to_unit
 from paraplan.errors import ConfigError
-from paraplan.fileio import write_atomic
+from paraplan.fileio import read_text, write_atomic
 from paraplan.specs import TOPOLOGIES, InterNodeSpec, LinkSpec
 
 __all__ = ["ARCHS", "BUNDLED", "Curve", "DTYPES", "GpuProfile", "load_profile", "write_profile"]
@@ -123,7 +123,7 @@ def load_profile(name_or_path: str) -> GpuProfile:
 def _load_cached(path: str, _mtime_ns: int, _size: int) -> GpuProfile:
     """Parsed once per file version (mtime and size in the key: a re-calibrated file is re-read)."""
     try:
-        raw = yaml.safe_load(Path(path).read_text())
+        raw = yaml.safe_load(read_text(path, "cluster.gpu"))
     except yaml.YAMLError as exc:
         problem = " ".join(str(exc).split())  # PyYAML's message spans lines; errors are one line
         raise ConfigError("cluster.gpu", f"{path}: not valid YAML: {problem}") from None

@@ -30,6 +30,7 @@ from typing import Any
 import yaml
 
 from paraplan.errors import ConfigError
+from paraplan.fileio import read_text
 from paraplan.specs import (
     ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, MOE_DISPATCHERS, ROUTING_DISTRIBUTIONS, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
     ClusterSpec, InterNodeSpec, LinkSpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
@@ -352,10 +353,11 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
 
 
 def _read_scenario_file(path: Path) -> dict:
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError("", f"scenario file not found: {path}")
+    text = read_text(path, "scenario")
     try:
-        raw = _parse_yaml(path.read_text(encoding="utf-8"))
+        raw = _parse_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), f"invalid YAML: {_yaml_problem(exc)}") from None
     if not isinstance(raw, Mapping):
@@ -489,10 +491,9 @@ def _hf_model(value: Any, base_dir: Path) -> tuple[dict, str]:
     path = _resolve_path(_checked(value, _string, HF_PATH), base_dir)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise ConfigError(HF_PATH, f"file not found: {path}")
+    text = read_text(path, HF_PATH)
     try:
-        cfg = json.loads(path.read_text(encoding="utf-8"))
+        cfg = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(HF_PATH, f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
     if not isinstance(cfg, dict):

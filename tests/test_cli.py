@@ -78,6 +78,36 @@ def test_missing_file_and_bad_flag(tmp_path):
     assert r.returncode == 2 and r.stderr.startswith("error: unrecognized arguments: --bogus")
 
 
+def test_unreadable_inputs_and_unusable_outputs_are_one_line(tmp_path):
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"name: x\n\xff\xfe\n")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    cases = [
+        (["simulate", str(binary)], f"error: scenario: {binary} is not UTF-8 text"),
+        (["simulate", str(tmp_path)], f"error: scenario: {tmp_path} is a directory, expected a file"),
+        (["simulate", TINY, "--set", f"cluster.gpu={binary}"], f"error: cluster.gpu: {binary} is not UTF-8 text"),
+        (["simulate", TINY, "--trace", str(tmp_path)], "error: --trace: "),
+        (["simulate", TINY, "--plot", str(a_file / "p.png")], f"error: --plot: {a_file} is a file"),
+        (["plan", TINY, "--out", str(a_file)], f"error: --out: {a_file} exists and is not a directory"),
+    ]
+    for args, message in cases:
+        r = paraplan(*args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(message), (args, r.stderr)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "binary.yaml"]
+
+
+def test_an_infeasible_run_writes_no_trace_or_plot(tmp_path):
+    trace, plot = tmp_path / "t.json", tmp_path / "p.png"
+    r = paraplan("simulate", TINY, "--set", "model.num_layers=400", "--set", "model.hidden_size=8192",
+                 "--set", "model.num_attention_heads=64", "--set", "plan.zero_stage=0",
+                 "--trace", str(trace), "--plot", str(plot))
+    assert r.returncode == 2 and "out of memory" in r.stderr
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_no_torch_import_on_simulate():
     code = ("import sys, runpy; sys.argv=['paraplan','simulate',%r,'--json']\n"
             "from paraplan.cli.main import main\nmain()\n"

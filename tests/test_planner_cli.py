@@ -136,3 +136,6 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), r.stderr
     assert "Traceback" not in r.stderr
+    out = tmp_path / "o"  # no result files; at most the search journal, which --resume reads
+    assert not out.exists() or {p.name for p in out.iterdir()} <= {"study.journal", "study.journal.flock"}, \
+        list(out.iterdir())

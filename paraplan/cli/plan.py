@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from paraplan.errors import ConfigError, ParaplanError
-from paraplan.fileio import write_atomic
+from paraplan.fileio import check_output_dir, write_atomic
 
 OBJECTIVE_CHOICES = ("throughput", "cost", "throughput-vs-headroom", "throughput-vs-gpus")
 JOURNAL = "study.journal"
@@ -148,6 +148,8 @@ def run(args) -> int:
     out = Path(args.out) if args.out else _default_out(stem, args.resume, args.storage is not None)
     if args.resume and args.storage is None and not (out / JOURNAL).is_file():
         raise ParaplanError(f"--resume: {out / JOURNAL} does not exist; nothing to resume there")
+    check_output_dir(out, "--out")
+    created = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     storage = args.storage or str(out / JOURNAL)
     study = args.study or f"{stem}-{args.objective}"
@@ -157,10 +159,14 @@ def run(args) -> int:
     progress = None if args.quiet else _Progress(sys.stderr, "searching")
     try:
         result = run_search(req, progress=progress)
+        return _write_outputs(scenario, result, objective, out, args)
+    except BaseException:
+        if created and not any(out.iterdir()):  # a failed start (a bad --storage, say) leaves no folder
+            out.rmdir()
+        raise
     finally:
         if progress is not None:
             progress.close()
-    return _write_outputs(scenario, result, objective, out, args)
 
 
 def _write_outputs(scenario, result, objective, out: Path, args) -> int:
@@ -171,6 +177,10 @@ def _write_outputs(scenario, result, objective, out: Path, args) -> int:
 
     rep = build_report(scenario.name, result, objective, top=args.top)
     text = format_report(rep)
+    failure = _failure(rep, result)
+    if failure is not None:  # the report on stdout, no result files (the journal stays, for --resume)
+        print(text)
+        raise failure
     data = report_json(rep)
     written = ["report.txt", "top_plans.json"]
     if not args.no_plots and result.records:
@@ -199,15 +209,21 @@ def _write_outputs(scenario, result, objective, out: Path, args) -> int:
     write_atomic(out / "report.txt", text + "\n")
     print(text)
     print(f"\n  wrote {', '.join(written)} to {out}/")
-    if best is None and rep.fits == 0 and rep.oom == 0 and rep.trial_rejections:
-        _, count, example = rep.trial_rejections[0]
-        raise ConfigError("search", f"no valid plan among the {len(result.records)} trials; "
-                                    f"{count} fail {example}")
-    if best is None:
-        c = rep.closest_oom
-        detail = (f"; the closest, {c.candidate.plan.tp}x{c.candidate.plan.pp}x{c.candidate.plan.dp} "
-                  f"(tp x pp x dp), needs {c.peak_memory_bytes / 2**30:.1f} of {c.memory_capacity_bytes / 2**30:.1f} "
-                  f"GiB per GPU: allow more pp, recompute or zero_stage in the search section"
-                  if c is not None else "")
-        raise ParaplanError(f"no plan fits in memory among the {rep.distinct} plans evaluated{detail}")
     return 0
+
+
+def _failure(rep, result) -> ParaplanError | None:
+    """The error a search that found no usable plan ends with, or None."""
+    if rep.best is not None:
+        return None
+    if rep.fits == 0 and rep.oom == 0 and rep.trial_rejections:
+        _, count, example = rep.trial_rejections[0]
+        return ConfigError("search", f"no valid plan among the {len(result.records)} trials; {count} fail {example}")
+    c = rep.closest_oom
+    detail = ""
+    if c is not None:
+        p = c.candidate.plan
+        detail = (f"; the closest, tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}, needs "
+                  f"{c.peak_memory_bytes / 2**30:.1f} of {c.memory_capacity_bytes / 2**30:.1f} GiB per GPU: "
+                  f"allow more pp, recompute or zero_stage in the search section")
+    return ParaplanError(f"no plan fits in memory among the {rep.distinct} plans evaluated{detail}")

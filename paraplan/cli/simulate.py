@@ -6,7 +6,7 @@ import sys
 
 from paraplan.errors import ParaplanError
 from paraplan.cli.tables import elided
-from paraplan.fileio import write_atomic
+from paraplan.fileio import check_output_file, write_atomic
 
 
 GiB = 1024**3
@@ -25,13 +25,15 @@ def run(args) -> int:
     from paraplan.loader import load_scenario
     from simulator.simulate import simulate
 
+    check_output_file(args.trace, "--trace")
+    check_output_file(args.plot, "--plot")
     scenario = load_scenario(args.scenario, args.overrides)
     result = simulate(scenario)
-    if args.trace:
+    if result.fits and args.trace:  # an infeasible run ends with an error and writes nothing
         from simulator.trace import chrome_trace_json
 
         write_atomic(args.trace, chrome_trace_json(result))
-    if args.plot:
+    if result.fits and args.plot:
         from simulator.plot import timeline_png
 
         write_atomic(args.plot, timeline_png(result))
