@@ -95,7 +95,7 @@ def prepare(config: str, *, profile: str | None = None, overrides=(), backend: s
         overrides.append(f"cluster.gpu={gpu}")
     args = argparse.Namespace(config=config, overrides=overrides, backend=backend, steps=steps, warmup=warmup,
                               seed=seed, layers=layers, hidden=hidden, timeout=timeout, nproc=nproc, nnodes=1,
-                              node_rank=0, rdzv_endpoint=None)
+                              node_rank=0, rdzv_endpoint=None, out=None, run_dir=None)
     return launch_prepare(args)
 
 

@@ -176,6 +176,8 @@ BAD_INPUT = [
     (["--device", "cpu", "--base", "nope", "--out", "{d}/p.yaml"], {}, "--base nope: unknown GPU profile"),
     (["--device", "cpu", "--threads", "0", "--out", "{d}/p.yaml"], {}, "--threads 0"),
     (["--device", "cpu", "--out", "{d}/p.yaml", "--dtypes", "int4"], {}, "--dtypes int4"),
+    (["--device", "cpu", "--out", "{d}/p.yaml", "--report", "{d}"], {}, "--report: "),
+    (["--device", "cpu", "--out", str(ROOT / "README.md" / "p.yaml")], {}, "--out: "),
     pytest.param(["--device", "cuda", "--out", "{d}/p.yaml"], {}, "--device cuda: no GPU",
                  marks=pytest.mark.skipif(_cuda(), reason="a GPU is present")),
 ]

@@ -57,6 +57,9 @@ BAD_INPUT = [
     (["CONFIG", "--backend", "nccl"], "nccl needs CUDA GPUs"),
     (["CONFIG", "--nnodes", "2", "--nproc", "1"], "--nnodes > 1 needs --rdzv-endpoint"),
     (["CONFIG", "--set", "run.backend=mpi"], "run.backend: 'mpi' is not one of nccl, gloo"),
+    (["CONFIG", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", "nocolon"], "--rdzv-endpoint: expected HOST:PORT"),
+    (["CONFIG", "--out", "/"], "--out: / is a directory"),
+    (["CONFIG", "--run-dir", "CONFIG/x"], "is a file, so nothing can be written under it"),
 ]
 
 
@@ -67,7 +70,7 @@ def test_bad_input_is_one_line_before_launch(config, args, message):
         if torch.cuda.is_available():
             pytest.skip("this host has CUDA")
     start = time.perf_counter()
-    r = paraplan(*[config if a == "CONFIG" else a for a in args])
+    r = paraplan(*[a.replace("CONFIG", str(config)) for a in args])
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
     assert message in r.stderr

@@ -57,6 +57,7 @@ _RUN_FLAGS = {"backend": "backend", "steps": "steps", "warmup": "warmup_steps", 
 def prepare(args):
     """The checked, scaled scenario and the process layout; raises ParaplanError for any bad input."""
     from executor.config import executor_problems, scaled_scenario
+    from paraplan.fileio import check_output_dir, check_output_file
     from paraplan.loader import load_scenario
     from simulator.feasibility import structural_problems
 
@@ -80,6 +81,10 @@ def prepare(args):
                             f"processes, but --nproc {nproc} x --nnodes {args.nnodes} = {nproc * args.nnodes}")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise ParaplanError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
+    if args.rdzv_endpoint and not re.fullmatch(r"[^:\s]+:\d{1,5}", args.rdzv_endpoint):
+        raise ParaplanError(f"--rdzv-endpoint: expected HOST:PORT, got {args.rdzv_endpoint!r}")
+    check_output_file(args.out, "--out")
+    check_output_dir(args.run_dir, "--run-dir")
     if not 0 <= args.node_rank < args.nnodes:
         raise ParaplanError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1}")
     if importlib.util.find_spec("torch") is None:
