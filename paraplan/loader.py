@@ -508,7 +508,8 @@ def _hf_model(value: Any, base_dir: Path) -> tuple[dict, str]:
             raise ConfigError(HF_PATH, f"{path}: missing {key!r}")
         return cfg[key]
 
-    name = path.parent.name if path.name == "config.json" else path.stem
+    full = path.resolve()  # a bare "config.json" has no parent name until resolved
+    name = (full.parent.name if full.name == "config.json" else full.stem) or "model"
     return parser(cfg, need), name
 
 
@@ -553,8 +554,8 @@ def _moe(raw: Any, num_layers: int) -> MoESpec:
     if hist is not None:
         path = "model.moe.routing.tokens_per_expert"
         if not isinstance(hist, list) or not all(
-                isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in hist):
-            raise ConfigError(path, "expected a list of non-negative token counts, one per expert")
+                isinstance(x, (int, float)) and not isinstance(x, bool) and 0 <= x < math.inf for x in hist):
+            raise ConfigError(path, "expected a list of finite, non-negative token counts, one per expert")
         if len(hist) != experts:
             raise ConfigError(path, f"has {len(hist)} counts but model.moe.num_experts is {experts}")
         if sum(hist) <= 0:
@@ -683,20 +684,34 @@ def _search(raw: Any) -> tuple:
 # Public entry points.
 
 
+# Overrides after which a scenario's dp no longer multiplies out, so it is derived again.
+REDERIVE_DP = frozenset({"plan.tp", "plan.pp", "plan.cp", "cluster.num_nodes", "cluster.gpus_per_node"})
+
+
 def apply_overrides(raw: Mapping, overrides: Iterable[str]) -> dict:
     """A deep copy of `raw` with each `dotted.path=value` override set; `raw` is not modified.
 
     Values are parsed as YAML (`plan.tp=4` is an int, `plan.sequence_parallel=false` a bool).
     Missing sections on the way are created, and a `model`/`cluster` preset name becomes
-    `{preset: NAME}` so `model.num_layers=40` works on `model: llama3-70b`. Nothing is validated
-    here: the result goes through the same checks as the file, so an unknown key errors as one.
+    `{preset: NAME}` so `model.num_layers=40` works on `model: llama3-70b`. An override of tp, pp,
+    cp or the cluster size drops the file's dp so it is derived again (unless dp is overridden
+    too); `plan.dp=null` drops it outright. Nothing is validated here: the result goes through
+    the same checks as the file, so an unknown key errors as one.
     """
     if isinstance(overrides, str):
         raise TypeError("overrides must be a list of 'dotted.path=value' strings, not one string")
     out = copy.deepcopy(dict(raw))
+    touched = set()
     for item in overrides:
         keys, value = _parse_override(item)
         _set_path(out, keys, value)
+        touched.add(".".join(keys))
+    plan = out.get("plan")
+    if isinstance(plan, dict) and "dp" in plan:
+        # dp is derived from the world size: overriding another degree or the cluster size
+        # re-derives it unless dp is overridden too, and plan.dp=null asks for it explicitly
+        if plan["dp"] is None or ("plan.dp" not in touched and touched & REDERIVE_DP):
+            del plan["dp"]
     return out
 
 

@@ -7,6 +7,7 @@ same way for every row.
 """
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -227,15 +228,19 @@ def record_to_scenario(rec: dict) -> dict:
 
 
 def load_records(path: str) -> list[dict]:
+    from paraplan.fileio import read_text
+
+    if not os.path.exists(path):
+        raise ConfigError("", f"published-runs file not found: {path}")
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f)
-    except FileNotFoundError:
-        raise ConfigError("", f"published-runs file not found: {path}") from None
+        data = yaml.safe_load(read_text(path, "published-runs file"))
     except yaml.YAMLError as e:
         raise ConfigError("", f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, list):
         raise ConfigError("", f"{path}: expected a list of records")
+    for i, rec in enumerate(data):
+        if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
+            raise ConfigError("", f"{path}: record {i + 1} is not a mapping with an 'id'")
     return data
 
 
@@ -246,11 +251,17 @@ def evaluate(records: list[dict], *, include_moe: bool = True) -> list[Row]:
 
     rows = []
     for rec in records:
-        target = published_step_time(rec)
-        if target is None or (not include_moe and not is_dense(rec)) or rec["batch"].get("global_batch_size") is None:
+        try:
+            target = published_step_time(rec)
+            usable = target is not None and (include_moe or is_dense(rec)) \
+                and rec["batch"].get("global_batch_size") is not None
+            scenario = record_to_scenario(rec) if usable else None
+        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
+            raise ConfigError(f"record {rec.get('id')}", f"malformed ({type(exc).__name__}: {exc})") from None
+        if not usable:
             continue
         try:
-            res = simulate(load_scenario(record_to_scenario(rec)))
+            res = simulate(load_scenario(scenario))
             rows.append(Row(rec["id"], not is_dense(rec), target[0], target[1], res.step_time_s, res.fits))
         except ParaplanError as e:
             rows.append(Row(rec["id"], not is_dense(rec), target[0], target[1], None, None, str(e)))

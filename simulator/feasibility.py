@@ -3,6 +3,10 @@ from __future__ import annotations
 
 from paraplan.specs import MOE_RECOMPUTE_MODULES, Scenario
 
+# Microbatches one iteration may have: the engine plays every op, so time and memory grow with
+# them (1e6 take ~10 s and ~1 GB); real runs have at most a few thousand per pipeline.
+MAX_MICROBATCHES = 65_536
+
 
 def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
     """Reasons a plan cannot run at all, each naming the key at fault. Empty when it can."""
@@ -58,7 +62,12 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
         middle = virtual - given
         if virtual < 2:
             out.append("plan.first_stage_layers: uneven first/last stages need pp x virtual_pipeline_stages >= 2")
-        elif rest < 0 or (middle and rest % middle) or (not middle and rest):
+        elif rest < 0:
+            out.append(
+                f"plan.first_stage_layers/last_stage_layers: {m.num_layers - rest} layers on the first and last "
+                f"stages, more than model.num_layers ({m.num_layers})"
+            )
+        elif (middle and rest % middle) or (not middle and rest):
             out.append(
                 f"plan.first_stage_layers/last_stage_layers: the {rest} remaining of model.num_layers "
                 f"({m.num_layers}) do not split evenly over the other {middle} (virtual) stages"
@@ -70,7 +79,13 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
         )
     if p.dp > 0 and p.micro_batch_size > 0 and sc.training.global_batch_size % (p.dp * p.micro_batch_size) == 0:
         mbs = sc.num_microbatches
-        if vpp > 1 and p.pp > 1 and mbs % p.pp:
+        if mbs > MAX_MICROBATCHES:
+            out.append(
+                f"training.global_batch_size: {sc.training.global_batch_size} sequences / (dp x micro_batch_size "
+                f"= {p.dp} x {p.micro_batch_size}) = {mbs} microbatches per iteration; the simulator plays at most "
+                f"{MAX_MICROBATCHES:,} (raise plan.micro_batch_size or plan.dp)"
+            )
+        elif vpp > 1 and p.pp > 1 and mbs % p.pp:
             # Megatron: "number of microbatches must be divisible by pipeline-model-parallel-size
             # when using interleaved schedule" (the zero-bubble order walks the chunks the same way)
             out.append(

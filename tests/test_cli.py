@@ -58,6 +58,8 @@ BAD_INPUT = [
       "--set", "plan.zero_stage=0"], "out of memory: stage 0 needs"),
     (["--set", "plan"], "--set"),
     (["--set", "cluster.gpu=a100"], "cluster.gpu: unknown GPU profile 'a100'"),
+    (["--set", "training.global_batch_size=100000000"], "microbatches per iteration; the simulator plays at most 65,536"),
+    (["--set", "plan.first_stage_layers=10"], "10 layers on the first and last stages, more than model.num_layers (4)"),
 ]
 
 
@@ -122,3 +124,28 @@ def test_validate_published_bundled():
     out = json.loads(r.stdout)
     assert out["summary"]["dense"]["simulated"] >= 35 and out["summary"]["moe"]["simulated"] == 3
     assert out["summary"]["dense"]["mape_pct"] is not None
+
+
+def test_validate_published_bad_files_are_one_line(tmp_path):
+    import yaml
+
+    one = tmp_path / "one.yaml"
+    one.write_text("- id: x\n")
+    numbers = tmp_path / "numbers.yaml"
+    numbers.write_text("[1, 2]\n")
+    records = yaml.safe_load((ROOT / "paraplan" / "data" / "public_runs.yaml").read_text())
+    rec = next(r for r in records if r["id"] == "megatron_sc21_t1_1.7B")
+    rec["parallelism"]["tp"] = "eight"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump([rec]))
+    cases = [
+        ([str(tmp_path)], f"error: published-runs file: {tmp_path} is a directory"),
+        ([str(one)], f"error: {one}: no record publishes a step time"),
+        ([str(numbers)], f"error: {numbers}: record 1 is not a mapping with an 'id'"),
+        ([str(bad)], "error: record megatron_sc21_t1_1.7B: malformed (ValueError"),
+        (["--json", "--markdown"], "error: argument --markdown: not allowed with argument --json"),
+    ]
+    for args, message in cases:
+        r = paraplan("validate-published", *args)
+        assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
+        assert r.stderr.count("\n") == 1 and r.stderr.startswith(message), (args, r.stderr)

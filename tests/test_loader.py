@@ -536,6 +536,17 @@ def test_hf_config_relative_to_scenario_folder(tmp_path):
     assert load_scenario(write(tmp_path, yaml.safe_dump(raw))).model.num_layers == 2
 
 
+def test_hf_config_beside_a_scenario_run_from_its_folder(tmp_path, monkeypatch):
+    """`cd folder && paraplan simulate sc.yaml` with hf_config: config.json: the model is named
+    after the folder, not left empty (which best_plan.yaml could not load back)."""
+    folder = tmp_path / "my-gpt2"
+    folder.mkdir()
+    (folder / "config.json").write_text((FIXTURES / "hf-gpt2" / "config.json").read_text())
+    (folder / "sc.yaml").write_text(yaml.safe_dump({**tiny(), "model": {"hf_config": "config.json"}}))
+    monkeypatch.chdir(folder)
+    assert load_scenario("sc.yaml").model.name == "my-gpt2"
+
+
 def test_hf_gpt2_config():
     raw = {**tiny(), "model": {"hf_config": str(FIXTURES / "hf-gpt2")}}
     m = load_scenario(raw).model
@@ -638,3 +649,15 @@ def test_search_is_frozen_and_sorted():
 
 def test_search_must_be_a_mapping():
     assert str(error_of({**tiny(), "search": [1, 2]})) == "search: expected a mapping, got a list"
+
+
+def test_overriding_a_degree_rederives_dp():
+    """The issue's own example: llama3-70b-1024xh100 pins dp 32 for tp 8 pp 4; --set plan.tp=4
+    --set plan.pp=4 means dp 64, not an error. dp given with them, or in the file alone, is kept."""
+    path = ROOT / "scenarios" / "llama3-70b-1024xh100.yaml"
+    assert load_scenario(path).plan.dp == 32
+    assert load_scenario(path, ["plan.tp=4", "plan.pp=4"]).plan.dp == 64
+    assert load_scenario(path, ["cluster.num_nodes=64"]).plan.dp == 16
+    assert load_scenario(path, ["plan.dp=null", "plan.tp=8"]).plan.dp == 32
+    with pytest.raises(ConfigError, match=r"tp\*pp\*cp\*dp = 4\*4\*1\*32 = 512"):
+        load_scenario(path, ["plan.tp=4", "plan.pp=4", "plan.dp=32"])

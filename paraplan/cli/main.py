@@ -50,6 +50,8 @@ def _chosen(argv: list[str]) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if "--debug" in argv:  # accepted after the subcommand too
+        argv = ["--debug", *(a for a in argv if a != "--debug")]
     args = build_parser(_chosen(argv)).parse_args(argv)
     try:
         return args.run(args) or 0
@@ -61,6 +63,12 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stderr.close()
         return 0
+    except OSError as e:  # a file the checks upstream did not foresee (a full disk, a vanished folder)
+        if args.debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130

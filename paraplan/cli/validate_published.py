@@ -5,14 +5,17 @@ import json
 import statistics
 from importlib.resources import files
 
+from paraplan.errors import ParaplanError
+
 BUNDLED = str(files("paraplan.data") / "public_runs.yaml")
 
 
 def add_arguments(p) -> None:
     p.add_argument("file", nargs="?", default=None,
                    help="published runs YAML (a list of records); default: the bundled copy of the public runs")
-    p.add_argument("--json", action="store_true", help="print rows and summary as JSON")
-    p.add_argument("--markdown", action="store_true", help="print the table as Markdown")
+    fmt = p.add_mutually_exclusive_group()
+    fmt.add_argument("--json", action="store_true", help="print rows and summary as JSON")
+    fmt.add_argument("--markdown", action="store_true", help="print the table as Markdown")
 
 
 def summarise(rows) -> dict:
@@ -27,7 +30,10 @@ def summarise(rows) -> dict:
 def run(args) -> int:
     from paraplan.published import ASSUMPTIONS, evaluate, load_records
 
-    rows = evaluate(load_records(args.file or BUNDLED))
+    path = args.file or BUNDLED
+    rows = evaluate(load_records(path))
+    if not rows:
+        raise ParaplanError(f"{path}: no record publishes a step time (or enough to derive one) with a global batch size")
     groups = {"dense": [r for r in rows if not r.moe], "moe": [r for r in rows if r.moe]}
     summary = {name: summarise(g) for name, g in groups.items()}
     if args.json:
