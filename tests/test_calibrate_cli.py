@@ -279,3 +279,16 @@ def test_gpu_collectives_with_nccl(tmp_path):
     assert {s["op"] for s in rep["collectives"]} == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
                                                      "send_recv"}
     assert all(s["backend"] == "nccl" for s in rep["collectives"])
+
+
+def test_summary_calls_out_a_poor_fit():
+    from types import SimpleNamespace
+
+    from paraplan.cli.calibrate import format_summary
+
+    def outcome(err):
+        return SimpleNamespace(profile=SimpleNamespace(name="p"), path="p.yaml", wall_s=1.0, measurements=[], notes=[],
+                               info=SimpleNamespace(describe=lambda: "cpu"),
+                               fits={"memory_bound.rmsnorm": {"test_mape": err, "model_over_measured": 0.5}})
+    assert "warning: the memory_bound.rmsnorm fit misses its held-out measurements by 80.0%" in format_summary(outcome(80.0))
+    assert "warning" not in format_summary(outcome(5.0))

@@ -102,4 +102,13 @@ def format_summary(o) -> str:
                          f"{v['busbw_GBps']:>10.4g}  {v['max_measured_busbw_GBps']:>13.4g}  {_pct(v['test_mape']):>13}")
     for note in o.notes:
         lines.append(f"  note: {note}")
+    poor = [(k, v["test_mape"]) for k, v in f.items()
+            if isinstance(v, dict) and (v.get("test_mape") or 0) > POOR_FIT_MAPE]
+    for key, err in poor:
+        lines.append(f"  warning: the {key} fit misses its held-out measurements by {_pct(err)} (MAPE): the timings "
+                     f"on this device are noisy or do not follow the model; predictions from this profile inherit it")
     return "\n".join(lines)
+
+
+# Held-out error above which a fitted table is called out in the summary.
+POOR_FIT_MAPE = 25.0  # percent, as the fits report it
