@@ -137,7 +137,8 @@ def _load_cached(path: str, _mtime_ns: int, _size: int) -> GpuProfile:
 def _keys(raw: Any, path: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
     """A mapping with exactly the allowed keys; unknown ones rejected with a 'did you mean'."""
     if not isinstance(raw, dict):
-        raise ConfigError(path, f"expected a mapping, got {type(raw).__name__}")
+        got = "nothing" if raw is None else type(raw).__name__
+        raise ConfigError(path, f"expected a mapping, got {got}")
     allowed = required + optional
     for key in raw:
         if key not in allowed:

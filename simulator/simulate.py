@@ -218,12 +218,12 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], zero3: dict, *, 
     chunk: its layers, plus the embedding on the first chunk of the pipeline and the LM head on
     the last."""
     dense = expert = acts = wgrad = 0.0
-    for kind in ("dense", "moe"):
+    for kind in dict.fromkeys(kinds_in_chunk):  # the kinds present, in a fixed order
         n = kinds_in_chunk.count(kind)
-        wgrad += n * kinds.wgrad[kind] if n else 0.0
-        dense += n * kinds.params[kind][0] if n else 0.0
-        expert += n * kinds.params[kind][1] if n else 0.0
-        acts += n * kinds.acts[kind] if n else 0.0
+        wgrad += n * kinds.wgrad[kind]
+        dense += n * kinds.params[kind][0]
+        expert += n * kinds.params[kind][1]
+        acts += n * kinds.acts[kind]
     # (forward cost, backward cost, ZeRO-3 (gather, scatter)) of each piece in forward order
     pieces = [(kinds.fwd[k], kinds.bwd[k], zero3.get(k, (0.0, 0.0))) for k in kinds_in_chunk]
     no_comm = (0.0, 0.0)

@@ -157,7 +157,7 @@ def format_summary(m: dict) -> str:
         f"hidden {model['hidden_size']}{', MoE' if model.get('moe') else ''})",
         f"  plan: tp {p['tp']}  pp {p['pp']}  dp {p['dp']}  cp {p['cp']}  ep {p['ep']}  mbs {p['micro_batch_size']}  "
         f"{sched if p['pp'] > 1 else 'no pipeline'}  sp {'on' if p['sequence_parallel'] else 'off'}  zero {p['zero_stage']}  "
-        f"recompute {p['recompute']}{'(' + ','.join(p['recompute_modules']) + ')' if p.get('recompute_modules') else ''}  ({m['num_microbatches']} microbatch{'es' if m['num_microbatches'] != 1 else ''})",
+        f"recompute {p['recompute']}{'(' + ','.join(p['recompute_modules']) + ')' if p['recompute'] == 'selective' and p.get('recompute_modules') else ''}  ({m['num_microbatches']} microbatch{'es' if m['num_microbatches'] != 1 else ''})",
         f"  {m['world_size']} ranks on {m['device']} ({m['backend']}), {m['compute_dtype']}, data parallel: {m['data_parallel']}",
         "",
         "  step   time (ms)    tokens/s      loss",
