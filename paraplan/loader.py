@@ -550,6 +550,9 @@ def _moe(raw: Any, num_layers: int) -> MoESpec:
         raise ConfigError("model.moe.first_dense_layers",
                           f"{values['first_dense_layers']} leaves no MoE layer of num_layers ({num_layers})")
     routing = _validate(values.get("routing", {}), "model.moe.routing", ROUTING)
+    if "s" in routing and routing.get("distribution", "uniform") != "zipf":
+        raise ConfigError("model.moe.routing.s", f"is the zipf exponent, but distribution is "
+                                                 f"{routing.get('distribution', 'uniform')}")
     hist = routing.get("tokens_per_expert")
     if hist is not None:
         path = "model.moe.routing.tokens_per_expert"

@@ -52,8 +52,8 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
         out.append("plan.virtual_pipeline_stages: interleaved-1f1b needs at least 2 virtual stages per rank")
     if p.schedule not in ("interleaved-1f1b", "zero-bubble") and vpp > 1:
         out.append(f"plan.virtual_pipeline_stages: {vpp} virtual stages need schedule interleaved-1f1b or zero-bubble")
-    if p.schedule == "interleaved-1f1b" and p.pp < 2:
-        out.append("plan.schedule: interleaved-1f1b needs pp >= 2")
+    if p.schedule in ("interleaved-1f1b", "zero-bubble") and p.pp < 2:
+        out.append(f"plan.schedule: {p.schedule} needs pp >= 2 (one stage has no pipeline bubble to fill)")
     uneven = p.first_stage_layers is not None or p.last_stage_layers is not None
     virtual = p.pp * vpp
     if uneven:
@@ -105,6 +105,8 @@ def _moe_problems(sc: Scenario) -> list[str]:
             out.append("plan.ep: expert parallelism needs an MoE model (model.moe); this model is dense, use ep: 1")
         if p.expert_tp != 1:
             out.append("plan.expert_tp: needs an MoE model (model.moe); this model is dense, use expert_tp: 1")
+        if p.moe_dispatcher != "alltoall":
+            out.append(f"plan.moe_dispatcher: {p.moe_dispatcher} needs an MoE model (model.moe); this model is dense")
         moe_only = [mod for mod in p.recomputed_modules if mod in MOE_RECOMPUTE_MODULES]
         if moe_only:
             out.append(f"plan.recompute_modules: {', '.join(moe_only)} need an MoE model (model.moe); this model is dense")

@@ -60,6 +60,9 @@ BAD_INPUT = [
     (["--set", "cluster.gpu=a100"], "cluster.gpu: unknown GPU profile 'a100'"),
     (["--set", "training.global_batch_size=100000000"], "microbatches per iteration; the simulator plays at most 65,536"),
     (["--set", "plan.first_stage_layers=10"], "10 layers on the first and last stages, more than model.num_layers (4)"),
+    (["--set", "plan.schedule=zero-bubble", "--set", "plan.pp=1", "--set", "plan.tp=4"],
+     "plan.schedule: zero-bubble needs pp >= 2"),
+    (["--set", "plan.moe_dispatcher=deepep"], "plan.moe_dispatcher: deepep needs an MoE model"),
 ]
 
 

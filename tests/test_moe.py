@@ -249,3 +249,11 @@ def test_cap_shares_by_hand():
     assert cap_shares(np.array([0.6, 0.3, 0.1]), 0.4) == pytest.approx([0.4, 0.4, 0.2])
     uniform = np.full(8, 1 / 8)
     assert cap_shares(uniform, 1 / 8) == pytest.approx(uniform)
+
+
+def test_a_zipf_exponent_with_another_distribution_is_refused():
+    with pytest.raises(ConfigError, match="model.moe.routing.s: is the zipf exponent, but distribution is uniform"):
+        load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml", ["model.moe.routing.s=1.5"])
+    sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml",
+                       ["model.moe.routing.s=1.5", "model.moe.routing.distribution=zipf"])
+    assert sc.model.moe.routing.s == 1.5
