@@ -36,7 +36,7 @@ def read_text(path: str | os.PathLike, what: str) -> str:
     path = Path(path)
     if path.is_dir():
         raise ConfigError(what, f"{path} is a directory, expected a file")
-    if not path.is_file():
+    if not path.exists():
         raise ConfigError(what, f"file not found: {path}")
     try:
         return path.read_text(encoding="utf-8")

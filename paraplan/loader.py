@@ -508,7 +508,8 @@ def _hf_model(value: Any, base_dir: Path) -> tuple[dict, str]:
             raise ConfigError(HF_PATH, f"{path}: missing {key!r}")
         return cfg[key]
 
-    full = path.resolve()  # a bare "config.json" has no parent name until resolved
+    full = path.absolute()  # a bare "config.json" has no parent name until made absolute (not resolved:
+    # a Hugging Face cache links config.json to a blob named by its hash)
     name = (full.parent.name if full.name == "config.json" else full.stem) or "model"
     return parser(cfg, need), name
 
@@ -561,8 +562,9 @@ def _moe(raw: Any, num_layers: int) -> MoESpec:
             raise ConfigError(path, "expected a list of finite, non-negative token counts, one per expert")
         if len(hist) != experts:
             raise ConfigError(path, f"has {len(hist)} counts but model.moe.num_experts is {experts}")
-        if sum(hist) <= 0:
-            raise ConfigError(path, "all counts are zero")
+        if sum(1 for x in hist if x > 0) < values["top_k"]:
+            raise ConfigError(path, f"has {sum(1 for x in hist if x > 0)} non-zero counts, fewer than "
+                                    f"model.moe.top_k ({values['top_k']}): each token goes to top_k distinct experts")
         routing["tokens_per_expert"] = tuple(float(x) for x in hist)
     if routing.get("distribution") == "histogram" and hist is None:
         raise ConfigError("model.moe.routing.tokens_per_expert", "required when distribution is histogram")
@@ -688,7 +690,8 @@ def _search(raw: Any) -> tuple:
 
 
 # Overrides after which a scenario's dp no longer multiplies out, so it is derived again.
-REDERIVE_DP = frozenset({"plan.tp", "plan.pp", "plan.cp", "cluster.num_nodes", "cluster.gpus_per_node"})
+REDERIVE_DP = frozenset({"plan.tp", "plan.pp", "plan.cp", "cluster", "cluster.preset", "cluster.num_nodes",
+                         "cluster.gpus_per_node"})
 
 
 def apply_overrides(raw: Mapping, overrides: Iterable[str]) -> dict:

@@ -41,7 +41,7 @@ the scenario's own plan, as written, is evaluated as the baseline.
 Candidates are canonicalised so that plans that run identically are one plan (and one
 simulation): virtual_pipeline_stages is 1 unless the schedule is interleaved-1f1b,
 sequence_parallel takes its first candidate when tp = 1 (there is nothing to split), and zero_stage
-its first candidate when dp x cp = 1 (nothing to shard over).
+its first candidate when dp x cp = 1 and, for an MoE model, expert-dp = 1 (nothing to shard over).
 
 Validity: the planner's own rules (the derived dp, tp inside a node) and then
 `simulator.feasibility.structural_problems`, the simulator's, on the candidate scenario; both give
@@ -323,7 +323,7 @@ class PlanSpace:
     def _make(self, v: Mapping[str, Any], dp: int) -> Candidate:
         interleaved = v["schedule"] == "interleaved-1f1b"
         sp = v["sequence_parallel"] if v["tp"] > 1 else self._cands["sequence_parallel"][0]
-        zero = v["zero_stage"] if dp * v["cp"] != 1 else self._cands["zero_stage"][0]
+        zero = v["zero_stage"] if self._zero_matters(v["tp"], dp, v["cp"], v["ep"]) else self._cands["zero_stage"][0]
         first, last = (None, None) if interleaved else uneven_stages(self.scenario.model.num_layers, v["pp"])
         plan = dataclasses.replace(
             self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], ep=v["ep"],
@@ -359,7 +359,7 @@ class PlanSpace:
             checks["virtual_pipeline_stages"] = p.virtual_pipeline_stages
         if p.tp > 1:
             checks["sequence_parallel"] = p.sequence_parallel
-        if p.dp * p.cp > 1:
+        if self._zero_matters(p.tp, p.dp, p.cp, p.ep):
             checks["zero_stage"] = p.zero_stage
         return all(val in self._cands[k] for k, val in checks.items())
 
@@ -406,9 +406,9 @@ class PlanSpace:
         """Canonical combinations of the knobs below the layout."""
         c = self._cands
         sps = c["sequence_parallel"] if tp > 1 else c["sequence_parallel"][:1]
-        zeros = c["zero_stage"] if dp is None or dp * cp != 1 else c["zero_stage"][:1]
         vpps = [v for v in c["virtual_pipeline_stages"] if v >= 2]
         for ep in c["ep"]:
+            zeros = c["zero_stage"] if self._zero_matters(tp, dp, cp, ep) else c["zero_stage"][:1]
             for mbs in c["micro_batch_size"]:
                 for schedule in c["schedule"]:
                     for vpp in (vpps if schedule == "interleaved-1f1b" else [1]):
@@ -419,14 +419,21 @@ class PlanSpace:
                                            "virtual_pipeline_stages": vpp, "sequence_parallel": sp,
                                            "zero_stage": zero, "recompute": rc}
 
+    def _zero_matters(self, tp: int, dp: int | None, cp: int, ep: int) -> bool:
+        """ZeRO shards over dp x cp and, for an MoE model, expert states over expert-dp =
+        tp x cp x dp / (ep x expert_tp): with both groups of one every stage is the same plan."""
+        if dp is None or dp * cp != 1:
+            return True
+        return self.scenario.model.moe is not None and tp * cp * dp > ep * self.scenario.plan.expert_tp
+
     def _inner_count(self, tp: int, dp: int | None, cp: int) -> int:
         c = self._cands
         n_sched = sum(1 for s in c["schedule"] if s != "interleaved-1f1b")
         if "interleaved-1f1b" in c["schedule"]:
             n_sched += sum(1 for v in c["virtual_pipeline_stages"] if v >= 2)
         n_sp = len(c["sequence_parallel"]) if tp > 1 else 1
-        n_zero = len(c["zero_stage"]) if dp is None or dp * cp != 1 else 1
-        return len(c["ep"]) * len(c["micro_batch_size"]) * n_sched * n_sp * n_zero * len(c["recompute"])
+        per_ep = len(c["micro_batch_size"]) * n_sched * n_sp * len(c["recompute"])
+        return sum(per_ep * (len(c["zero_stage"]) if self._zero_matters(tp, dp, cp, ep) else 1) for ep in c["ep"])
 
     def _layouts(self) -> Iterator[tuple[int, int, int, int]]:
         c = self._cands

@@ -97,6 +97,7 @@ def stage_memory(
     max_layer_params: float,
     activations: float,
     working_set: float = 0.0,
+    prefetched_params: float | None = None,
 ) -> StageMemory:
     """Memory of one rank of a stage.
     `dense_params`: parameters this rank holds whose states shard over dp x cp (already divided by
@@ -105,7 +106,8 @@ def stage_memory(
     microbatches in flight x their activation bytes, read off the schedule; `working_set`:
     transient buffers on top (the layer being recomputed, logits, all-to-all buffers);
     `max_layer_params`: under ZeRO-3, the sharded parameters of the largest unit this rank gathers
-    (a layer, or the embedding / LM head on the stages holding them; 0 where nothing is sharded)."""
+    (a layer, or the embedding / LM head on the stages holding them; 0 where nothing is sharded);
+    `prefetched_params`: the unit gathered beside it (a layer; default the same size)."""
     w, g, o = state_bytes_per_param(precision)
     shard = plan.dp * plan.cp
     expert_shard = max(1, plan.tp * plan.cp * plan.dp // (plan.ep * plan.expert_tp))
@@ -127,7 +129,8 @@ def stage_memory(
     if zero >= 3:
         # the current and the prefetched unit gathered in full (FSDP prefetch), and the unit's
         # full gradient until its reduce-scatter (Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3)
-        weights += 2 * max_layer_params * w
+        prefetched = max_layer_params if prefetched_params is None else prefetched_params
+        weights += (max_layer_params + prefetched) * w
         grads += max_layer_params * g
     acts = activations + working_set
     reserved = RESERVED_BYTES + FRAGMENTATION * acts

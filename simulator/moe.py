@@ -79,6 +79,8 @@ def cap_shares(p: np.ndarray, cap: float) -> np.ndarray:
         excess = float((p[over] - cap).sum())
         p[over] = cap
         free = p < cap
+        if p[free].sum() <= 0:  # nothing left to take the excess (fewer than 1/cap experts in use)
+            return p
         p[free] += excess * p[free] / p[free].sum()
 
 

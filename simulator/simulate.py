@@ -129,6 +129,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
         mems.append(stage_memory(
             plan=p, precision=tr.precision, dense_params=dense_params, expert_params=expert_params,
             max_layer_params=gathered, activations=peak_in_flight(schedule[s], chunk_acts), working_set=working,
+            prefetched_params=gathered_layer,
         ))
 
     p2p_bytes = ctx.tokens * m.hidden_size * ctx.act_bytes / p.tp  # scatter-gather (SC'21 Sec. 4.1)
@@ -137,7 +138,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
     sync = _sync_time(sc, net, emb_params, gpn)
     eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce,
                         sync_time=sync, p2p_nic=p2p if pp_pair.num_nodes > 1 else 0.0,
-                        align_grad_reduce=not split_backward)
+                        align_grad_reduce=p.schedule in ("1f1b", "interleaved-1f1b"))
 
     tokens = tr.global_batch_size * tr.seq_length
     peak = gpu.peak(ctx.dtype)
@@ -290,7 +291,7 @@ def _zero3_chain(pieces: list[tuple[Cost, float]]) -> Cost:
     total = Cost()
     for cost, _ in pieces:
         total += cost
-    if not pieces:
+    if not any(comm for _, comm in pieces):
         return total
     span = pieces[0][1] + pieces[-1][0].total
     for (cost, _), (_, nxt) in zip(pieces, pieces[1:]):

@@ -57,7 +57,8 @@ BAD_INPUT = [
     (["CONFIG", "--backend", "nccl"], "nccl needs CUDA GPUs"),
     (["CONFIG", "--nnodes", "2", "--nproc", "1"], "--nnodes > 1 needs --rdzv-endpoint"),
     (["CONFIG", "--set", "run.backend=mpi"], "run.backend: 'mpi' is not one of nccl, gloo"),
-    (["CONFIG", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", "nocolon"], "--rdzv-endpoint: expected HOST:PORT"),
+    (["CONFIG", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", "host:99999"], "--rdzv-endpoint: expected HOST[:PORT]"),
+    (["CONFIG", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", "a b:1"], "--rdzv-endpoint: expected HOST[:PORT]"),
     (["CONFIG", "--out", "/"], "--out: / is a directory"),
     (["CONFIG", "--run-dir", "CONFIG/x"], "is a file, so nothing can be written under it"),
 ]

@@ -659,5 +659,6 @@ def test_overriding_a_degree_rederives_dp():
     assert load_scenario(path, ["plan.tp=4", "plan.pp=4"]).plan.dp == 64
     assert load_scenario(path, ["cluster.num_nodes=64"]).plan.dp == 16
     assert load_scenario(path, ["plan.dp=null", "plan.tp=8"]).plan.dp == 32
+    assert load_scenario(path, ["cluster={gpu: h100-sxm-80gb, num_nodes: 32, gpus_per_node: 8}"]).plan.dp == 8
     with pytest.raises(ConfigError, match=r"tp\*pp\*cp\*dp = 4\*4\*1\*32 = 512"):
         load_scenario(path, ["plan.tp=4", "plan.pp=4", "plan.dp=32"])

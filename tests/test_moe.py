@@ -251,6 +251,12 @@ def test_cap_shares_by_hand():
     assert cap_shares(uniform, 1 / 8) == pytest.approx(uniform)
 
 
+def test_a_histogram_needs_top_k_experts_in_use():
+    with pytest.raises(ConfigError, match=r"has 1 non-zero counts, fewer than model.moe.top_k \(2\)"):
+        load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml",
+                      ["model.moe.routing.distribution=histogram", "model.moe.routing.tokens_per_expert=[100,0,0,0,0,0,0,0]"])
+
+
 def test_a_zipf_exponent_with_another_distribution_is_refused():
     with pytest.raises(ConfigError, match="model.moe.routing.s: is the zipf exponent, but distribution is uniform"):
         load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml", ["model.moe.routing.s=1.5"])

@@ -232,3 +232,13 @@ def test_zero_bubble_exports_say_what_each_framework_runs():
     assert simulate(sc).step_time_s > 0
     assert 'pipeline_parallel_schedule = "InterleavedZeroBubble"' in torchtitan_toml(sc)
     assert "Megatron-LM has no zero-bubble schedule" in megatron_args_text(sc)
+
+
+def test_zero_stages_stay_distinct_while_expert_states_shard():
+    """dp x cp = 1 leaves ZeRO nothing to shard for a dense model, but an MoE model with tp 8 and
+    ep 2 still has an expert-data-parallel group of 4: its ZeRO stages are different plans."""
+    sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml", ["cluster.num_nodes=1"])
+    sp = PlanSpace(sc, parse_search(sc, {}))
+    base = {"tp": 8, "pp": 1, "cp": 1, "micro_batch_size": 1, "schedule": "1f1b", "recompute": "full"}
+    assert sp.candidate({**base, "ep": 2, "zero_stage": 3}).plan.zero_stage == 3
+    assert sp.candidate({**base, "ep": 8, "zero_stage": 3}).plan.zero_stage == 0  # expert-dp 1 as well

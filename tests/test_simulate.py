@@ -247,7 +247,7 @@ def test_zero3_gathers_experts_over_the_expert_data_parallel_group():
 
 def test_zero3_counts_the_gathered_embedding():
     """Llama-3 8B (untied, vocab 128k): the LM head (0.5 B params) outweighs a layer (0.22 B), so
-    on one stage ZeRO-3's gathered allowance is the head's."""
+    on one stage ZeRO-3 holds the gathered head beside a prefetched layer."""
     sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml")
     one = plan_variant(sc, tp=1, pp=1, dp=64, zero_stage=3)
     r = simulate(one)
@@ -255,7 +255,9 @@ def test_zero3_counts_the_gathered_embedding():
     w = r.stages[0].memory["weights"]
     sharded = (2 * sc.model.embedding_params() + sc.model.num_layers * (sc.model.attention_params()
                + 3 * sc.model.hidden_size * sc.model.ffn_hidden_size)) * 2 / 64
-    assert w == pytest.approx(sharded + 2 * head * 2, rel=1e-6)
+    layer = sc.model.attention_params() + 3 * sc.model.hidden_size * sc.model.ffn_hidden_size
+    assert w == pytest.approx(sharded + (head + layer) * 2, rel=1e-6)
+    assert r.stages[0].memory["gradients"] == pytest.approx(4 * sharded / 2 + head * 4, rel=1e-6)
 
 
 def test_the_reported_stage_is_the_busiest(gpt3):

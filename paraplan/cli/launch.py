@@ -81,8 +81,9 @@ def prepare(args):
                             f"processes, but --nproc {nproc} x --nnodes {args.nnodes} = {nproc * args.nnodes}")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise ParaplanError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
-    if args.rdzv_endpoint and not re.fullmatch(r"[^:\s]+:\d{1,5}", args.rdzv_endpoint):
-        raise ParaplanError(f"--rdzv-endpoint: expected HOST:PORT, got {args.rdzv_endpoint!r}")
+    endpoint = args.rdzv_endpoint and re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^:\s\[\]]+)(?::(\d{1,5}))?", args.rdzv_endpoint)
+    if args.rdzv_endpoint and not (endpoint and int(endpoint.group(2) or 0) <= 65535):
+        raise ParaplanError(f"--rdzv-endpoint: expected HOST[:PORT] (an IPv6 host in brackets), got {args.rdzv_endpoint!r}")
     check_output_file(args.out, "--out")
     check_output_dir(args.run_dir, "--run-dir")
     if not 0 <= args.node_rank < args.nnodes:

@@ -158,15 +158,23 @@ def run(args) -> int:
                         resume=args.resume)
     progress = None if args.quiet else _Progress(sys.stderr, "searching")
     try:
-        result = run_search(req, progress=progress)
+        try:
+            result = run_search(req, progress=progress)
+        finally:
+            if progress is not None:
+                progress.close()
         return _write_outputs(scenario, result, objective, out, args)
     except BaseException:
-        if created and not any(out.iterdir()):  # a failed start (a bad --storage, say) leaves no folder
-            out.rmdir()
+        if created:  # a failed start (a bad --storage, say) leaves no empty folder
+            _remove_if_empty(out)
         raise
-    finally:
-        if progress is not None:
-            progress.close()
+
+
+def _remove_if_empty(folder: Path) -> None:
+    try:
+        folder.rmdir()  # only succeeds when empty
+    except OSError:
+        pass
 
 
 def _write_outputs(scenario, result, objective, out: Path, args) -> int:
