@@ -87,16 +87,20 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
         zero3 = {kind: _zero3_comm(net, [(dense, dp_layout), (expert, edp_layout)], w_bytes)
                  for kind, (dense, expert) in kinds.params.items()}
         zero3["embedding"] = _zero3_comm(net, [(emb_params, dp_layout)], w_bytes)
-    gathered_layer = max(dense * (shard > 1) + expert * (edp_layout.size > 1) for dense, expert in kinds.params.values())
+    # per layer kind, the parameters ZeRO-3 gathers (the parts that are sharded)
+    gathered_of = {kind: dense * (shard > 1) + expert * (edp_layout.size > 1)
+                   for kind, (dense, expert) in kinds.params.items()}
 
     works, mems = [], []
     first_layer = _first_layer_of_vstage(layers, p.pp)
     for s in range(p.pp):
+        stage_kinds: set[str] = set()
         op_cost, buckets, chunk_acts = {}, {}, []
         dense_params = expert_params = 0.0
         for c in range(len(layers[s])):
             start = first_layer[c * p.pp + s]
             kinds_in_chunk = ["moe" if m.is_moe_layer(i) else "dense" for i in range(start, start + layers[s][c])]
+            stage_kinds.update(kinds_in_chunk)
             chunk = _chunk_work(ctx, kinds, kinds_in_chunk, zero3, first=s == 0 and c == 0,
                                 last=s == p.pp - 1 and c == len(layers[s]) - 1, emb_params=emb_params)
             f, b, w, c_dense, c_expert, acts = chunk
@@ -125,6 +129,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
         ))
         working = kinds.working + working_set_bytes(m, p, tr.seq_length, tr.attention, s == p.pp - 1, ctx.act_bytes)
         holds_embedding = s == 0 or (s == p.pp - 1 and not (m.tied_embeddings and p.pp == 1))
+        gathered_layer = max((gathered_of[k] for k in stage_kinds), default=0.0)
         gathered = max(gathered_layer, emb_params * (shard > 1) if holds_embedding else 0.0)
         mems.append(stage_memory(
             plan=p, precision=tr.precision, dense_params=dense_params, expert_params=expert_params,

@@ -267,3 +267,18 @@ def test_the_reported_stage_is_the_busiest(gpt3):
     busy = [st.end_time_s - st.breakdown["pp_bubble"] for st in r.stages]
     assert r.critical_stage == busy.index(max(busy)) == gpt3.plan.pp - 1
     assert r.breakdown == r.stages[r.critical_stage].breakdown
+
+
+def test_zero3_gathers_what_each_stage_holds():
+    """Mixtral with its first 8 layers dense on 4 stages: stage 0 holds only dense layers (and the
+    embedding), so ZeRO-3 reserves a dense layer beside the embedding there, not an MoE layer."""
+    sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml",
+                       ["model.moe.first_dense_layers=8", "plan.zero_stage=3", "plan.virtual_pipeline_stages=1",
+                        "plan.schedule=1f1b", "plan.pp=4"])
+    m, p = sc.model, sc.plan
+    assert p.pp == 4 and p.dp * p.cp > 1 and all(not m.is_moe_layer(i) for i in range(8))
+    layer = m.attention_params() / p.tp + m.ffn_matrices * m.hidden_size * m.ffn_hidden_size / p.tp
+    emb = m.embedding_params() / p.tp
+    sharded = (8 * layer + emb) * 2 / (p.dp * p.cp)
+    r = simulate(sc, imbalance_reference=False)
+    assert r.stages[0].memory["weights"] == pytest.approx(sharded + (max(emb, layer) + layer) * 2, rel=1e-9)
