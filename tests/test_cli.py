@@ -95,6 +95,7 @@ def test_unreadable_inputs_and_unusable_outputs_are_one_line(tmp_path):
         (["simulate", TINY, "--trace", str(tmp_path)], "error: --trace: "),
         (["simulate", TINY, "--plot", str(a_file / "p.png")], f"error: --plot: {a_file} is a file"),
         (["plan", TINY, "--out", str(a_file)], f"error: --out: {a_file} exists and is not a directory"),
+        (["simulate", TINY, "--plot", str(tmp_path / "t.svg")], "error: --plot: the timeline is a PNG image"),
     ]
     for args, message in cases:
         r = paraplan(*args)

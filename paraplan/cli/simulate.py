@@ -27,6 +27,8 @@ def run(args) -> int:
 
     check_output_file(args.trace, "--trace")
     check_output_file(args.plot, "--plot")
+    if args.plot is not None and not args.plot.lower().endswith(".png"):
+        raise ParaplanError(f"--plot: the timeline is a PNG image; give a file name ending in .png, got {args.plot!r}")
     scenario = load_scenario(args.scenario, args.overrides)
     result = simulate(scenario)
     if result.fits and args.trace:  # an infeasible run ends with an error and writes nothing
