@@ -18,7 +18,7 @@ from hwmodels.compute import gemm_time, memory_bound_time
 from hwmodels.network import collective_time
 from paraplan.placement import GroupLayout
 from simulator.cost import Cost
-from simulator.workload import tp_collective_pairs, ffn_norm_residual
+from simulator.workload import activation_time, ffn_norm_residual, mlp_linear_shapes, tp_collective_pairs
 
 
 @dataclass(frozen=True)
@@ -184,19 +184,22 @@ def _rows(m: float) -> int:
     return max(1, int(round(m)))
 
 
+def _expert_width(ctx) -> int:
+    """One routed expert's intermediate on an expert-TP rank."""
+    return ctx.model.moe.expert_ffn_hidden_size // ctx.plan.expert_tp
+
+
+def _shared_width(ctx) -> int:
+    """The shared experts' intermediate on a TP rank (one dense FFN of num_shared x expert width)."""
+    return ctx.model.moe.num_shared_experts * ctx.model.moe.expert_ffn_hidden_size // ctx.plan.tp
+
+
 def _expert_linears(ctx) -> list[tuple[int, int]]:
-    """(k, n) of one routed expert's up(+gate) and down projections on an expert-TP rank."""
-    m = ctx.model
-    f = m.moe.expert_ffn_hidden_size // ctx.plan.expert_tp
-    return [(m.hidden_size, (m.ffn_matrices - 1) * f), (f, m.hidden_size)]
+    return mlp_linear_shapes(ctx.model, _expert_width(ctx))
 
 
 def _shared_linears(ctx) -> list[tuple[int, int]]:
-    """(k, n) of the shared experts' up(+gate) and down projections on a TP rank (one dense FFN of
-    num_shared x expert width)."""
-    m = ctx.model
-    f = m.moe.num_shared_experts * m.moe.expert_ffn_hidden_size // ctx.plan.tp
-    return [(m.hidden_size, (m.ffn_matrices - 1) * f), (f, m.hidden_size)]
+    return mlp_linear_shapes(ctx.model, _shared_width(ctx))
 
 
 def expert_compute_time(ctx, tokens_per_expert, backward: bool) -> float:
@@ -216,12 +219,8 @@ def expert_compute_time(ctx, tokens_per_expert, backward: bool) -> float:
 
 
 def _expert_activation(ctx, n: float, backward: bool) -> float:
-    """The activation over one expert's intermediate for n tokens: GELU reads f and writes f,
-    SwiGLU reads the gate and up halves (2f) and writes f; the backward moves twice the bytes."""
-    m = ctx.model
-    f = m.moe.expert_ffn_hidden_size // ctx.plan.expert_tp
-    act_bytes = (3 if m.activation == "swiglu" else 2) * f * ctx.act_bytes
-    return memory_bound_time(ctx.gpu, (2 if backward else 1) * n * act_bytes)
+    """The activation over one expert's intermediate for n tokens."""
+    return activation_time(ctx, n, _expert_width(ctx), backward)
 
 
 def nodes_reached(experts: int, top_k: int, nodes: int) -> float:
@@ -255,13 +254,10 @@ def deepep_time(ctx, routed: float, skew: float, ep_layout) -> float:
 def _shared_experts(ctx, backward: bool) -> tuple[float, float]:
     """(compute, TP communication) of the shared experts: a dense FFN of num_shared x expert width,
     tensor-parallel like the dense MLP (all-gather in, reduce-scatter out under SP)."""
-    m, p = ctx.model, ctx.plan
-    if not m.moe.num_shared_experts:
+    if not ctx.model.moe.num_shared_experts:
         return 0.0, 0.0
-    f = m.moe.num_shared_experts * m.moe.expert_ffn_hidden_size // p.tp
     compute = sum(_gemm(ctx, ctx.tokens, k, w, backward) for k, w in _shared_linears(ctx))
-    act = (3 if m.activation == "swiglu" else 2) * f * ctx.act_bytes * ctx.tokens
-    compute += memory_bound_time(ctx.gpu, (2 if backward else 1) * act)
+    compute += activation_time(ctx, ctx.tokens, _shared_width(ctx), backward)
     return compute, sum(tp_collective_pairs(ctx)[2:])
 
 
@@ -324,16 +320,14 @@ def moe_activation_bytes(ctx, draw: RoutingDraw, *, recomputed: tuple[str, ...] 
         recomputed = p.recomputed_modules
     if "moe" in recomputed:
         return 0.0
-    h = m.hidden_size
-    f = m.moe.expert_ffn_hidden_size // p.expert_tp
+    h, f = m.hidden_size, _expert_width(ctx)
     routed = routed_tokens_per_rank(ctx)
     load = float(draw.rank_loads.max()) * p.expert_tp
     out = 2 * routed * m.moe.num_experts * 4 + draw.sent_per_rank * h * b
     kept_mats = m.ffn_matrices - ("moe_act" in recomputed)
     out += load * h * b + load * f * kept_mats * b
     if "shared_experts" not in recomputed:
-        shared = m.moe.num_shared_experts * m.moe.expert_ffn_hidden_size // p.tp
-        out += ctx.tokens * shared * m.ffn_matrices * b
+        out += ctx.tokens * _shared_width(ctx) * m.ffn_matrices * b
     return out
 
 

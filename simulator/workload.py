@@ -57,9 +57,16 @@ def _linear_shapes(ctx: LayerContext) -> list[tuple[int, int]]:
     """(k, n) of a dense layer's four linear layers on one TP rank: QKV, attention projection,
     MLP up (+gate), MLP down."""
     m, p = ctx.model, ctx.plan
-    h, f = m.hidden_size, m.ffn_hidden_size // p.tp
+    h = m.hidden_size
     return [(h, (m.q_channels + 2 * m.kv_channels) // p.tp), (m.q_channels // p.tp, h),
-            (h, (m.ffn_matrices - 1) * f), (f, h)]
+            *mlp_linear_shapes(m, m.ffn_hidden_size // p.tp)]
+
+
+def mlp_linear_shapes(model, width: int) -> list[tuple[int, int]]:
+    """(k, n) of an MLP's up (+gate) and down projections with intermediate `width` on one rank:
+    the dense MLP, a routed expert, the shared experts."""
+    h = model.hidden_size
+    return [(h, (model.ffn_matrices - 1) * width), (width, h)]
 
 
 def _attention_core(ctx: LayerContext, backward: bool) -> float:
@@ -99,8 +106,7 @@ def _attention_elementwise(ctx: LayerContext, backward: bool) -> float:
     h; the bias-dropout-add reads 2h and writes h plus a 1-byte mask; Llama-family models apply
     rotary embeddings to q and k (read + write)."""
     m, p, b = ctx.model, ctx.plan, ctx.act_bytes
-    h, th = m.hidden_size, _h_wide_tokens(ctx)
-    kernels = [th * 2 * h * b, th * (3 * h * b + h)]
+    kernels = [_norm_bytes(ctx), _residual_bytes(ctx)]
     if m.activation == "swiglu":
         kernels.append(ctx.tokens * 2 * (m.q_channels + m.kv_channels) // p.tp * b)
     return _memory_bound(ctx, kernels, backward)
@@ -112,16 +118,25 @@ def ffn_norm_residual(ctx: LayerContext, backward: bool) -> float:
     a 1-byte mask) on the h-wide tokens. Megatron-Core keeps both outside the `mlp` and `moe`
     modules (TransformerLayer: pre_mlp_layernorm, mlp, mlp_bda), so recomputing those does not
     re-run them."""
-    m, b = ctx.model, ctx.act_bytes
-    h, th = m.hidden_size, _h_wide_tokens(ctx)
-    return _memory_bound(ctx, [th * 2 * h * b, th * (3 * h * b + h)], backward)
+    return _memory_bound(ctx, [_norm_bytes(ctx), _residual_bytes(ctx)], backward)
 
 
-def _mlp_activation(ctx: LayerContext, width: int, backward: bool) -> float:
-    """The activation over the tokens x `width` intermediate: GELU reads f and writes f; SwiGLU
-    reads the gate and up halves, 2f, and writes f."""
+def _norm_bytes(ctx: LayerContext) -> float:
+    """One LayerNorm/RMSNorm forward on the h-wide tokens: reads and writes h."""
+    return _h_wide_tokens(ctx) * 2 * ctx.model.hidden_size * ctx.act_bytes
+
+
+def _residual_bytes(ctx: LayerContext) -> float:
+    """One bias-dropout-add on the h-wide tokens: reads 2h, writes h plus a 1-byte mask."""
+    h, b = ctx.model.hidden_size, ctx.act_bytes
+    return _h_wide_tokens(ctx) * (3 * h * b + h)
+
+
+def activation_time(ctx: LayerContext, tokens: float, width: int, backward: bool) -> float:
+    """The activation over a tokens x `width` intermediate (the dense MLP, an expert, the shared
+    experts): GELU reads f and writes f; SwiGLU reads the gate and up halves, 2f, and writes f."""
     act = (3 if ctx.model.activation == "swiglu" else 2) * width * ctx.act_bytes
-    return _memory_bound(ctx, [ctx.tokens * act], backward)
+    return _memory_bound(ctx, [tokens * act], backward)
 
 
 # Fraction of the GPU's SMs an NVLink collective occupies while it runs beside compute
@@ -194,7 +209,7 @@ def mlp_block(ctx: LayerContext, backward: bool) -> Cost:
     collectives."""
     shapes = _linear_shapes(ctx)[2:]
     gemms = [_linear(ctx, k, n, backward) for k, n in shapes]
-    compute = sum(gemms) + _mlp_activation(ctx, ctx.model.ffn_hidden_size // ctx.plan.tp, backward)
+    compute = sum(gemms) + activation_time(ctx, ctx.tokens, ctx.model.ffn_hidden_size // ctx.plan.tp, backward)
     tp = _comm_exposed(ctx, tp_collective_pairs(ctx)[2:], _hiding_gemms(ctx, shapes, gemms, backward))
     return Cost().add("compute", compute).add("tp_comm", tp)
 
@@ -245,8 +260,7 @@ def selective_recompute(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
     if "core_attn" in mods:
         cost.add("recompute", _attention_core(ctx, False))
     if "layernorm" in mods:
-        norm = _h_wide_tokens(ctx) * 2 * ctx.model.hidden_size * ctx.act_bytes
-        cost.add("recompute", 2 * memory_bound_time(ctx.gpu, norm))
+        cost.add("recompute", 2 * memory_bound_time(ctx.gpu, _norm_bytes(ctx)))
     if ffn is dense_ffn_block:
         if "mlp" in mods:
             cost += _as_recompute(mlp_block(ctx, False))
