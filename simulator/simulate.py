@@ -245,12 +245,6 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], zero3: dict, *, 
         wgrad += head_weight_grad(ctx)
         if own_head:
             dense += emb_params
-    if not zero3:
-        f, b = Cost(), Cost()
-        for fwd, bwd, _ in pieces:
-            f += fwd
-            b += bwd
-        return f, b, wgrad, dense, expert, acts
     f = _zero3_chain([(fwd, gather) for fwd, _, (gather, _) in pieces])
     b = _zero3_chain([(bwd, gather + scatter) for _, bwd, (gather, scatter) in reversed(pieces)])
     return f, b, wgrad, dense, expert, acts
