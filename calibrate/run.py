@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from calibrate.errors import CalibrationError
+from paraplan.fileio import check_output_file
 
 __all__ = ["BENCHMARKS", "Options", "Outcome", "calibrate", "check_options"]
 
@@ -147,17 +148,6 @@ def check_options(opts: Options, env: Mapping[str, str] | None = None) -> None:
                                "device and write the same file; add --collectives or run a single process")
 
 
-def _check_writable(out: Path) -> None:
-    """Fail now, not after the sweep, if the profile cannot be written where asked."""
-    parent = out.parent if str(out.parent) else Path(".")
-    try:
-        parent.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise CalibrationError(f"--out {out}: cannot create its folder: {exc.strerror or exc}") from None
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise CalibrationError(f"--out {out}: folder {parent} is not writable")
-
-
 def _load_base(name: str):
     from hwmodels.profile import load_profile
     from paraplan.errors import ConfigError
@@ -218,10 +208,9 @@ def calibrate(opts: Options, *, env: Mapping[str, str] | None = None, stream=Non
     check_options(opts, env)
     world, rank, local_rank, local_world = _world(env)
     out = Path(opts.out)
-    if rank == 0:
-        _check_writable(out)
-        if opts.report is not None:
-            _check_writable(Path(opts.report))
+    if rank == 0:  # fail now, not after the sweep, if a file cannot be written where asked
+        check_output_file(out, "--out")
+        check_output_file(opts.report, "--report")
     if opts.base is not None:
         _load_base(opts.base)  # a bad --base fails before torch is imported
 

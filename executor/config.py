@@ -20,6 +20,9 @@ from paraplan.specs import (
     TrainingSpec,
 )
 
+OPTIMIZERS = ("adam", "adamw", "sgd")
+"""What training.optimizer may name (executor.optim builds each)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class ScheduleInfo:
@@ -155,8 +158,8 @@ def executor_problems(sc: Scenario) -> list[str]:
         out.append(f"training.precision: the executor trains in {' or '.join(PRECISIONS_RUN)}, not {t.precision} "
                    f"({'no loss scaling' if t.precision == 'fp16' else 'no fp8 GEMMs (Transformer Engine)'}); "
                    f"use --set training.precision=bf16")
-    if t.optimizer not in ("adam", "adamw", "sgd"):
-        out.append(f"training.optimizer: {t.optimizer!r} is not one of adam, adamw, sgd")
+    if t.optimizer not in OPTIMIZERS:
+        out.append(f"training.optimizer: {t.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if p.expert_tp != 1:
         out.append("plan.expert_tp: tensor parallelism inside experts is not implemented by the executor; use expert_tp: 1")
     if p.ep > 1:

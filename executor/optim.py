@@ -19,7 +19,6 @@ ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 SGD = dict(lr=0.2, momentum=0.9)
 """training.optimizer "sgd": for equivalence tests. Adam's update is invariant to a constant factor
 on a gradient, so a gradient reduced with the wrong divisor still trains identically; SGD's is not."""
-OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
 def _local(t):

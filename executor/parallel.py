@@ -252,8 +252,7 @@ def apply_dp(stages: list[Stage], sc: Scenario, g: Groups, mp_policy) -> list[nn
     from torch.distributed.fsdp import fully_shard
 
     style = dp_style(sc)
-    experts_apart = sc.model.moe is not None and style != "ddp"
-    if style == "none" and not experts_apart:
+    if style == "none" and sc.model.moe is None:
         return list(stages)
     if style == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -306,7 +305,7 @@ def finish_gradients(stages: list[Stage], sc: Scenario, g: Groups) -> None:
         partial = [local(p.grad) for m in moes for name, p in m.named_parameters()
                    if p.grad is not None and not name.startswith("experts.")]
         _all_reduce_flat(partial, g.tp_group)
-    if tp != ep and dp_style(sc) != "ddp":
+    if tp != ep:
         for m in moes:
             for p in m.experts.parameters():
                 if p.grad is not None:

@@ -44,10 +44,7 @@ def _list(text: str) -> list[str]:
 
 def run(args) -> int:
     from calibrate.run import calibrate
-    from paraplan.fileio import check_output_file
 
-    check_output_file(args.out, "--out")
-    check_output_file(args.report, "--report")
     opts = Options(
         out=Path(args.out), device=args.device, quick=args.quick, collectives=args.collectives, base=args.base,
         name=args.name, dtypes=tuple(args.dtypes) if args.dtypes is not None else None, skip=frozenset(args.skip),

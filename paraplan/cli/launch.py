@@ -126,7 +126,7 @@ def run(args) -> int:
     m = add_flops(sc, results[0])
     if args.out:
         write_atomic(args.out, json.dumps(m, indent=1) + "\n")
-    print(json.dumps(m, indent=1) if args.json else format_summary(m))
+    print(json.dumps(m, indent=1) if args.json else format_summary(m, sc.plan))
     return 0
 
 
@@ -150,7 +150,8 @@ def add_flops(sc, m: dict) -> dict:
     return m
 
 
-def format_summary(m: dict) -> str:
+def format_summary(m: dict, plan) -> str:
+    """The measurement `m` as a table; `plan` is the PlanSpec it ran (for its recompute label)."""
     p, model = m["plan"], m["model"]
     sched = p["schedule"] + (f" x{p['virtual_pipeline_stages']}" if p["virtual_pipeline_stages"] > 1 else "")
     lines = [
@@ -158,7 +159,7 @@ def format_summary(m: dict) -> str:
         f"hidden {model['hidden_size']}{', MoE' if model.get('moe') else ''})",
         f"  plan: tp {p['tp']}  pp {p['pp']}  dp {p['dp']}  cp {p['cp']}  ep {p['ep']}  mbs {p['micro_batch_size']}  "
         f"{sched if p['pp'] > 1 else 'no pipeline'}  sp {'on' if p['sequence_parallel'] else 'off'}  zero {p['zero_stage']}  "
-        f"recompute {p['recompute']}{'(' + ','.join(p['recompute_modules']) + ')' if p['recompute'] == 'selective' and p.get('recompute_modules') else ''}  ({m['num_microbatches']} microbatch{'es' if m['num_microbatches'] != 1 else ''})",
+        f"recompute {plan.recompute_label}  ({m['num_microbatches']} microbatch{'es' if m['num_microbatches'] != 1 else ''})",
         f"  {m['world_size']} ranks on {m['device']} ({m['backend']}), {m['compute_dtype']}, data parallel: {m['data_parallel']}",
         "",
         "  step   time (ms)    tokens/s      loss",
