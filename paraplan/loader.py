@@ -657,7 +657,7 @@ def _data_parallel(values: Mapping, cluster: ClusterSpec) -> int:
     """dp as given (checked against the world size) or derived as world // (tp*pp*cp)."""
     tp, pp, cp = (values.get(k, 1) for k in ("tp", "pp", "cp"))  # PlanSpec's defaults
     world = cluster.world_size
-    gpus = f"{world} GPUs ({cluster.num_nodes} node{'s' if cluster.num_nodes != 1 else ''} x {cluster.gpus_per_node})"
+    gpus = f"{world} GPUs ({cluster.shape})"
     dp = values.get("dp")
     if dp is None:
         if world % (tp * pp * cp):

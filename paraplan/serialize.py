@@ -18,6 +18,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
+from paraplan.loader import _gigabits_per_s, _gigabytes_per_s, _microseconds  # noqa: PLC2701
 from paraplan.specs import (
     ClusterSpec, InterNodeSpec, LinkSpec, ModelSpec, MoESpec, PlanSpec, RunSpec, Scenario, TrainingSpec,
 )
@@ -44,17 +45,17 @@ def _shortest(value: float, to_si: Callable[[float], float], scale: float) -> fl
     return guess
 
 
-# The loader's conversions (paraplan/loader.py: _gigabytes_per_s, _gigabits_per_s, _microseconds).
+# Inverses of the loader's own conversions, so a written value loads back to the same float.
 def _gbps(bytes_per_s: float) -> float:
-    return _shortest(bytes_per_s, lambda v: v * 1e9, 1e-9)
+    return _shortest(bytes_per_s, _gigabytes_per_s, 1e-9)
 
 
 def _gbits(bytes_per_s: float) -> float:
-    return _shortest(bytes_per_s, lambda v: v * 1e9 / 8, 8e-9)
+    return _shortest(bytes_per_s, _gigabits_per_s, 8e-9)
 
 
 def _us(seconds: float) -> float:
-    return _shortest(seconds, lambda v: v / 1e6, 1e6)
+    return _shortest(seconds, _microseconds, 1e6)
 
 
 def _defaults_dropped(spec: Any, always: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -165,6 +165,16 @@ class ClusterSpec:
     def world_size(self) -> int:
         return self.num_nodes * self.gpus_per_node
 
+    @property
+    def shape(self) -> str:
+        """'N nodes x G', as messages and exports print the cluster."""
+        return nodes_x_gpus(self.num_nodes, self.gpus_per_node)
+
+
+def nodes_x_gpus(num_nodes: int, gpus_per_node: int) -> str:
+    """'1 node x 8', '4 nodes x 8'."""
+    return f"{num_nodes} node{'s' if num_nodes != 1 else ''} x {gpus_per_node}"
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingSpec:

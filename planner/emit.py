@@ -126,7 +126,7 @@ def megatron_args_text(sc: Scenario) -> str:
             i += 1
     world = sc.cluster.world_size
     head = (f"# Megatron-LM pretrain_gpt.py arguments for {sc.name} on {world} GPUs "
-            f"({_nodes(sc)}); add data, tokenizer, optimizer.\n"
+            f"({sc.cluster.shape}); add data, tokenizer, optimizer.\n"
             f"# torchrun --nnodes {sc.cluster.num_nodes} --nproc-per-node {sc.cluster.gpus_per_node} "
             f"pretrain_gpt.py $(grep -v '^#' megatron_args.txt)\n")
     if sc.plan.schedule == "gpipe" and sc.plan.pp > 1:
@@ -136,11 +136,6 @@ def megatron_args_text(sc: Scenario) -> str:
                  "keeps the weight gradients in the backward (a larger bubble than predicted): simulate the plan with "
                  "--set plan.schedule=1f1b for its step time, or launch it with paraplan launch / torchtitan.\n")
     return head + " \\\n".join(lines) + "\n"
-
-
-def _nodes(sc: Scenario) -> str:
-    n = sc.cluster.num_nodes
-    return f"{n} node{'s' if n != 1 else ''} x {sc.cluster.gpus_per_node}"
 
 
 def torchtitan_toml(sc: Scenario) -> str:
@@ -166,7 +161,7 @@ def torchtitan_toml(sc: Scenario) -> str:
                      "checkpointing chooses by op, not by module, so its memory and recompute time differ")
     lines = [
         f"# torchtitan job config for {sc.name}: {p.tp * p.pp * p.cp * p.dp} GPUs "
-        f"({_nodes(sc)}), written by `paraplan plan`.",
+        f"({sc.cluster.shape}), written by `paraplan plan`.",
         f"# Model: {m.name} ({m.num_layers} layers, hidden {m.hidden_size}); set [model] name/flavor to it.",
         *[f"# Note: {n}" for n in notes],
         "",

@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paraplan.errors import ConfigError
-from paraplan.specs import RECOMPUTE, SCHEDULES, ZERO_STAGES, PlanSpec, Scenario
+from paraplan.specs import RECOMPUTE, SCHEDULES, ZERO_STAGES, PlanSpec, Scenario, nodes_x_gpus
 
 # Knobs in the order they are enumerated and shown.
 KNOBS = (
@@ -380,7 +380,7 @@ class PlanSpace:
         world = num_nodes * gpn
         if world % (tp * pp * cp):
             out.append(f"plan: tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide the "
-                       f"{world} GPUs ({num_nodes} node{'s' if num_nodes != 1 else ''} x {gpn}), so no dp completes the plan")
+                       f"{world} GPUs ({nodes_x_gpus(num_nodes, gpn)}), so no dp completes the plan")
         elif self.spec.dp_filter is not None and world // (tp * pp * cp) not in self.spec.dp_filter:
             out.append(f"search.dp: the derived dp = {world // (tp * pp * cp)} is not among the "
                        f"candidates {', '.join(map(str, self.spec.dp_filter))}")

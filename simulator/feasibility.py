@@ -15,7 +15,7 @@ def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
     if p.world_size != c.world_size:
         out.append(
             f"plan: tp*pp*cp*dp = {p.tp}*{p.pp}*{p.cp}*{p.dp} = {p.world_size} but the cluster has "
-            f"{c.world_size} GPUs ({c.num_nodes} node{'s' if c.num_nodes != 1 else ''} x {c.gpus_per_node})"
+            f"{c.world_size} GPUs ({c.shape})"
         )
     if m.num_attention_heads % p.tp:
         out.append(f"plan.tp: {p.tp} does not divide model.num_attention_heads ({m.num_attention_heads})")
