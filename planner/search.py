@@ -269,7 +269,7 @@ def run_search(req: SearchRequest, *, progress: Callable[[int, int, Evaluation |
     return SearchResult(
         strategy=strategy_name, study_name=req.study_name, storage=mask_url(req.storage),
         enumeration=enum, combinations=combos, records=records, baseline=baseline,
-        baseline_in_space=space.in_space(baseline_cand) and not space.problems(baseline_cand) and baseline.simulated,
+        baseline_in_space=space.valid(baseline_cand) and baseline.simulated,
         budget=budget, wall_time_s=time.perf_counter() - t0, simulations=sims,
         trials_before=before, trials_failed=failed, study=study,
     )

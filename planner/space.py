@@ -304,6 +304,7 @@ class PlanSpace:
         # every plan field the search does not set keeps the scenario's (stages are derived in _make)
         self._template = scenario.plan
         self._cands = dict(spec.candidates)
+        self._valid: dict[Candidate, bool] = {}
 
     # -- points ---------------------------------------------------------------------------------
 
@@ -348,6 +349,14 @@ class PlanSpace:
                 "virtual_pipeline_stages": p.virtual_pipeline_stages,
                 "sequence_parallel": p.sequence_parallel, "zero_stage": p.zero_stage,
                 "recompute": p.recompute}
+
+    def valid(self, cand: Candidate) -> bool:
+        """In the space and free of problems: a plan the search may simulate (memoised: samplers
+        ask about the same neighbours again and again)."""
+        ok = self._valid.get(cand)
+        if ok is None:
+            ok = self._valid[cand] = self.in_space(cand) and not self.problems(cand)
+        return ok
 
     def in_space(self, cand: Candidate) -> bool:
         """Whether the candidate's knob values are all among the candidates (vpp: when interleaved)."""

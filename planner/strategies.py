@@ -264,13 +264,13 @@ class RefiningSampler(BaseSampler):
         tried.add(cand)
         if not self._space.in_space(cand):
             return None
-        if not self._space.problems(cand):
+        if self._space.valid(cand):
             return params
         for a in inner_axes:
             for v in axes[a][1]:
                 fixed = {**params, **dict(zip(axes[a][0], v))}
                 c = self._candidate(fixed)
-                if c not in tried and self._space.in_space(c) and not self._space.problems(c):
+                if c not in tried and self._space.valid(c):
                     tried.add(c)
                     return fixed
         return None
@@ -322,7 +322,7 @@ def expert_plans(space: PlanSpace, *, limit: int) -> list[Candidate]:
     out: list[Candidate] = []
 
     def add(c: Candidate) -> None:
-        if len(out) < limit and c not in out and space.in_space(c) and not space.problems(c):
+        if len(out) < limit and c not in out and space.valid(c):
             out.append(c)
 
     base = space.baseline()
