@@ -185,7 +185,7 @@ def torchtitan_toml(sc: Scenario) -> str:
         f"pipeline_parallel_microbatch_size = {p.micro_batch_size}",
     ]
     if p.pp > 1:
-        lines.append(f"pipeline_parallel_layers_per_stage = {m.num_layers // (p.pp * p.virtual_pipeline_stages)}")
+        lines += _torchtitan_stage_split(sc)
     lines += [
         f"context_parallel_degree = {p.cp}",
         f"expert_parallel_degree = {p.ep}",
@@ -196,6 +196,28 @@ def torchtitan_toml(sc: Scenario) -> str:
     if p.recompute == "selective":
         lines.append('selective_ac_option = "op"')
     return "\n".join(lines) + "\n"
+
+
+def _torchtitan_stage_split(sc: Scenario) -> list[str]:
+    """The plan's layers per virtual stage in torchtitan's terms: it makes
+    ceil((layers + first_less + last_less) / layers_per_stage) virtual stages and gives the first
+    and last `*_less_layers` fewer layers (torchtitan pipeline_llm / generate_llm_fqn_per_model_part;
+    both default to 1, so an even split must say 0). The counts are the simulated ones
+    (simulator.layout.layers_per_chunk)."""
+    from simulator.layout import layers_per_chunk
+
+    p = sc.plan
+    layers = layers_per_chunk(sc.model.num_layers, p.pp, p.virtual_pipeline_stages,
+                              p.first_stage_layers, p.last_stage_layers)
+    by_vstage = [layers[g % p.pp][g // p.pp] for g in range(p.pp * p.virtual_pipeline_stages)]
+    first, last = by_vstage[0], by_vstage[-1]
+    middle = max(by_vstage[1:-1], default=max(first, last))
+    if first > middle or last > middle:
+        return ["# pipeline split: torchtitan cannot give the first or last stage more layers than the others "
+                f"({by_vstage}); set module_fqns_per_model_part by hand"]
+    return [f"pipeline_parallel_layers_per_stage = {middle}",
+            f"pipeline_parallel_first_stage_less_layers = {middle - first}",
+            f"pipeline_parallel_last_stage_less_layers = {middle - last}"]
 
 
 def best_scenario(base: Scenario, ev: Evaluation) -> Scenario:

@@ -242,3 +242,23 @@ def test_zero_stages_stay_distinct_while_expert_states_shard():
     base = {"tp": 8, "pp": 1, "cp": 1, "micro_batch_size": 1, "schedule": "1f1b", "recompute": "full"}
     assert sp.candidate({**base, "ep": 2, "zero_stage": 3}).plan.zero_stage == 3
     assert sp.candidate({**base, "ep": 8, "zero_stage": 3}).plan.zero_stage == 0  # expert-dp 1 as well
+
+
+@pytest.mark.parametrize("name, overrides", [("llama3-405b-16384xh100", []), ("llama3-8b-64xh100", ["plan.pp=4", "plan.tp=1"]),
+                                             ("qwen3-235b-256xh100", []), ("gpt3-175b-1024xa100", [])])
+def test_torchtitan_export_splits_the_layers_as_simulated(name, overrides):
+    """torchtitan makes ceil((layers + first_less + last_less) / layers_per_stage) virtual stages
+    (both *_less default to 1): the export must give pp x vpp of them, with the simulated counts."""
+    tomllib = pytest.importorskip("tomllib")
+    from planner.emit import torchtitan_toml
+    from simulator.layout import layers_per_chunk
+
+    sc = load_scenario(ROOT / "scenarios" / f"{name}.yaml", overrides)
+    p = sc.plan
+    par = tomllib.loads(torchtitan_toml(sc))["parallelism"]
+    per, first_less, last_less = (par[f"pipeline_parallel_{k}"] for k in
+                                  ("layers_per_stage", "first_stage_less_layers", "last_stage_less_layers"))
+    assert -(-(sc.model.num_layers + first_less + last_less) // per) == p.pp * p.virtual_pipeline_stages
+    layers = layers_per_chunk(sc.model.num_layers, p.pp, p.virtual_pipeline_stages, p.first_stage_layers,
+                              p.last_stage_layers)
+    assert (layers[0][0], layers[-1][-1]) == (per - first_less, per - last_less)
