@@ -211,17 +211,19 @@ def scaled_profile(profile, k: float):
 
 
 def refit(sc, measured_s: float, *, config: str = "", when: _dt.datetime | None = None,
-          iterations: int = 8, rel_tol: float = 0.005) -> Refit:
+          iterations: int = 8, rel_tol: float = 0.005, simulated=None) -> Refit:
     """Refit the compute efficiency of `sc`'s profile so that simulating `sc` gives `measured_s`.
 
-    `sc` is the scenario that was simulated and launched. If no k in [1e-4, 1e4] reaches the
-    measurement (e.g. it is faster than the predicted communication alone), the closest is kept.
+    `sc` is the scenario that was simulated and launched; `simulated`, its SimResult when the
+    caller has it already. If no k in [1e-4, 1e4] reaches the measurement (e.g. it is faster than
+    the predicted communication alone), the closest is kept. Only step times are compared, so the
+    MoE balanced-router reference run is skipped.
     """
     from hwmodels.profile import write_profile
     from simulator.simulate import simulate
 
     base = _profile_of(sc)
-    first = simulate(sc)
+    first = simulated if simulated is not None else simulate(sc, imbalance_reference=False)
     before = first.step_time_s
     with tempfile.TemporaryDirectory(prefix="paraplan-refit-") as tmp:
         cache: dict[float, float] = {}
@@ -230,8 +232,8 @@ def refit(sc, measured_s: float, *, config: str = "", when: _dt.datetime | None 
             if k not in cache:
                 path = Path(tmp) / f"k{len(cache)}.yaml"
                 write_profile(scaled_profile(base, k), path)
-                cache[k] = simulate(dataclasses.replace(
-                    sc, cluster=dataclasses.replace(sc.cluster, gpu=str(path)))).step_time_s
+                cache[k] = simulate(dataclasses.replace(sc, cluster=dataclasses.replace(sc.cluster, gpu=str(path))),
+                                    imbalance_reference=False).step_time_s
             return cache[k]
 
         # first guess: the whole residual is compute (and recompute) time, which scales as 1/k

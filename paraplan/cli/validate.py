@@ -61,7 +61,7 @@ def run(args) -> int:
         return 1
     report = compare(sc, sim, m, config=args.config, tolerance_pct=args.tolerance)
     if args.refit:
-        r = refit(sc, m["step_time_s"], config=args.config)
+        r = refit(sc, m["step_time_s"], config=args.config, simulated=sim)
         write_profile(r.profile, args.refit)
         report["refit"] = {"out": args.refit, "profile": r.profile.name, "factor": r.factor,
                            "predicted_step_time_s": r.predicted_after_s, "error_pct": r.error_after_pct}
