@@ -32,7 +32,7 @@ range**, so `search: {}` or no section at all means "every valid factorisation o
 
 Every other plan field (overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, expert_tp)
 keeps the scenario's value; tp_comm_overlap is applied where it can be (sequence_parallel and
-tp > 1). Uneven stages are derived, not searched: when pp does not divide the layers (and the
+tp > 1), and so is overlap_param_gather (zero_stage >= 1 and overlap_grad_reduce). Uneven stages are derived, not searched: when pp does not divide the layers (and the
 schedule is not interleaved), the middle stages take ceil(layers / pp) each and the first and
 last stages share the rest, the last one the lighter (they also hold the embedding and the LM
 head: Llama 3 405B's 126 layers on 16 stages are 7 + 14 x 8 + 7, Dubey et al. 2024 Sec. 3.3.2);
@@ -333,6 +333,7 @@ class PlanSpace:
             virtual_pipeline_stages=v["virtual_pipeline_stages"] if interleaved else 1,
             sequence_parallel=sp, zero_stage=zero, recompute=v["recompute"],
             tp_comm_overlap=self._template.tp_comm_overlap and sp and v["tp"] > 1,
+            overlap_param_gather=self._template.overlap_param_gather and zero >= 1 and self._template.overlap_grad_reduce,
         )
         return Candidate(num_nodes=v["num_nodes"], plan=plan)
 

@@ -38,6 +38,12 @@ def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
     if p.tp_comm_overlap and not (p.sequence_parallel and p.tp > 1):
         # Megatron: "Tensor parallel communication/GEMM overlap can happen only when sequence parallelism is enabled"
         out.append("plan.tp_comm_overlap: needs sequence_parallel: true and tp > 1")
+    if p.overlap_param_gather and p.zero_stage == 0:
+        # Megatron-LM validate_args: "--overlap-param-gather only supported with distributed optimizer"
+        out.append("plan.overlap_param_gather: needs zero_stage >= 1 (the distributed optimizer gathers the parameters)")
+    if p.overlap_param_gather and not p.overlap_grad_reduce:
+        # Megatron-LM validate_args: "Must use --overlap-param-gather with --overlap-grad-reduce"
+        out.append("plan.overlap_param_gather: needs overlap_grad_reduce: true (Megatron-LM)")
     out += _moe_problems(sc)
     if t.precision == "fp8" and gpu_arch == "ampere":
         out.append("training.precision: fp8 needs Hopper or newer; this GPU is Ampere")

@@ -63,6 +63,8 @@ BAD_INPUT = [
     (["--set", "plan.schedule=zero-bubble", "--set", "plan.pp=1", "--set", "plan.tp=4"],
      "plan.schedule: zero-bubble needs pp >= 2"),
     (["--set", "plan.moe_dispatcher=deepep"], "plan.moe_dispatcher: deepep needs an MoE model"),
+    (["--set", "plan.overlap_param_gather=true", "--set", "plan.zero_stage=0"],
+     "plan.overlap_param_gather: needs zero_stage >= 1"),
 ]
 
 

@@ -107,6 +107,19 @@ def test_candidates_are_canonical():
     assert sp.candidate({**base, "tp": 4, "pp": 4, "cp": 2}).plan.dp == 0  # 32 does not divide 8
 
 
+def test_overlap_param_gather_is_applied_only_where_megatron_allows_it():
+    sp = space("plan.overlap_grad_reduce=true", "plan.overlap_param_gather=true")
+    base = {"tp": 1, "pp": 2, "cp": 1, "micro_batch_size": 1, "schedule": "1f1b", "recompute": "none"}
+    assert sp.candidate({**base, "zero_stage": 1}).plan.overlap_param_gather is True
+    zero0 = sp.candidate({**base, "zero_stage": 0})
+    assert zero0.plan.overlap_param_gather is False and sp.problems(zero0) == []
+    no_grad_overlap = space("plan.overlap_grad_reduce=false", "plan.overlap_param_gather=true",
+                            "plan.zero_stage=1")
+    assert no_grad_overlap.candidate({**base, "zero_stage": 1}).plan.overlap_param_gather is False
+    assert any(r.startswith("plan.overlap_param_gather: needs overlap_grad_reduce")
+               for r in structural_problems(no_grad_overlap.scenario))
+
+
 def test_problems_combine_planner_and_simulator_rules():
     sp = space("search.tp=[1, 2, 4, 8, 16]")
     c = sp.candidate({"tp": 16, "pp": 1, "cp": 1, "micro_batch_size": 1, "schedule": "1f1b"})
