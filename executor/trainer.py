@@ -259,7 +259,8 @@ def _value(loss) -> torch.Tensor:
     return loss.to_local() if isinstance(loss, DTensor) else loss
 
 
-def summary(sc: Scenario, ranks: list[dict], *, backend: str, device_name: str, on_gpu: bool) -> dict:
+def summary(sc: Scenario, ranks: list[dict], *, backend: str, device_name: str, on_gpu: bool,
+            device_memory: int = 0) -> dict:
     """The measurement of one plan from every rank's record (built on rank 0)."""
     from executor.config import scenario_to_json
 
@@ -277,7 +278,7 @@ def summary(sc: Scenario, ranks: list[dict], *, backend: str, device_name: str, 
         "scenario": sc.name,
         "model": raw["model"], "training": raw["training"], "plan": raw["plan"], "run": raw["run"],
         "parameters": count_parameters(padded_vocab(sc.model, p.tp)),
-        "world_size": p.world_size, "backend": backend, "device": device_name,
+        "world_size": p.world_size, "backend": backend, "device": device_name, "device_memory_bytes": device_memory,
         # fp32 on a GPU runs its matmuls in TF32 (the worker allows it), so its peak is TF32's
         "compute_dtype": ranks[0]["compute_dtype"],
         "data_parallel": dp_style(sc), "zero_stage_run": effective_zero_stage(p),

@@ -59,10 +59,11 @@ def _run(job: dict, out_dir: Path) -> int:
         torch.backends.cudnn.allow_tf32 = True
         dist.init_process_group("nccl", timeout=timeout, device_id=device)
         device_name = torch.cuda.get_device_name(device)
+        device_memory = int(torch.cuda.get_device_properties(device).total_memory)
     else:
         device = torch.device("cpu")  # threads: torchrun sets OMP_NUM_THREADS=1 per process when nproc > 1
         dist.init_process_group("gloo", timeout=timeout)
-        device_name = "cpu"
+        device_name, device_memory = "cpu", 0
     rank = dist.get_rank()
     fault = os.environ.get("PARAPLAN_EXECUTOR_FAULT")
     for i, raw in enumerate(job["runs"]):
@@ -72,7 +73,8 @@ def _run(job: dict, out_dir: Path) -> int:
         records = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(record, records, dst=0)
         if rank == 0:
-            result = summary(sc, records, backend=backend, device_name=device_name, on_gpu=device.type == "cuda")
+            result = summary(sc, records, backend=backend, device_name=device_name, device_memory=device_memory,
+                             on_gpu=device.type == "cuda")
             result["wall_s"] = time.perf_counter() - t0
             write_atomic(out_dir / f"run{i}.json", json.dumps(result, indent=1))
             if job.get("progress", True):

@@ -146,3 +146,24 @@ def test_nccl_on_one_gpu_reports_mfu(config, tmp_path):
 def test_nccl_pipeline_on_two_gpus(config):
     r = paraplan(config, "--backend", "nccl", "--steps", "2")
     assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize("device,memory,profile,noted", [
+    ("NVIDIA H100 80GB HBM3", 85_520_809_984, "h100-sxm-80gb", False),
+    ("NVIDIA H200", 150_754_820_096, "h200-sxm-141gb", False),
+    # a PCIe H100 peaks at 756 dense bf16 TFLOP/s, not the SXM's 989: no bundled profile matches it
+    ("NVIDIA H100 PCIe", 85_520_809_984, "a100-sxm-80gb", True),
+])
+def test_mfu_peak_is_the_device_that_ran(config, device, memory, profile, noted):
+    from paraplan.cli.launch import add_flops
+    from paraplan.loader import load_scenario
+    from hwmodels.profile import load_profile
+
+    sc = load_scenario(config, ["cluster.gpu=a100-sxm-80gb"])
+    m = {"tokens_per_step": 256, "step_time_s": 0.5, "world_size": 2, "backend": "nccl", "device": device,
+         "device_memory_bytes": memory, "compute_dtype": "bf16", "notes": []}
+    add_flops(sc, m)
+    assert m["peak_profile"] == profile
+    assert m["peak_flops_per_rank"] == load_profile(profile).peak("bf16")
+    assert m["mfu"] == pytest.approx(m["model_flops_per_step"] / 0.5 / 2 / m["peak_flops_per_rank"])
+    assert any("matches no bundled GPU profile" in n for n in m["notes"]) == noted

@@ -21,9 +21,6 @@ from paraplan.fileio import write_atomic
 
 MiB = 1024**2
 
-# torch.cuda.get_device_name() keyword -> bundled profile (for the MFU peak)
-_DEVICE_PROFILES = (("h200", "h200-sxm-141gb"), ("h100", "h100-sxm-80gb"), ("b200", "b200-sxm-180gb"),
-                    ("a100-sxm4-40gb", "a100-sxm-40gb"), ("a100", "a100-sxm-80gb"))
 
 
 def add_arguments(p) -> None:
@@ -139,10 +136,16 @@ def add_flops(sc, m: dict) -> dict:
     m["flop_formula"] = MODEL_FLOPS_FORMULA
     m["tflops_per_rank"] = flops / m["step_time_s"] / m["world_size"] / 1e12
     if m["backend"] == "nccl":
+        from calibrate.device import bundled_match
         from hwmodels.profile import load_profile
 
-        name = next((prof for key, prof in _DEVICE_PROFILES if key in m["device"].lower().replace(" ", "-")),
-                    sc.cluster.gpu)
+        # the peak of the GPU the run used, matched as calibrate matches it (SXM parts by name and
+        # memory); a device no bundled profile describes is measured against the scenario's GPU
+        name = bundled_match(m["device"], m.get("device_memory_bytes", 0))
+        if name is None:
+            name = sc.cluster.gpu
+            m["notes"].append(f"{m['device']} matches no bundled GPU profile: MFU is against the scenario's "
+                              f"cluster.gpu ({name})")
         peak = load_profile(name).peak(m["compute_dtype"])
         m["peak_flops_per_rank"] = peak
         m["peak_profile"] = name
