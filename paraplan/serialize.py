@@ -88,7 +88,9 @@ def model_to_mapping(m: ModelSpec) -> dict[str, Any]:
 
 def moe_to_mapping(e: MoESpec) -> dict[str, Any]:
     r = e.routing
-    routing: dict[str, Any] = {"distribution": r.distribution, "s": r.s, "seed": r.seed}
+    routing: dict[str, Any] = {"distribution": r.distribution, "seed": r.seed}
+    if r.distribution == "zipf":  # the loader takes the exponent with zipf only
+        routing["s"] = r.s
     if r.tokens_per_expert:
         routing["tokens_per_expert"] = list(r.tokens_per_expert)
     return {
