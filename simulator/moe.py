@@ -18,7 +18,7 @@ from hwmodels.compute import gemm_time, memory_bound_time
 from hwmodels.network import collective_time
 from paraplan.placement import GroupLayout
 from simulator.cost import Cost
-from simulator.workload import activation_time, ffn_norm_residual, mlp_linear_shapes, tp_collective_pairs
+from simulator.workload import activation_time, ffn_norm_residual, mlp_linear_shapes, outside_fp8, tp_collective_pairs
 
 
 @dataclass(frozen=True)
@@ -158,7 +158,7 @@ def _moe_weight_grad(ctx, draw: RoutingDraw) -> float:
     (the busiest rank) and of the shared experts: the weight-gradient halves of the backward GEMMs
     that `_gemm(..., backward=True)` prices."""
     m, etp = ctx.model, ctx.plan.expert_tp
-    total = _wgrad(ctx, routed_tokens_per_rank(ctx), m.hidden_size, m.moe.num_experts)
+    total = _wgrad(outside_fp8(ctx), routed_tokens_per_rank(ctx), m.hidden_size, m.moe.num_experts)
     for n in draw.expert_tokens[draw.busiest_rank]:
         if n > 0:
             total += sum(_wgrad(ctx, n * etp, k, w) for k, w in _expert_linears(ctx))
@@ -275,7 +275,7 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     load = float(busiest.sum())
     factor = 2 if backward else 1
     # Router: (tokens, h) x (h, E) logits, then softmax and top-k over fp32 logits.
-    router = _gemm(ctx, routed, h, experts, backward) + memory_bound_time(ctx.gpu, factor * 3 * routed * experts * 4)
+    router = _gemm(outside_fp8(ctx), routed, h, experts, backward) + memory_bound_time(ctx.gpu, factor * 3 * routed * experts * 4)
     # Permute copies by expert before dispatch; unpermute and weight-sum after combine.
     permute = memory_bound_time(ctx.gpu, factor * 2 * copies * h * b)
     unpermute = memory_bound_time(ctx.gpu, factor * (2 * copies * h * b + routed * h * b))

@@ -7,7 +7,7 @@ where time went. Everything here is per microbatch, per rank of one pipeline sta
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from hwmodels.compute import attention_time, gemm_time, memory_bound_time, unfused_attention_time
 from hwmodels.network import collective_time
@@ -70,23 +70,26 @@ def mlp_linear_shapes(model, width: int) -> list[tuple[int, int]]:
 
 
 def _attention_core(ctx: LayerContext, backward: bool) -> float:
-    """Softmax(QK^T)V for this rank's heads. Under context parallelism each rank owns s/cp queries
-    against the whole sequence, load-balanced over the causal mask (Megatron-Core CP), so the work
-    is 1/cp of the full causal attention."""
+    """Softmax(QK^T)V for this rank's heads. Under context parallelism each rank owns s/cp queries,
+    split into 2 chunks of the 2cp-chunk causal load balance, and runs cp kernels, one per ring
+    step (Transformer Engine AttnFuncWithCPAndKVP2P): the diagonal step a causal (s/cp)^2 block,
+    the others (s/cp) x (s/2cp) unmasked ones, all of the same FLOPs. So cp calls of a causal
+    (s/cp)^2 attention, together 1/cp of the full causal work, each priced at its own size."""
     m, p = ctx.model, ctx.plan
     fn = attention_time if ctx.attention_kernel == "flash" else unfused_attention_time
+    step_len = ctx.seq_length // p.cp
     t = fn(
         ctx.gpu,
         batch=p.micro_batch_size,
         heads=m.num_attention_heads // p.tp,
-        q_len=ctx.seq_length,
-        kv_len=ctx.seq_length,
+        q_len=step_len,
+        kv_len=step_len,
         head_dim=m.head_dim,
         dtype=ctx.dtype,
         causal=True,
         backward=backward,
     )
-    return t / p.cp
+    return t * p.cp
 
 
 def _memory_bound(ctx: LayerContext, kernels: list[float], backward: bool) -> float:
@@ -258,7 +261,10 @@ def selective_recompute(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
     mods = ctx.plan.recompute_modules
     cost = Cost()
     if "core_attn" in mods:
+        # the checkpointed call is the whole CP attention, its K/V ring included (Megatron-Core
+        # Attention._checkpointed_attention_forward around TE's AttnFuncWithCPAndKVP2P)
         cost.add("recompute", _attention_core(ctx, False))
+        cost.add("cp_comm", _cp_comm(ctx, False))
     if "layernorm" in mods:
         cost.add("recompute", 2 * memory_bound_time(ctx.gpu, _norm_bytes(ctx)))
     if ffn is dense_ffn_block:
@@ -287,7 +293,14 @@ def layer_weight_grad(ctx: LayerContext, ffn=dense_ffn_block) -> float:
 
 def head_weight_grad(ctx: LayerContext) -> float:
     """The W pass of the LM head (the vocabulary-parallel projection's weight gradient)."""
-    return _weight_grad_gemm(ctx, ctx.model.hidden_size, ctx.model.vocab_size // ctx.plan.tp)
+    return _weight_grad_gemm(outside_fp8(ctx), ctx.model.hidden_size, ctx.model.vocab_size // ctx.plan.tp)
+
+
+def outside_fp8(ctx: LayerContext) -> LayerContext:
+    """The context of GEMMs that run in 16-bit under fp8 training: the LM head (Megatron-Core's
+    output layer is a tensor_parallel.ColumnParallelLinear, not a Transformer Engine module, so fp8
+    autocast does not reach it) and the MoE router (TopKRouter's gating is a plain F.linear)."""
+    return replace(ctx, dtype="bf16") if ctx.dtype == "fp8" else ctx
 
 
 def embedding_cost(ctx: LayerContext, backward: bool) -> Cost:
@@ -311,7 +324,7 @@ def head_cost(ctx: LayerContext, backward: bool) -> Cost:
     all-reduced backward (copy_to_tensor_model_parallel_region)."""
     m, p = ctx.model, ctx.plan
     vocab = m.vocab_size // p.tp
-    gemm = _linear(ctx, m.hidden_size, vocab, backward)
+    gemm = _linear(outside_fp8(ctx), m.hidden_size, vocab, backward)
     logits = ctx.tokens * vocab * 4
     ce = memory_bound_time(ctx.gpu, (2 if backward else 3) * logits)
     norm = memory_bound_time(ctx.gpu, (2 if backward else 1) * 2 * ctx.tokens * m.hidden_size * ctx.act_bytes)

@@ -198,3 +198,36 @@ def test_plan_survives_the_planner_journal(llama8b):
     plan = with_modules(llama8b, "layernorm", "mlp").plan
     back = _plan_from_json(json.loads(json.dumps(dataclasses.asdict(plan))))
     assert back == plan and hash(back) == hash(plan)
+
+
+def test_core_attn_recompute_under_context_parallelism_repeats_the_kv_ring():
+    """The checkpointed attention is the whole CP attention, its K/V ring included: recomputing it
+    exposes the forward ring again. Llama-3 70B, tp 8, cp 8 puts the ring across nodes."""
+    from simulator.workload import _cp_comm
+
+    sc = load_scenario(ROOT / "scenarios" / "llama3-70b-1024xh100.yaml",
+                       ["plan.cp=8", "plan.recompute=selective"])
+    ctx = context(sc)
+    ring = _cp_comm(ctx, False)
+    assert ring > 0
+    cost = selective_recompute(ctx)
+    assert cost.parts["cp_comm"] == ring
+    assert cost.parts["recompute"] == _attention_core(ctx, False)
+
+
+def test_context_parallel_attention_is_cp_kernels_of_one_step_each():
+    """Each rank runs cp ring steps of equal FLOPs, each a causal (s/cp)^2 attention (Transformer
+    Engine's load-balanced CP); the efficiency is read at that size, not the whole sequence's."""
+    from hwmodels.compute import attention_time
+
+    sc = load_scenario(ROOT / "scenarios" / "llama3-70b-1024xh100.yaml", ["plan.cp=4"])
+    ctx = context(sc)
+    m, p = sc.model, sc.plan
+    step = attention_time(ctx.gpu, batch=p.micro_batch_size, heads=m.num_attention_heads // p.tp,
+                          q_len=sc.training.seq_length // 4, kv_len=sc.training.seq_length // 4,
+                          head_dim=m.head_dim, dtype="bf16", causal=True, backward=False)
+    assert _attention_core(ctx, False) == pytest.approx(4 * step, rel=1e-12)
+    whole = attention_time(ctx.gpu, batch=p.micro_batch_size, heads=m.num_attention_heads // p.tp,
+                           q_len=sc.training.seq_length, kv_len=sc.training.seq_length,
+                           head_dim=m.head_dim, dtype="bf16", causal=True, backward=False)
+    assert _attention_core(ctx, False) > whole / 4  # smaller kernels run less efficiently

@@ -282,3 +282,24 @@ def test_zero3_gathers_what_each_stage_holds():
     sharded = (8 * layer + emb) * 2 / (p.dp * p.cp)
     r = simulate(sc, imbalance_reference=False)
     assert r.stages[0].memory["weights"] == pytest.approx(sharded + (max(emb, layer) + layer) * 2, rel=1e-9)
+
+
+def test_fp8_leaves_the_lm_head_and_router_in_bf16():
+    """Transformer Engine's fp8 reaches its own linear layers only: Megatron-Core's output layer
+    (ColumnParallelLinear) and the MoE router (F.linear) stay 16-bit; the transformer GEMMs drop."""
+    from hwmodels.network import build_network
+    from hwmodels.profile import load_profile
+    from paraplan.placement import group_layout
+    from simulator.workload import LayerContext, head_cost, head_weight_grad, layer_forward
+
+    sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml")
+    gpu = load_profile(sc.cluster.gpu)
+    p = sc.plan
+    bf16 = LayerContext(model=sc.model, plan=p, gpu=gpu, network=build_network(sc.cluster, gpu),
+                        seq_length=sc.training.seq_length, dtype="bf16", attention_kernel="flash",
+                        tp_layout=group_layout(("tp",), p, 8), cp_layout=group_layout(("cp",), p, 8))
+    fp8 = replace(bf16, dtype="fp8")
+    for backward in (False, True):
+        assert head_cost(fp8, backward).total == head_cost(bf16, backward).total
+    assert head_weight_grad(fp8) == head_weight_grad(bf16)
+    assert layer_forward(fp8).total < layer_forward(bf16).total
