@@ -105,8 +105,9 @@ def stage_memory(
     (dp x cp x tp / (ep x expert_tp), Megatron-Core parallel folding); `activations`: the peak of
     microbatches in flight x their activation bytes, read off the schedule; `working_set`:
     transient buffers on top (the layer being recomputed, logits, all-to-all buffers);
-    `max_layer_params`: under ZeRO-3, the sharded parameters of the largest unit this rank gathers
-    (a layer, or the embedding / LM head on the stages holding them; 0 where nothing is sharded);
+    `max_layer_params`: under ZeRO-2/3, the sharded parameters of the largest unit this rank
+    reduces (ZeRO-3: and gathers): a layer, or the embedding / LM head on the stages holding them;
+    0 where nothing is sharded;
     `prefetched_params`: the unit gathered beside it (a layer; default the same size)."""
     w, g, o = state_bytes_per_param(precision)
     shard = plan.dp * plan.cp
@@ -126,12 +127,14 @@ def stage_memory(
     dw, dg, do = states(dense_params, shard)
     ew, eg, eo = states(expert_params, expert_shard)
     weights, grads = dw + ew, dg + eg
+    if zero >= 2:
+        # a unit's full gradient until its reduce-scatter (Zhao et al., "PyTorch FSDP", VLDB 2023,
+        # Sec. 3; ZeRO-2 reduces each unit as its backward produces it, like ZeRO-3)
+        grads += max_layer_params * g
     if zero >= 3:
-        # the current and the prefetched unit gathered in full (FSDP prefetch), and the unit's
-        # full gradient until its reduce-scatter (Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3)
+        # the current and the prefetched unit gathered in full (FSDP prefetch)
         prefetched = max_layer_params if prefetched_params is None else prefetched_params
         weights += (max_layer_params + prefetched) * w
-        grads += max_layer_params * g
     acts = activations + working_set
     reserved = RESERVED_BYTES + FRAGMENTATION * acts
     return StageMemory(weights=weights, gradients=grads, optimizer=do + eo, activations=acts, reserved=reserved)

@@ -79,14 +79,18 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
     w_bytes, _, _ = state_bytes_per_param(tr.precision)
     emb_params = m.embedding_params() / p.tp
 
-    # ZeRO-3: per layer, all-gather its weights (forward and backward) and reduce-scatter its
-    # gradients (backward); dense weights over the data-parallel group, expert weights over the
-    # expert-data-parallel group (where they are sharded, simulator.memory.stage_memory)
-    zero3 = {}
-    if p.zero_stage == 3 and (shard > 1 or edp_layout.size > 1):
-        zero3 = {kind: _zero3_comm(net, [(dense, dp_layout), (expert, edp_layout)], w_bytes)
-                 for kind, (dense, expert) in kinds.params.items()}
-        zero3["embedding"] = _zero3_comm(net, [(emb_params, dp_layout)], w_bytes)
+    # ZeRO-2 and -3 shard the gradients, so every microbatch's backward reduce-scatters each unit's
+    # gradients as it produces them (there is no full gradient buffer to accumulate into:
+    # DeepSpeed ZeRO-2 reduces after every backward, PyTorch FSDP SHARD_GRAD_OP/FULL_SHARD
+    # reduce-scatter in each backward, Zhao et al., VLDB 2023, Sec. 3); ZeRO-3 also all-gathers
+    # each unit's weights (forward and backward). Dense weights over the data-parallel group, expert
+    # weights over the expert-data-parallel group (where they are sharded, memory.stage_memory).
+    per_unit = {}
+    if p.zero_stage >= 2 and (shard > 1 or edp_layout.size > 1):
+        gather_bytes = w_bytes if p.zero_stage == 3 else 0.0
+        per_unit = {kind: _zero3_comm(net, [(dense, dp_layout), (expert, edp_layout)], gather_bytes)
+                    for kind, (dense, expert) in kinds.params.items()}
+        per_unit["embedding"] = _zero3_comm(net, [(emb_params, dp_layout)], gather_bytes)
     # per layer kind, the parameters ZeRO-3 gathers (the parts that are sharded)
     gathered_of = {kind: dense * (shard > 1) + expert * (edp_layout.size > 1)
                    for kind, (dense, expert) in kinds.params.items()}
@@ -101,7 +105,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
             start = first_layer[c * p.pp + s]
             kinds_in_chunk = ["moe" if m.is_moe_layer(i) else "dense" for i in range(start, start + layers[s][c])]
             stage_kinds.update(kinds_in_chunk)
-            chunk = _chunk_work(ctx, kinds, kinds_in_chunk, zero3, first=s == 0 and c == 0,
+            chunk = _chunk_work(ctx, kinds, kinds_in_chunk, per_unit, first=s == 0 and c == 0,
                                 last=s == p.pp - 1 and c == len(layers[s]) - 1, emb_params=emb_params)
             f, b, w, c_dense, c_expert, acts = chunk
             op_cost[("F", c)], op_cost[("B", c)] = f, b
@@ -111,7 +115,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
             dense_params += c_dense
             expert_params += c_expert
             chunk_acts.append(acts)
-            if p.zero_stage < 3:
+            if p.zero_stage < 2:  # ZeRO-2/3 reduce per microbatch, in the backward (per_unit)
                 buckets[c] = (_grad_buckets(net, p, c_dense, dp_layout, shard)
                               + _grad_buckets(net, p, c_expert, edp_layout, edp_layout.size))
         local_opt = dense_params / (shard if p.zero_stage >= 1 else 1) \
@@ -230,7 +234,7 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], zero3: dict, *, 
         dense += n * kinds.params[kind][0]
         expert += n * kinds.params[kind][1]
         acts += n * kinds.acts[kind]
-    # (forward cost, backward cost, ZeRO-3 (gather, scatter)) of each piece in forward order
+    # (forward cost, backward cost, ZeRO-2/3 (gather, scatter)) of each piece in forward order
     pieces = [(kinds.fwd[k], kinds.bwd[k], zero3.get(k, (0.0, 0.0))) for k in kinds_in_chunk]
     no_comm = (0.0, 0.0)
     if first:
@@ -274,8 +278,10 @@ def _grad_buckets(net, p, params: float, layout: GroupLayout, group: int) -> lis
 
 def _zero3_comm(net, parts: list[tuple[float, GroupLayout]], w_bytes: float) -> tuple[float, float]:
     """(all-gather, reduce-scatter) seconds of one ZeRO-3 unit whose parameters are `parts`
-    (count, the group they are sharded over); a group of one holds them whole and moves nothing."""
-    gather = sum(collective_time(net, "all_gather", n * w_bytes, lay) for n, lay in parts if n > 0 and lay.size > 1)
+    (count, the group they are sharded over), `w_bytes` per gathered weight (0: ZeRO-2, which
+    gathers nothing per unit); a group of one holds them whole and moves nothing."""
+    gather = sum(collective_time(net, "all_gather", n * w_bytes, lay)
+                 for n, lay in parts if n > 0 and lay.size > 1) if w_bytes else 0.0
     scatter = sum(collective_time(net, "reduce_scatter", n * GRAD_REDUCE_BYTES, lay)
                   for n, lay in parts if n > 0 and lay.size > 1)
     return gather, scatter

@@ -303,3 +303,18 @@ def test_fp8_leaves_the_lm_head_and_router_in_bf16():
         assert head_cost(fp8, backward).total == head_cost(bf16, backward).total
     assert head_weight_grad(fp8) == head_weight_grad(bf16)
     assert layer_forward(fp8).total < layer_forward(bf16).total
+
+
+def test_zero2_reduces_every_microbatch_and_zero1_once():
+    """ZeRO-2 shards the gradients, so each microbatch's backward reduce-scatters them (no full
+    buffer to accumulate into); ZeRO-1 accumulates into its full buffer and reduces once. Doubling
+    the microbatches leaves ZeRO-1's data-parallel time alone and about doubles ZeRO-2's."""
+    def dp_comm(zero, batch_scale):
+        sc = load_scenario(ROOT / "scenarios" / "llama3-70b-512xh100.yaml", [f"plan.zero_stage={zero}"])
+        sc = replace(sc, training=replace(sc.training, global_batch_size=sc.training.global_batch_size * batch_scale))
+        return simulate(sc).breakdown["dp_comm"]
+
+    assert dp_comm(1, 2) == pytest.approx(dp_comm(1, 1), rel=1e-9)
+    z2_one, z2_two = dp_comm(2, 1), dp_comm(2, 2)
+    assert z2_one > 10 * dp_comm(1, 1)
+    assert 1.8 < z2_two / z2_one < 2.1
