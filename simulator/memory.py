@@ -46,9 +46,14 @@ def state_bytes_per_param(precision: str) -> tuple[float, float, float]:
     """(weights, gradients, optimizer) bytes per parameter before ZeRO sharding."""
     if precision == "fp32":
         return 4.0, 4.0, 8.0  # fp32 weights and grads, Adam m and v
-    if precision == "fp8":
-        return 3.0, 4.0, 12.0  # bf16 weights + fp8 copies (Transformer Engine), fp32 main grads, K=12
-    return 2.0, 4.0, 12.0  # fp16/bf16 weights, fp32 main grads, K=12
+    return 2.0, 4.0, 12.0  # fp16/bf16 weights (also under fp8: FP8_WEIGHT_CACHE), fp32 main grads, K=12
+
+
+# Under fp8 Transformer Engine keeps, per weight of its linear layers, an fp8 copy and (Hopper's
+# fp8 GEMMs take TN layouts only) an fp8 transpose, cached across microbatches
+# (TransformerEngine module/base.py get_weight_workspace; Megatron passes is_first_microbatch):
+# 2 bytes on top of the bf16 weight. The embedding and the LM head are not TE modules: no cache.
+FP8_WEIGHT_CACHE_BYTES = 2.0
 
 
 def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: str,
@@ -98,6 +103,7 @@ def stage_memory(
     activations: float,
     working_set: float = 0.0,
     prefetched_params: float | None = None,
+    embedding_params: float = 0.0,
 ) -> StageMemory:
     """Memory of one rank of a stage.
     `dense_params`: parameters this rank holds whose states shard over dp x cp (already divided by
@@ -108,7 +114,8 @@ def stage_memory(
     `max_layer_params`: under ZeRO-2/3, the sharded parameters of the largest unit this rank
     reduces (ZeRO-3: and gathers): a layer, or the embedding / LM head on the stages holding them;
     0 where nothing is sharded;
-    `prefetched_params`: the unit gathered beside it (a layer; default the same size)."""
+    `prefetched_params`: the unit gathered beside it (a layer; default the same size);
+    `embedding_params`: the part of `dense_params` that is the embedding / LM head (no fp8 cache)."""
     w, g, o = state_bytes_per_param(precision)
     shard = plan.dp * plan.cp
     expert_shard = max(1, plan.tp * plan.cp * plan.dp // (plan.ep * plan.expert_tp))
@@ -131,10 +138,15 @@ def stage_memory(
         # a unit's full gradient until its reduce-scatter (Zhao et al., "PyTorch FSDP", VLDB 2023,
         # Sec. 3; ZeRO-2 reduces each unit as its backward produces it, like ZeRO-3)
         grads += max_layer_params * g
+    prefetched = max_layer_params if prefetched_params is None else prefetched_params
     if zero >= 3:
         # the current and the prefetched unit gathered in full (FSDP prefetch)
-        prefetched = max_layer_params if prefetched_params is None else prefetched_params
         weights += (max_layer_params + prefetched) * w
+    if precision == "fp8":
+        # TE's fp8 caches of the linear weights: all of them, or under ZeRO-3 those of the two
+        # gathered units (a sharded weight is cast when gathered)
+        cached = max_layer_params + prefetched if zero >= 3 else dense_params - embedding_params + expert_params
+        weights += cached * FP8_WEIGHT_CACHE_BYTES
     acts = activations + working_set
     reserved = RESERVED_BYTES + FRAGMENTATION * acts
     return StageMemory(weights=weights, gradients=grads, optimizer=do + eo, activations=acts, reserved=reserved)

@@ -132,13 +132,15 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
             optimizer_time=memory_bound_time(gpu, local_opt * opt_bytes), param_gather_time=param_gather,
         ))
         working = kinds.working + working_set_bytes(m, p, tr.seq_length, tr.attention, s == p.pp - 1, ctx.act_bytes)
-        holds_embedding = s == 0 or (s == p.pp - 1 and not (m.tied_embeddings and p.pp == 1))
+        own_head = not (m.tied_embeddings and p.pp == 1)
+        holds_embedding = s == 0 or (s == p.pp - 1 and own_head)
         gathered_layer = max((gathered_of[k] for k in stage_kinds), default=0.0)
         gathered = max(gathered_layer, emb_params * (shard > 1) if holds_embedding else 0.0)
         mems.append(stage_memory(
             plan=p, precision=tr.precision, dense_params=dense_params, expert_params=expert_params,
             max_layer_params=gathered, activations=peak_in_flight(schedule[s], chunk_acts), working_set=working,
             prefetched_params=gathered_layer,
+            embedding_params=emb_params * ((s == 0) + (s == p.pp - 1 and own_head)),
         ))
 
     p2p_bytes = ctx.tokens * m.hidden_size * ctx.act_bytes / p.tp  # scatter-gather (SC'21 Sec. 4.1)

@@ -110,3 +110,19 @@ def test_group_layouts_on_nodes():
 def test_uneven_first_and_last_stages():
     assert layers_per_chunk(126, 16, 1, 7, 7) == [[7]] + [[8]] * 14 + [[7]]
     assert layers_per_chunk(96, 8, 2, None, None) == [[6, 6]] * 8
+
+
+def test_fp8_weights_add_transformer_engines_cached_copy_and_transpose():
+    """fp8: the bf16 weight plus TE's fp8 copy and fp8 transpose (2 + 1 + 1 bytes) for the linear
+    layers; the embedding / LM head (not TE modules) stay at 2 bytes. Under ZeRO-3 only the
+    gathered units carry the cache."""
+    plan = PlanSpec(tp=1, pp=1, dp=8, zero_stage=1)
+    kw = dict(dense_params=1e9, expert_params=2e8, max_layer_params=1e7, activations=0.0, embedding_params=1e8)
+    bf16 = stage_memory(plan=plan, precision="bf16", **kw)
+    fp8 = stage_memory(plan=plan, precision="fp8", **kw)
+    assert bf16.weights == 2 * 1.2e9
+    assert fp8.weights == pytest.approx(2 * 1.2e9 + 2 * (1.2e9 - 1e8))
+    z3 = replace(plan, zero_stage=3)
+    gathered = 2 * 1e7
+    assert stage_memory(plan=z3, precision="fp8", **kw).weights == pytest.approx(
+        stage_memory(plan=z3, precision="bf16", **kw).weights + 2 * gathered)
