@@ -129,6 +129,10 @@ def _moe_problems(sc: Scenario) -> list[str]:
     if e.expert_ffn_hidden_size % p.expert_tp:
         out.append(f"plan.expert_tp: {p.expert_tp} does not divide model.moe.expert_ffn_hidden_size "
                    f"({e.expert_ffn_hidden_size})")
+    if p.ep > 1 and sc.training.precision == "fp16":
+        # Megatron-LM validate_args: "Expert parallelism is not supported with fp16 training."
+        out.append("training.precision: fp16 with expert parallelism (plan.ep > 1) is not supported by Megatron-LM; "
+                   "use bf16")
     if p.tp > 1 and not p.sequence_parallel:
         # Megatron-Core: "During training, performance may degrade if MoE and tensor parallelism
         # are enabled without also enabling sequence parallelism" -- it requires it.

@@ -25,7 +25,8 @@ from simulator.workload import (
     LayerContext, embedding_cost, head_cost, head_weight_grad, layer_backward, layer_forward, layer_weight_grad,
 )
 
-# Megatron DDP bucket size: max(40M, 1M x dp) parameters (megatron/core/distributed/distributed_data_parallel.py)
+# Megatron DDP bucket size: max(40M, 1M x dp) parameters, dp the gradient-reduction group (dp x cp)
+# (megatron/core/distributed/distributed_data_parallel.py; training.py: dp_cp group size)
 BUCKET_PARAMS = 40_000_000
 # Adam step over fp32 master weights, bytes per parameter moved by the fused multi-tensor kernel:
 # read grad, master, m, v (16), write master, m, v (12), write the 16-bit weight copy (2), plus the
@@ -273,7 +274,7 @@ def _grad_buckets(net, p, params: float, layout: GroupLayout, group: int) -> lis
     if group <= 1 or params <= 0:
         return []
     op = "all_reduce" if p.zero_stage == 0 else "reduce_scatter"
-    n = max(1, math.ceil(params / max(BUCKET_PARAMS, 1_000_000 * p.dp)))
+    n = max(1, math.ceil(params / max(BUCKET_PARAMS, 1_000_000 * p.dp * p.cp)))
     t = collective_time(net, op, params / n * GRAD_REDUCE_BYTES, layout)
     return [(t, t if layout.num_nodes > 1 else 0.0)] * n
 

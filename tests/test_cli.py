@@ -63,6 +63,9 @@ BAD_INPUT = [
     (["--set", "plan.schedule=zero-bubble", "--set", "plan.pp=1", "--set", "plan.tp=4"],
      "plan.schedule: zero-bubble needs pp >= 2"),
     (["--set", "plan.moe_dispatcher=deepep"], "plan.moe_dispatcher: deepep needs an MoE model"),
+    (["--set", "model=mixtral-8x7b", "--set", "plan.ep=2", "--set", "plan.tp=1", "--set", "plan.pp=1",
+      "--set", "training.precision=fp16", "--set", "training.global_batch_size=16"],
+     "training.precision: fp16 with expert parallelism"),
     (["--set", "plan.overlap_param_gather=true", "--set", "plan.zero_stage=0"],
      "plan.overlap_param_gather: needs zero_stage >= 1"),
 ]
