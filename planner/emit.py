@@ -4,10 +4,13 @@
   in full by paraplan.serialize) plus its `run:` section; `paraplan launch DIR/best_plan.yaml`
   runs it, and `paraplan simulate` reads it too.
 - `megatron_args.txt`: Megatron-LM (Megatron-Core) `pretrain_gpt.py` arguments for the same
-  model and plan (flag names from megatron/training/arguments.py).
-- `torchtitan.toml`: the [training], [parallelism] and [activation_checkpoint] sections of a
-  torchtitan job config (field names from torchtitan/config/job_config.py); the model itself is
-  chosen there by name and flavour, which paraplan cannot know, so they are left to fill in.
+  model and plan (flag names from megatron/training/arguments.py), one flag and its value a line,
+  under comment lines with the launch command (which feeds the lines to torchrun through xargs)
+  and notes on what Megatron-LM runs differently from the simulation.
+- `torchtitan.toml`: the [model], [training], [parallelism] and [activation_checkpoint] sections
+  of a torchtitan job config (field names from torchtitan/config/job_config.py); the model itself
+  is chosen there by name and flavour, which paraplan cannot know, so they are left to fill in
+  (the name too for MoE models, which are not torchtitan's llama3).
 """
 from __future__ import annotations
 
@@ -40,44 +43,147 @@ def executor_config_yaml(sc: Scenario, ev: Evaluation, *, launch: str, header: s
     return "".join(f"# {c}\n" for c in comments) + body
 
 
+def layers_per_virtual_stage(sc: Scenario) -> list[int]:
+    """Transformer layers of each virtual stage, in virtual-stage order (g = chunk x pp + stage,
+    Megatron's interleaved order): the simulated split (simulator.layout.layers_per_chunk)."""
+    from simulator.layout import layers_per_chunk
+
+    p = sc.plan
+    layers = layers_per_chunk(sc.model.num_layers, p.pp, p.virtual_pipeline_stages,
+                              p.first_stage_layers, p.last_stage_layers)
+    return [layers[g % p.pp][g // p.pp] for g in range(p.pp * p.virtual_pipeline_stages)]
+
+
 def megatron_args(sc: Scenario) -> list[str]:
     """pretrain_gpt.py arguments for the model, batch and plan of `sc` (data, tokenizer,
-    learning rate and checkpointing are left to the user)."""
-    m, t, p = sc.model, sc.training, sc.plan
+    learning rate and checkpoint paths are left to the user)."""
+    p = sc.plan
     a = [
         "--tensor-model-parallel-size", str(p.tp),
         "--pipeline-model-parallel-size", str(p.pp),
         "--context-parallel-size", str(p.cp),
     ]
-    if p.virtual_pipeline_stages > 1:
-        layers = m.num_layers // (p.pp * p.virtual_pipeline_stages)
-        a += ["--num-layers-per-virtual-pipeline-stage", str(layers)]
-    if p.first_stage_layers is not None:
-        a += ["--decoder-first-pipeline-num-layers", str(p.first_stage_layers)]
-    if p.last_stage_layers is not None:
-        a += ["--decoder-last-pipeline-num-layers", str(p.last_stage_layers)]
+    a += _megatron_pipeline_split(sc)
     if p.sequence_parallel and p.tp > 1:
         a.append("--sequence-parallel")
-    # ZeRO: 1 = the distributed optimizer; 2 and 3 = Megatron-FSDP sharding strategies
-    if p.zero_stage >= 1:
-        a.append("--use-distributed-optimizer")
-    if p.zero_stage == 2:
-        a += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads"]
-    if p.zero_stage == 3:
-        a += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", "optim_grads_params"]
-    if p.recompute == "selective":
-        a += ["--recompute-granularity", "selective"]
-        if p.recompute_modules != ("core_attn",):
-            a += ["--recompute-modules", *p.recompute_modules]
-    elif p.recompute == "full":
-        a += ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    a += _megatron_data_parallel(p)
+    a += _megatron_recompute(p)
     if p.overlap_grad_reduce:
         a.append("--overlap-grad-reduce")
     if p.overlap_param_gather:
         a.append("--overlap-param-gather")
     if p.tp_comm_overlap:
         a.append("--tp-comm-overlap")
-    a += [
+    a += _megatron_model(sc)
+    a += _megatron_moe(sc)
+    a += _megatron_precision(sc.training.precision)
+    a += ["--attention-backend", "flash" if sc.training.attention == "flash" else "unfused"]
+    return a
+
+
+def _megatron_pipeline_split(sc: Scenario) -> list[str]:
+    """The simulated layers per virtual stage in Megatron-Core's terms (megatron/training/arguments.py,
+    megatron/core/transformer/transformer_config.py):
+    - one virtual stage per rank: --decoder-first/last-pipeline-num-layers, which count a pipeline
+      rank's layers;
+    - interleaved, even: --num-layers-per-virtual-pipeline-stage;
+    - interleaved, first and last virtual stages one layer short with (L + 2) a multiple of
+      pp x vpp: the embedding and the loss counted as layers (--account-for-embedding/loss-in-
+      pipeline-split), the vpp degree as --num-virtual-stages-per-pipeline-rank (arguments.py:
+      "please use --num-virtual-stages-per-pipeline-rank to specify virtual pipeline parallel degree
+      when enable uneven pipeline parallelism");
+    - interleaved, any other split: --pipeline-model-parallel-layout, every virtual stage spelled out.
+    Not --decoder-first/last-pipeline-num-layers under interleaving: TransformerConfig wants those
+    divisible by the vpp degree and spreads them evenly over the rank's virtual stages, so they
+    cannot give the first or last virtual stage alone a different count."""
+    p = sc.plan
+    vpp = p.virtual_pipeline_stages
+    if vpp == 1:
+        a = []
+        if p.first_stage_layers is not None:
+            a += ["--decoder-first-pipeline-num-layers", str(p.first_stage_layers)]
+        if p.last_stage_layers is not None:
+            a += ["--decoder-last-pipeline-num-layers", str(p.last_stage_layers)]
+        return a
+    sizes = layers_per_virtual_stage(sc)
+    if len(set(sizes)) == 1:
+        return ["--num-layers-per-virtual-pipeline-stage", str(sizes[0])]
+    if _embedding_and_loss_accounted(sizes, sc.model.num_layers):
+        return ["--num-virtual-stages-per-pipeline-rank", str(vpp),
+                "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+    return ["--pipeline-model-parallel-layout", megatron_pipeline_layout(sizes)]
+
+
+def _embedding_and_loss_accounted(sizes: list[int], num_layers: int) -> bool:
+    """Whether `sizes` is the split Megatron makes when the embedding and the loss count as one
+    layer each: (L + 2) / (pp x vpp) per virtual stage, the first and last one layer short
+    (transformer_config.py: "num_layers ... after enable account_for_embedding_in_pipeline_split or
+    account_for_loss_in_pipeline_split must be divisible by pipeline_model_parallel_size", and the
+    layers per rank by the vpp degree)."""
+    stages = len(sizes)
+    if (num_layers + 2) % stages:
+        return False
+    per = (num_layers + 2) // stages
+    return [per - 1] + [per] * (stages - 2) + [per - 1] == sizes
+
+
+def megatron_pipeline_layout(sizes: list[int]) -> str:
+    """A --pipeline-model-parallel-layout string for these layers per virtual stage, e.g.
+    "Et*3|(t*3|)*30tL": megatron/core/transformer/pipeline_parallel_layer_layout.py reads "E" as the
+    embedding, "L" as the loss, "t" as a transformer layer, "|" as the end of a stage, "x*n" and
+    "(...)*n" as repetitions, and the stages in virtual-stage order (i = vpp rank x pp + pp rank,
+    transformer_config.py's pipeline_model_parallel_layout). Runs of equal middle stages are written
+    once with a repeat count."""
+    first = "E" + _transformer_layers(sizes[0])
+    last = _transformer_layers(sizes[-1]) + "L"
+    middle = "".join(f"({stage}|)*{count}" if count > 1 else f"{stage}|"
+                     for stage, count in _runs([_transformer_layers(n) for n in sizes[1:-1]]))
+    return f"{first}|{middle}{last}"
+
+
+def _transformer_layers(count: int) -> str:
+    return "t" * count if count < 2 else f"t*{count}"
+
+
+def _runs(items: list[str]) -> list[tuple[str, int]]:
+    """Consecutive equal items as (item, how many)."""
+    runs: list[tuple[str, int]] = []
+    for item in items:
+        if runs and runs[-1][0] == item:
+            runs[-1] = (item, runs[-1][1] + 1)
+        else:
+            runs.append((item, 1))
+    return runs
+
+
+def _megatron_data_parallel(p) -> list[str]:
+    """ZeRO-1 is the distributed optimizer; ZeRO-2 and -3 are Megatron-FSDP's optim_grads and
+    optim_grads_params sharding. Megatron-FSDP also needs, by arguments.py's checks, --ckpt-format
+    fsdp_dtensor ("Megatron FSDP only supports fsdp_dtensor checkpoint format"), and by the
+    Megatron-FSDP user guide's required flags (docs/discussions/megatron-fsdp-user-guide)
+    --use-distributed-optimizer and --no-gradient-accumulation-fusion."""
+    a = ["--use-distributed-optimizer"] if p.zero_stage >= 1 else []
+    if p.zero_stage >= 2:
+        strategy = "optim_grads" if p.zero_stage == 2 else "optim_grads_params"
+        a += ["--use-megatron-fsdp", "--data-parallel-sharding-strategy", strategy,
+              "--no-gradient-accumulation-fusion", "--ckpt-format", "fsdp_dtensor"]
+    return a
+
+
+def _megatron_recompute(p) -> list[str]:
+    if p.recompute == "selective":
+        a = ["--recompute-granularity", "selective"]
+        if p.recompute_modules != ("core_attn",):
+            a += ["--recompute-modules", *p.recompute_modules]
+        return a
+    if p.recompute == "full":
+        return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
+    return []
+
+
+def _megatron_model(sc: Scenario) -> list[str]:
+    m, t, p = sc.model, sc.training, sc.plan
+    a = [
         "--micro-batch-size", str(p.micro_batch_size),
         "--global-batch-size", str(t.global_batch_size),
         "--seq-length", str(t.seq_length),
@@ -94,27 +200,108 @@ def megatron_args(sc: Scenario) -> list[str]:
         a.append("--swiglu")
     if not m.tied_embeddings:
         a.append("--untie-embeddings-and-output-weights")
-    if m.moe is not None:
-        e = m.moe
-        a += ["--num-experts", str(e.num_experts), "--moe-router-topk", str(e.top_k),
-              "--moe-ffn-hidden-size", str(e.expert_ffn_hidden_size),
-              "--expert-model-parallel-size", str(p.ep), "--expert-tensor-parallel-size", str(p.expert_tp)]
-        if e.num_shared_experts:
-            a += ["--moe-shared-expert-intermediate-size", str(e.num_shared_experts * e.expert_ffn_hidden_size)]
-        if e.capacity_factor is not None:
-            a += ["--moe-expert-capacity-factor", str(e.capacity_factor)]
-        if e.first_dense_layers or e.moe_layer_freq > 1:
-            pattern = [1 if m.is_moe_layer(i) else 0 for i in range(m.num_layers)]
-            a += ["--moe-layer-freq", "([" + ",".join(map(str, pattern)) + "])"]
-    if t.precision in ("bf16", "fp16"):
-        a.append(f"--{t.precision}")
-    elif t.precision == "fp8":
-        a += ["--bf16", "--fp8-format", "hybrid"]
-    a += ["--attention-backend", "flash" if t.attention == "flash" else "unfused"]
     return a
 
 
+def _megatron_moe(sc: Scenario) -> list[str]:
+    """Experts, their parallelism and the token dispatcher (megatron/training/arguments.py
+    _add_moe_args; transformer_config.py for the flex dispatcher's backend)."""
+    m, p = sc.model, sc.plan
+    if m.moe is None:
+        return []
+    e = m.moe
+    a = ["--num-experts", str(e.num_experts), "--moe-router-topk", str(e.top_k),
+         "--moe-ffn-hidden-size", str(e.expert_ffn_hidden_size),
+         "--expert-model-parallel-size", str(p.ep), "--expert-tensor-parallel-size", str(p.expert_tp)]
+    if _grouped_gemm_runs(sc.training.precision):
+        a.append("--moe-grouped-gemm")
+    a += _megatron_dispatcher(p.moe_dispatcher)
+    if e.num_shared_experts:
+        a += ["--moe-shared-expert-intermediate-size", str(e.num_shared_experts * e.expert_ffn_hidden_size)]
+        if _shared_expert_overlap_runs(sc):
+            a.append("--moe-shared-expert-overlap")
+    if e.capacity_factor is not None:
+        a += ["--moe-expert-capacity-factor", str(e.capacity_factor)]
+    if e.first_dense_layers or e.moe_layer_freq > 1:
+        pattern = [1 if m.is_moe_layer(i) else 0 for i in range(m.num_layers)]
+        a += ["--moe-layer-freq", "([" + ",".join(map(str, pattern)) + "])"]
+    return a
+
+
+def _grouped_gemm_runs(precision: str) -> bool:
+    """The simulation prices the experts as grouped GEMMs; arguments.py: "Currently GroupedGEMM for
+    MoE only supports bf16 dtype" (fp8 plans run with --bf16)."""
+    return precision in ("bf16", "fp8")
+
+
+def _megatron_dispatcher(dispatcher: str) -> list[str]:
+    """alltoall: --moe-token-dispatcher-type alltoall. deepep: the flex dispatcher with its DeepEP
+    backend; transformer_config.py: "moe_enable_deepep is deprecated. Please use
+    --moe-flex-dispatcher-backend=deepep instead." (the backend choice came with Megatron-Core 0.15,
+    megatron/core/transformer/moe/README.md: "Add HybridEP backend to Flex Dispatcher")."""
+    if dispatcher == "deepep":
+        return ["--moe-token-dispatcher-type", "flex", "--moe-flex-dispatcher-backend", "deepep"]
+    return ["--moe-token-dispatcher-type", "alltoall"]
+
+
+def _shared_expert_overlap_runs(sc: Scenario) -> bool:
+    """transformer_config.py: "moe_shared_expert_overlap only works with alltoall token dispatcher"."""
+    p = sc.plan
+    return bool(p.moe_shared_expert_overlap and sc.model.moe.num_shared_experts and p.moe_dispatcher == "alltoall")
+
+
+def _megatron_precision(precision: str) -> list[str]:
+    if precision in ("bf16", "fp16"):
+        return [f"--{precision}"]
+    if precision == "fp8":
+        return ["--bf16", "--fp8-format", "hybrid"]
+    return []
+
+
+def megatron_launch_command(sc: Scenario) -> str:
+    """The torchrun line for megatron_args.txt: xargs splits the file's lines at blanks, removes the
+    quotes shlex.quote put around a value and starts torchrun without a shell (no globbing, no
+    expansion), so every argument reaches argparse as megatron_args returns it, parentheses, "*"
+    and "|" included.
+    The environment: arguments.py asserts CUDA_DEVICE_MAX_CONNECTIONS == 1 under tensor or context
+    parallelism (before Blackwell), and != 1 under Megatron-FSDP ("FSDP always requires
+    CUDA_DEVICE_MAX_CONNECTIONS value large than one")."""
+    c, p = sc.cluster, sc.plan
+    env = ""
+    if p.zero_stage >= 2:
+        env = "env -u CUDA_DEVICE_MAX_CONNECTIONS "
+    elif p.tp > 1 or p.cp > 1:
+        env = "CUDA_DEVICE_MAX_CONNECTIONS=1 "
+    return (f"grep -v '^#' megatron_args.txt | {env}xargs torchrun --nnodes {c.num_nodes} "
+            f"--nproc-per-node {c.gpus_per_node} pretrain_gpt.py")
+
+
+def megatron_notes(sc: Scenario) -> list[str]:
+    """Where Megatron-LM runs something other than what was simulated."""
+    m, t, p = sc.model, sc.training, sc.plan
+    notes = []
+    if p.schedule == "gpipe" and p.pp > 1:
+        notes.append("Megatron-LM has no GPipe schedule; it runs 1F1B (same bubble, less activation memory).")
+    if p.schedule == "zero-bubble" and p.pp > 1:
+        notes.append("Megatron-LM has no zero-bubble schedule; these arguments run (interleaved) 1F1B, which "
+                     "keeps the weight gradients in the backward (a larger bubble than predicted): simulate the "
+                     "plan with --set plan.schedule=1f1b for its step time, or launch it with paraplan launch / "
+                     "torchtitan.")
+    if m.moe is not None and not _grouped_gemm_runs(t.precision):
+        notes.append(f"Megatron-LM's grouped expert GEMM needs bf16, so this {t.precision} plan runs one GEMM per "
+                     "local expert (slower than simulated).")
+    if m.moe is not None and p.moe_dispatcher == "deepep":
+        notes.append("--moe-flex-dispatcher-backend needs Megatron-Core 0.15 or later; older versions take "
+                     "--moe-enable-deepep instead.")
+    if m.moe is not None and p.moe_shared_expert_overlap and m.moe.num_shared_experts \
+            and not _shared_expert_overlap_runs(sc):
+        notes.append(f"Megatron-LM overlaps the shared experts with the dispatch only under the alltoall "
+                     f"dispatcher; with {p.moe_dispatcher} they run before the router (slower than simulated).")
+    return notes
+
+
 def megatron_args_text(sc: Scenario) -> str:
+    """megatron_args.txt: comment lines, then one flag (with its value, shell-quoted) per line."""
     args = megatron_args(sc)
     lines, i = [], 0
     while i < len(args):
@@ -125,49 +312,52 @@ def megatron_args_text(sc: Scenario) -> str:
             lines.append(args[i])
             i += 1
     world = sc.cluster.world_size
-    head = (f"# Megatron-LM pretrain_gpt.py arguments for {sc.name} on {world} GPUs "
-            f"({sc.cluster.shape}); add data, tokenizer, optimizer.\n"
-            f"# torchrun --nnodes {sc.cluster.num_nodes} --nproc-per-node {sc.cluster.gpus_per_node} "
-            f"pretrain_gpt.py $(grep -v '^#' megatron_args.txt)\n")
-    if sc.plan.schedule == "gpipe" and sc.plan.pp > 1:
-        head += "# Note: Megatron-LM has no GPipe schedule; it runs 1F1B (same bubble, less activation memory).\n"
-    if sc.plan.schedule == "zero-bubble" and sc.plan.pp > 1:
-        head += ("# Note: Megatron-LM has no zero-bubble schedule; these arguments run (interleaved) 1F1B, which "
-                 "keeps the weight gradients in the backward (a larger bubble than predicted): simulate the plan with "
-                 "--set plan.schedule=1f1b for its step time, or launch it with paraplan launch / torchtitan.\n")
-    return head + " \\\n".join(lines) + "\n"
+    head = [f"Megatron-LM pretrain_gpt.py arguments for {sc.name} on {world} GPUs ({sc.cluster.shape}); "
+            "add data, tokenizer, optimizer.",
+            f"Launch: {megatron_launch_command(sc)}",
+            *[f"Note: {n}" for n in megatron_notes(sc)]]
+    return "".join(f"# {h}\n" for h in head) + "\n".join(lines) + "\n"
+
+
+# torchtitan job config keys and values: torchtitan/config/job_config.py after the quantization
+# rename of Sept 2025 (float8 converter "quantize.linear.float8"), the 0.2 releases.
+TORCHTITAN_KEYS_VERSION = "torchtitan 0.2.x (torchtitan/config/job_config.py)"
 
 
 def torchtitan_toml(sc: Scenario) -> str:
     """A torchtitan job config for the plan: FSDP2 shards over dp x cp for ZeRO 2-3 (ZeRO-2 as
-    reshard_after_forward = never); ZeRO 0-1 replicate (torchtitan has no sharded-optimizer-only
-    mode: with tp or pp > 1 it still needs FSDP, so that case is written as FSDP and flagged)."""
+    reshard_after_forward = never, ZeRO-3 as always); ZeRO 0-1 replicate (torchtitan has no
+    sharded-optimizer-only mode: with tp, pp, cp or ep > 1 it still needs FSDP, so that case is
+    written as FSDP and flagged)."""
     m, t, p = sc.model, sc.training, sc.plan
-    notes = []
-    if p.zero_stage >= 2 or p.tp > 1 or p.pp > 1 or p.cp > 1:
-        replicate, shard = 1, p.dp
-        if p.zero_stage < 2:
-            notes.append(f"the plan uses ZeRO-{p.zero_stage}; torchtitan composes TP/PP/CP with FSDP only, "
-                         f"so this config shards weights too (more all-gathers than simulated)")
-    else:
-        replicate, shard = p.dp, 1
-    schedule = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
-                "zero-bubble": "InterleavedZeroBubble"}[p.schedule]
+    replicate, shard, notes = _torchtitan_data_parallel(p)
+    schedule, schedule_notes = _torchtitan_schedule(p)
+    notes += schedule_notes
+    expert_lines, expert_notes = _torchtitan_experts(sc)
+    notes += expert_notes
     local_batch = t.global_batch_size // p.dp if p.pp > 1 else p.micro_batch_size
     if not p.sequence_parallel and p.tp > 1:
         notes.append("torchtitan always shards activations along the sequence under TP (sequence parallel)")
     if p.recomputed_modules not in ((), ("core_attn",)):
         notes.append(f"the plan recomputes {', '.join(p.recompute_modules)}; torchtitan's selective "
                      "checkpointing chooses by op, not by module, so its memory and recompute time differ")
+    name = _torchtitan_model_name(m)
     lines = [
         f"# torchtitan job config for {sc.name}: {p.tp * p.pp * p.cp * p.dp} GPUs "
-        f"({sc.cluster.shape}), written by `paraplan plan`.",
-        f"# Model: {m.name} ({m.num_layers} layers, hidden {m.hidden_size}); set [model] name/flavor to it.",
+        f"({sc.cluster.shape}), written by `paraplan plan`; keys follow {TORCHTITAN_KEYS_VERSION}.",
+        f"# Model: {m.name} ({m.num_layers} layers, hidden {m.hidden_size}); set [model] name/flavor to it"
+        + (" (an MoE model: one of torchtitan's MoE models such as deepseek_v3 or llama4, not llama3)."
+           if m.moe is not None else "."),
         *[f"# Note: {n}" for n in notes],
         "",
         "[model]",
-        f'name = "{"llama3" if m.activation == "swiglu" else "CHANGE-ME"}"',
+        f'name = "{name}"',
         'flavor = "CHANGE-ME"',
+    ]
+    if t.precision == "fp8":
+        # torchtitan/components/quantization/float8.py registers the converter as "quantize.linear.float8"
+        lines.append('converters = ["quantize.linear.float8"]')
+    lines += [
         "",
         "[training]",
         f"local_batch_size = {local_batch}",
@@ -178,7 +368,7 @@ def torchtitan_toml(sc: Scenario) -> str:
         "[parallelism]",
         f"data_parallel_replicate_degree = {replicate}",
         f"data_parallel_shard_degree = {shard}",
-        f'fsdp_reshard_after_forward = "{"never" if p.zero_stage == 2 else "default"}"',
+        f'fsdp_reshard_after_forward = "{_torchtitan_reshard_after_forward(p)}"',
         f"tensor_parallel_degree = {p.tp}",
         f"pipeline_parallel_degree = {p.pp}",
         f'pipeline_parallel_schedule = "{schedule}"',
@@ -188,7 +378,7 @@ def torchtitan_toml(sc: Scenario) -> str:
         lines += _torchtitan_stage_split(sc)
     lines += [
         f"context_parallel_degree = {p.cp}",
-        f"expert_parallel_degree = {p.ep}",
+        *expert_lines,
         "",
         "[activation_checkpoint]",
         f'mode = "{p.recompute}"',
@@ -198,18 +388,77 @@ def torchtitan_toml(sc: Scenario) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _torchtitan_data_parallel(p) -> tuple[int, int, list[str]]:
+    """(replicate, shard, notes). ZeRO-2/3 shard over dp. ZeRO-0/1 replicate, but torchtitan's DDP
+    (replicate only) runs without TP, PP and CP (llama3 parallelize: "DDP has not supported > 1D
+    parallelism"), and its expert parallelism borrows ranks from dp_shard (distributed/
+    parallel_dims.py: (dp_shard x cp) % ep == 0, or (dp_shard x cp x tp) % ep == 0 with etp = 1):
+    those plans shard over dp too, and say so."""
+    if p.zero_stage >= 2:
+        return 1, p.dp, []
+    if p.ep > 1:
+        why = "torchtitan's expert parallelism needs FSDP (EP borrows from dp_shard)"
+    elif p.tp > 1 or p.pp > 1 or p.cp > 1:
+        why = "torchtitan composes TP/PP/CP with FSDP only"
+    else:
+        return p.dp, 1, []
+    return 1, p.dp, [f"the plan uses ZeRO-{p.zero_stage}; {why}, so this config shards the weights over dp "
+                     "too (more all-gathers than simulated)"]
+
+
+def _torchtitan_reshard_after_forward(p) -> str:
+    """torchtitan's "default" reshards after forward only without PP (llama3 parallelize apply_fsdp:
+    reshard_after_forward = not pp_enabled), which under PP is ZeRO-2: ZeRO-3 says "always", the
+    other stages "never" (the weights stay gathered from forward to backward)."""
+    return "always" if p.zero_stage == 3 else "never"
+
+
+def _torchtitan_schedule(p) -> tuple[str, list[str]]:
+    """torch.distributed.pipelining schedule names."""
+    return {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
+            "zero-bubble": "InterleavedZeroBubble"}[p.schedule], []
+
+
+def _torchtitan_experts(sc: Scenario) -> tuple[list[str], list[str]]:
+    """(config lines, notes) for expert parallelism. torchtitan's ParallelDims takes etp = tp (EP
+    borrows cp and part of dp_shard) or etp = 1 (EP borrows cp, tp and part of dp_shard)
+    (distributed/parallel_dims.py _validate); job_config.py's expert_parallel_comm_backend picks DeepEP."""
+    p = sc.plan
+    lines = [f"expert_parallel_degree = {p.ep}"]
+    if p.ep == 1:
+        return lines, []
+    lines.append(f"expert_tensor_parallel_degree = {p.expert_tp}")
+    if p.moe_dispatcher == "deepep":
+        lines.append('expert_parallel_comm_backend = "deepep"')
+    if not _torchtitan_accepts_experts(p):
+        return lines, [f"torchtitan cannot build ep {p.ep} with expert tp {p.expert_tp}, tp {p.tp}, cp {p.cp}, "
+                       f"dp {p.dp}: it needs expert tp = tp with ep a multiple of cp dividing dp x cp, or "
+                       "expert tp = 1 with ep a multiple of cp x tp dividing dp x cp x tp"]
+    return lines, []
+
+
+def _torchtitan_accepts_experts(p) -> bool:
+    """torchtitan distributed/parallel_dims.py _validate, with dp_shard = dp (the EP plans shard)."""
+    if p.expert_tp == p.tp:
+        return p.ep % p.cp == 0 and (p.dp * p.cp) % p.ep == 0
+    if p.expert_tp == 1:
+        return p.ep % (p.cp * p.tp) == 0 and (p.dp * p.cp * p.tp) % p.ep == 0
+    return False
+
+
+def _torchtitan_model_name(m) -> str:
+    """torchtitan's "llama3" is a dense SwiGLU model (torchtitan/models/llama3); an MoE model is
+    another torchtitan model (torchtitan/models/deepseek_v3, llama4, ...), chosen by hand."""
+    return "llama3" if m.activation == "swiglu" and m.moe is None else "CHANGE-ME"
+
+
 def _torchtitan_stage_split(sc: Scenario) -> list[str]:
     """The plan's layers per virtual stage in torchtitan's terms: it makes
     ceil((layers + first_less + last_less) / layers_per_stage) virtual stages and gives the first
     and last `*_less_layers` fewer layers (torchtitan pipeline_llm / generate_llm_fqn_per_model_part;
     both default to 1, so an even split must say 0). The counts are the simulated ones
     (simulator.layout.layers_per_chunk)."""
-    from simulator.layout import layers_per_chunk
-
-    p = sc.plan
-    layers = layers_per_chunk(sc.model.num_layers, p.pp, p.virtual_pipeline_stages,
-                              p.first_stage_layers, p.last_stage_layers)
-    by_vstage = [layers[g % p.pp][g // p.pp] for g in range(p.pp * p.virtual_pipeline_stages)]
+    by_vstage = layers_per_virtual_stage(sc)
     first, last = by_vstage[0], by_vstage[-1]
     middle = max(by_vstage[1:-1], default=max(first, last))
     if first > middle or last > middle:

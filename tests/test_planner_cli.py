@@ -1,6 +1,9 @@
 """`paraplan plan` as a user runs it: `python -m paraplan plan ...` in a subprocess."""
 import json
 import os
+import re
+import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +12,7 @@ import pytest
 import yaml
 
 from paraplan.loader import load_scenario
+from planner.emit import megatron_args
 from simulator.simulate import simulate
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,6 +82,7 @@ def test_megatron_and_torchtitan_exports(planned):
                  f"--micro-batch-size {sc.plan.micro_batch_size}", "--global-batch-size 16", "--num-layers 4",
                  "--hidden-size 1024", "--bf16"):
         assert flag in args
+    assert argv_of_launch_line(out) == megatron_args(sc)
     tomllib = pytest.importorskip("tomllib")  # Python 3.11+
     cfg = tomllib.loads((out / "torchtitan.toml").read_text())
     par = cfg["parallelism"]
@@ -85,6 +90,19 @@ def test_megatron_and_torchtitan_exports(planned):
     assert par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"] == sc.plan.dp
     assert cfg["training"]["global_batch_size"] == 16 and cfg["training"]["seq_len"] == 1024
     assert cfg["activation_checkpoint"]["mode"] == sc.plan.recompute
+
+
+def argv_of_launch_line(out):
+    """The arguments pretrain_gpt.py receives from the Launch line of the written megatron_args.txt,
+    run by bash in the output folder with torchrun ... pretrain_gpt.py swapped for an argv printer."""
+    if shutil.which("bash") is None or shutil.which("xargs") is None:
+        pytest.skip("needs bash and xargs")
+    head = [line for line in (out / "megatron_args.txt").read_text().splitlines() if line.startswith("# Launch: ")]
+    assert len(head) == 1
+    printer = f"{shlex.quote(sys.executable)} -c 'import json, sys; print(json.dumps(sys.argv[1:]))'"
+    command = re.sub(r"torchrun .*pretrain_gpt\.py", lambda _: printer, head[0][len("# Launch: "):])
+    r = subprocess.run(["bash", "-c", command], cwd=out, capture_output=True, text=True, check=True)
+    return json.loads(r.stdout)
 
 
 def test_resume_in_the_same_folder(planned, tmp_path):

@@ -1,0 +1,284 @@
+"""The Megatron-LM arguments and the torchtitan config that `paraplan plan` writes for its best plan,
+checked against the rules those frameworks apply to them (restated here from their sources, cited
+at each check) and against the simulated layout."""
+import json
+import re
+import shlex
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from paraplan.loader import load_scenario
+from planner.emit import (
+    layers_per_virtual_stage, megatron_args, megatron_args_text, megatron_launch_command, torchtitan_toml,
+)
+from simulator.layout import layers_per_chunk
+
+ROOT = Path(__file__).resolve().parents[1]
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+
+def scenario(name, *overrides):
+    return load_scenario(ROOT / "scenarios" / f"{name}.yaml", list(overrides))
+
+
+def flag_value(args, flag):
+    return args[args.index(flag) + 1]
+
+
+def simulated_virtual_stages(sc):
+    """Layers per virtual stage in Megatron's order g = chunk x pp + stage, from the simulator."""
+    p = sc.plan
+    layers = layers_per_chunk(sc.model.num_layers, p.pp, p.virtual_pipeline_stages, p.first_stage_layers,
+                              p.last_stage_layers)
+    return [layers[g % p.pp][g // p.pp] for g in range(p.pp * p.virtual_pipeline_stages)]
+
+
+# -- Megatron-LM: the pipeline split ----------------------------------------------------------------
+
+VPP_FLAGS = ("--num-layers-per-virtual-pipeline-stage", "--num-virtual-stages-per-pipeline-rank",
+             "--pipeline-model-parallel-layout")
+
+
+def megatron_split(args, num_layers, pp):
+    """Megatron-Core's layers per virtual stage for these arguments, following
+    megatron/training/arguments.py validate_args and transformer_config.py __post_init__: at most
+    one vpp flag; --decoder-first/last-pipeline-num-layers only with --num-virtual-stages-per-
+    pipeline-rank (or no vpp) and counted per pipeline rank, divisible by the vpp degree; neither
+    with the account-for flags nor with a layout."""
+    given = [f for f in VPP_FLAGS if f in args]
+    assert len(given) <= 1, given
+    uneven = "--decoder-first-pipeline-num-layers" in args or "--decoder-last-pipeline-num-layers" in args
+    accounted = "--account-for-embedding-in-pipeline-split" in args
+    if "--pipeline-model-parallel-layout" in args:
+        assert not uneven and not accounted
+        return parse_layout(flag_value(args, "--pipeline-model-parallel-layout"), num_layers)
+    if "--num-layers-per-virtual-pipeline-stage" in args:
+        assert not uneven, "please use --num-virtual-stages-per-pipeline-rank ... when enable uneven pipeline"
+        per = int(flag_value(args, "--num-layers-per-virtual-pipeline-stage"))
+        assert num_layers % pp == 0 and (num_layers // pp) % per == 0
+        return [per] * (num_layers // per)
+    vpp = int(flag_value(args, "--num-virtual-stages-per-pipeline-rank")) if given else 1
+    if accounted:
+        assert not uneven and "--account-for-loss-in-pipeline-split" in args
+        assert (num_layers + 2) % (pp * vpp) == 0
+        per = (num_layers + 2) // (pp * vpp)
+        return [per - 1] + [per] * (pp * vpp - 2) + [per - 1]
+    first = int(flag_value(args, "--decoder-first-pipeline-num-layers")) if uneven else None
+    last = (int(flag_value(args, "--decoder-last-pipeline-num-layers"))
+            if "--decoder-last-pipeline-num-layers" in args else None)
+    ranks = {0: first, pp - 1: last}
+    fixed = {r: n for r, n in ranks.items() if n is not None}
+    for n in fixed.values():
+        assert n % vpp == 0, "number of layers at first stage must be divisible by virtual pipeline degree"
+    rest = (num_layers - sum(fixed.values())) // (pp - len(fixed)) if pp > len(fixed) else 0
+    per_rank = [fixed.get(r, rest) for r in range(pp)]
+    return [per_rank[g % pp] // vpp for g in range(pp * vpp)]
+
+
+def parse_layout(layout, num_layers):
+    """Transformer layers per stage of a --pipeline-model-parallel-layout string, as
+    megatron/core/transformer/pipeline_parallel_layer_layout.py documents it: "(...)*n" and "x*n"
+    repeat, "|" ends a stage, E / L / t are the embedding, the loss and a transformer layer; the
+    embedding opens the first stage, the loss closes the last."""
+    text = layout.replace(",", "")
+    text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda g: g.group(1) * int(g.group(2)), text)
+    text = re.sub(r"(.)\*(\d+)", lambda g: g.group(1) * int(g.group(2)), text)
+    stages = text.split("|")
+    assert set(text) <= set("ELt|"), layout
+    assert stages[0].startswith("E") and stages[-1].endswith("L"), layout
+    assert text.count("E") == 1 and text.count("L") == 1 and text.count("t") == num_layers, layout
+    return [s.count("t") for s in stages]
+
+
+SPLITS = [
+    ("qwen3-235b-256xh100", []),                                                    # 2 + 30 x 3 + 2, vpp 4
+    ("qwen3-235b-256xh100", ["plan.first_stage_layers=3", "plan.last_stage_layers=1"]),
+    ("qwen3-235b-256xh100", ["plan.first_stage_layers=1", "plan.last_stage_layers=3"]),
+    ("llama3-405b-16384xh100", ["plan.virtual_pipeline_stages=2", "plan.schedule=interleaved-1f1b",
+                                "plan.first_stage_layers=3", "plan.last_stage_layers=3"]),
+    ("llama3-405b-16384xh100", ["plan.virtual_pipeline_stages=2", "plan.schedule=interleaved-1f1b",
+                                "plan.first_stage_layers=2", "plan.last_stage_layers=4"]),
+    ("llama3-405b-16384xh100", []),                                                 # 7 + 14 x 8 + 7, vpp 1
+    ("deepseek-v3-2048xh800", []),                                                  # 4 + 14 x 4 + 1, vpp 1
+    ("mixtral-8x7b-64xh100", []),                                                   # even, vpp 8
+]
+
+
+@pytest.mark.parametrize("name, overrides", SPLITS, ids=[f"{n}{o}" for n, o in SPLITS])
+def test_megatron_builds_the_simulated_layers_per_virtual_stage(name, overrides):
+    sc = scenario(name, *overrides)
+    assert layers_per_virtual_stage(sc) == simulated_virtual_stages(sc)
+    split = megatron_split(megatron_args(sc), sc.model.num_layers, sc.plan.pp)
+    assert split == simulated_virtual_stages(sc)
+
+
+def test_interleaved_embedding_and_loss_split_uses_virtual_stages_per_rank():
+    """Qwen3-235B on pp 8 x vpp 4: 94 + embedding + loss = 96 = 32 x 3 (Megatron MoE model zoo)."""
+    args = megatron_args(scenario("qwen3-235b-256xh100"))
+    assert flag_value(args, "--num-virtual-stages-per-pipeline-rank") == "4"
+    assert "--account-for-embedding-in-pipeline-split" in args and "--account-for-loss-in-pipeline-split" in args
+    for wrong in ("--num-layers-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers",
+                  "--decoder-last-pipeline-num-layers"):
+        assert wrong not in args
+
+
+def test_other_interleaved_uneven_splits_spell_out_the_layout():
+    args = megatron_args(scenario("qwen3-235b-256xh100", "plan.first_stage_layers=3", "plan.last_stage_layers=1"))
+    assert flag_value(args, "--pipeline-model-parallel-layout") == "Et*3|(t*3|)*30tL"
+
+
+# -- Megatron-LM: experts, FSDP ---------------------------------------------------------------------
+
+def test_moe_arguments_name_the_dispatcher_and_grouped_gemm():
+    deepep = megatron_args(scenario("qwen3-235b-256xh100"))
+    assert "--moe-grouped-gemm" in deepep
+    assert flag_value(deepep, "--moe-token-dispatcher-type") == "flex"
+    assert flag_value(deepep, "--moe-flex-dispatcher-backend") == "deepep"
+    alltoall = megatron_args(scenario("mixtral-8x7b-64xh100"))
+    assert "--moe-grouped-gemm" in alltoall and flag_value(alltoall, "--moe-token-dispatcher-type") == "alltoall"
+    assert "--moe-flex-dispatcher-backend" not in alltoall
+    assert "--moe-grouped-gemm" in megatron_args(scenario("deepseek-v3-2048xh800"))  # fp8 runs with --bf16
+
+
+def test_shared_expert_overlap_only_where_megatron_runs_it():
+    """transformer_config.py: "moe_shared_expert_overlap only works with alltoall token dispatcher"."""
+    on = ["plan.moe_shared_expert_overlap=true"]
+    sc = scenario("deepseek-v3-2048xh800", *on, "plan.moe_dispatcher=alltoall")
+    assert "--moe-shared-expert-overlap" in megatron_args(sc)
+    sc = scenario("deepseek-v3-2048xh800", *on)  # deepep
+    assert "--moe-shared-expert-overlap" not in megatron_args(sc)
+    assert "shared experts" in megatron_args_text(sc)
+    assert "--moe-shared-expert-overlap" not in megatron_args(scenario("mixtral-8x7b-64xh100", *on))  # none shared
+    off = scenario("deepseek-v3-2048xh800", "plan.moe_dispatcher=alltoall")
+    assert "--moe-shared-expert-overlap" not in megatron_args(off)
+
+
+def test_grouped_gemm_left_out_where_megatron_refuses_it():
+    """arguments.py: "Currently GroupedGEMM for MoE only supports bf16 dtype"."""
+    sc = scenario("mixtral-8x7b-64xh100", "training.precision=fp32")
+    assert "--moe-grouped-gemm" not in megatron_args(sc)
+    assert "grouped expert GEMM needs bf16" in megatron_args_text(sc)
+
+
+@pytest.mark.parametrize("zero, strategy", [(2, "optim_grads"), (3, "optim_grads_params")])
+def test_megatron_fsdp_gets_the_flags_megatron_requires(zero, strategy):
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml", [f"plan.zero_stage={zero}"])
+    args = megatron_args(sc)
+    assert "--use-megatron-fsdp" in args and flag_value(args, "--data-parallel-sharding-strategy") == strategy
+    assert flag_value(args, "--ckpt-format") == "fsdp_dtensor"  # arguments.py asserts it
+    assert "--use-distributed-optimizer" in args and "--no-gradient-accumulation-fusion" in args  # user guide
+    assert "env -u CUDA_DEVICE_MAX_CONNECTIONS" in megatron_launch_command(sc)
+
+
+def test_zero1_is_the_distributed_optimizer_alone():
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml")  # zero 1, tp 2
+    args = megatron_args(sc)
+    assert "--use-distributed-optimizer" in args
+    assert not {"--use-megatron-fsdp", "--ckpt-format", "--no-gradient-accumulation-fusion"} & set(args)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=1 " in megatron_launch_command(sc)  # arguments.py, tp > 1
+
+
+# -- the suggested launch line gives argparse exactly megatron_args ---------------------------------
+
+def argv_through_launch_line(sc, folder: Path) -> list[str]:
+    """Run the file's own Launch line in bash, with torchrun ... pretrain_gpt.py replaced by a
+    program that prints the arguments it received."""
+    text = megatron_args_text(sc)
+    (folder / "megatron_args.txt").write_text(text)
+    for name in ("(0)", "(1)", "(,)", "t"):  # files a glob of the values would match
+        (folder / name).write_text("")
+    launch = next(line for line in text.splitlines() if line.startswith("# Launch: "))[len("# Launch: "):]
+    printer = f"{shlex.quote(sys.executable)} -c 'import json, sys; print(json.dumps(sys.argv[1:]))'"
+    command = re.sub(r"torchrun .*pretrain_gpt\.py", lambda _: printer, launch)
+    assert command != launch
+    r = subprocess.run(["bash", "-c", command], cwd=folder, capture_output=True, text=True, check=True)
+    return json.loads(r.stdout)
+
+
+LAUNCHES = [("deepseek-v3-2048xh800", []), ("qwen3-235b-256xh100", ["plan.first_stage_layers=3",
+                                                                     "plan.last_stage_layers=1"]),
+            ("llama3-70b-512xh100", []), ("qwen3-235b-256xh100", ["plan.zero_stage=3"])]
+
+
+@pytest.mark.skipif(shutil.which("bash") is None or shutil.which("xargs") is None, reason="needs bash and xargs")
+@pytest.mark.parametrize("name, overrides", LAUNCHES, ids=[f"{n}{o}" for n, o in LAUNCHES])
+def test_launch_line_passes_the_arguments_unchanged(tmp_path, name, overrides):
+    sc = scenario(name, *overrides)
+    argv = argv_through_launch_line(sc, tmp_path)
+    assert argv == megatron_args(sc)
+    assert not any(a in ("\\", "'") or a.startswith("'") for a in argv)
+
+
+def test_arguments_file_has_no_line_continuations():
+    text = megatron_args_text(scenario("deepseek-v3-2048xh800"))
+    assert not [line for line in text.splitlines() if line.rstrip().endswith("\\")]
+    assert "--moe-layer-freq '([0,0,0," in text
+
+
+# -- torchtitan ------------------------------------------------------------------------------------
+
+def torchtitan_builds(par, world) -> bool:
+    """torchtitan/distributed/parallel_dims.py ParallelDims._validate: the degrees multiply to the
+    world size; with ep > 1, etp is tp (EP borrows cp and part of dp_shard) or 1 (EP borrows cp, tp
+    and part of dp_shard)."""
+    dp_r, dp_s, cp, tp, pp = (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"],
+                              par["context_parallel_degree"], par["tensor_parallel_degree"],
+                              par["pipeline_parallel_degree"])
+    ep, etp = par.get("expert_parallel_degree", 1), par.get("expert_tensor_parallel_degree", 1)
+    if dp_r * dp_s * cp * tp * pp != world:
+        return False
+    if ep == 1:
+        return True
+    if etp == tp:
+        return ep % cp == 0 and (dp_s * cp) % ep == 0
+    if etp == 1:
+        return ep % (cp * tp) == 0 and (dp_s * cp * tp) % ep == 0
+    return False
+
+
+EXPERT_PLANS = [
+    ("mixtral-8x7b-64xh100", ["plan.pp=1", "plan.virtual_pipeline_stages=1", "plan.schedule=1f1b"]),  # tp=pp=cp=1
+    ("mixtral-8x7b-64xh100", ["plan.pp=1", "plan.virtual_pipeline_stages=1", "plan.schedule=1f1b",
+                              "plan.zero_stage=0"]),
+    ("mixtral-8x7b-64xh100", []),
+    ("qwen3-235b-256xh100", []),
+    ("deepseek-v3-2048xh800", []),
+]
+
+
+@pytest.mark.parametrize("name, overrides", EXPERT_PLANS, ids=[f"{n}{o}" for n, o in EXPERT_PLANS])
+def test_torchtitan_can_build_the_expert_parallel_mesh(name, overrides):
+    sc = scenario(name, *overrides)
+    cfg = tomllib.loads(torchtitan_toml(sc))
+    par = cfg["parallelism"]
+    assert torchtitan_builds(par, sc.plan.world_size)
+    assert par["expert_parallel_degree"] == sc.plan.ep
+    assert par["data_parallel_replicate_degree"] * par["data_parallel_shard_degree"] == sc.plan.dp
+
+
+def test_expert_parallel_zero1_plan_says_its_weights_are_sharded():
+    sc = scenario("mixtral-8x7b-64xh100", "plan.pp=1", "plan.virtual_pipeline_stages=1", "plan.schedule=1f1b")
+    text = torchtitan_toml(sc)
+    par = tomllib.loads(text)["parallelism"]
+    assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (1, sc.plan.dp)
+    assert "expert parallelism needs FSDP" in text
+
+
+@pytest.mark.parametrize("zero, pp, policy", [(3, 2, "always"), (3, 1, "always"), (2, 2, "never")])
+def test_torchtitan_reshards_as_the_zero_stage_says(zero, pp, policy):
+    """torchtitan's "default" is reshard_after_forward = not pp_enabled (llama3 parallelize)."""
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml", [f"plan.zero_stage={zero}", f"plan.pp={pp}"])
+    assert tomllib.loads(torchtitan_toml(sc))["parallelism"]["fsdp_reshard_after_forward"] == policy
+
+
+def test_fp8_plans_convert_the_linears_and_moe_models_are_not_llama3():
+    cfg = tomllib.loads(torchtitan_toml(scenario("deepseek-v3-2048xh800")))  # fp8, MoE
+    assert cfg["model"]["converters"] == ["quantize.linear.float8"]
+    assert cfg["model"]["name"] != "llama3"
+    dense = tomllib.loads(torchtitan_toml(scenario("llama3-70b-512xh100")))
+    assert dense["model"]["name"] == "llama3" and "converters" not in dense["model"]
+    assert "keys follow torchtitan 0.2" in torchtitan_toml(scenario("llama3-70b-512xh100"))
