@@ -137,8 +137,9 @@ def format_report(rep: Report) -> str:
     n = len(res.records)
     rate = (n - res.trials_before) / res.wall_time_s if res.wall_time_s > 0 else 0.0
     resumed = f", {res.trials_before} before this run" if res.trials_before else ""
-    lines.append(f"  trials: {n} ({rep.distinct} distinct plans{resumed}); {res.simulations} simulated in this run, "
-                 f"{res.wall_time_s:.1f} s, {rate:.1f} trials/s")
+    lines.append(f"  trials: {n} ({rep.distinct} distinct plans{resumed}), {rep.fits} of the {rep.distinct} plans "
+                 f"fit in memory; {res.simulations} simulated in this run, {res.wall_time_s:.1f} s, "
+                 f"{rate:.1f} trials/s")
     lines.append(f"  study: {res.study_name} in {res.storage}")
     lines.append("")
     if not rep.plans:

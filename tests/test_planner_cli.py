@@ -105,6 +105,13 @@ def argv_of_launch_line(out):
     return json.loads(r.stdout)
 
 
+def test_report_says_how_many_plans_fit(planned):
+    out, r = planned
+    search = json.loads((out / "top_plans.json").read_text())["search"]
+    line = f"{search['fit']} of the {search['distinct_plans']} plans fit in memory"
+    assert line in (out / "report.txt").read_text() and line in r.stdout
+
+
 def test_resume_in_the_same_folder(planned, tmp_path):
     out, _ = planned
     r = paraplan("plan", TINY, "--out", str(out), "--trials", "45", "--strategy", "tpe", "--resume",
