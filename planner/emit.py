@@ -414,7 +414,15 @@ def _torchtitan_reshard_after_forward(p) -> str:
 
 
 def _torchtitan_schedule(p) -> tuple[str, list[str]]:
-    """torch.distributed.pipelining schedule names."""
+    """torch.distributed.pipelining schedule names. Zero bubble there is multi-stage only
+    (InterleavedZeroBubble; ZBVZeroBubble needs two stages per rank in V order), and torchtitan
+    refuses those with one stage per rank (distributed/pipeline_parallel.py pipeline_llm:
+    "Multi-stage schedule requires at least 2 stages per rank"), so a one-stage zero-bubble plan
+    runs 1F1B, the single-stage schedule with the same bubble as the simulator's 1f1b."""
+    if p.schedule == "zero-bubble" and p.virtual_pipeline_stages == 1:
+        note = ("torchtitan has no zero-bubble schedule for one stage per rank; this config runs 1F1B, which "
+                "keeps the weight gradients in the backward (a larger bubble than predicted)")
+        return "1F1B", [note] if p.pp > 1 else []
     return {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
             "zero-bubble": "InterleavedZeroBubble"}[p.schedule], []
 

@@ -275,6 +275,16 @@ def test_torchtitan_reshards_as_the_zero_stage_says(zero, pp, policy):
     assert tomllib.loads(torchtitan_toml(sc))["parallelism"]["fsdp_reshard_after_forward"] == policy
 
 
+def test_zero_bubble_with_one_stage_per_rank_runs_a_single_stage_schedule():
+    tiny = ROOT / "scenarios" / "tiny-gpt-8xa100.yaml"
+    one = torchtitan_toml(load_scenario(tiny, ["plan.schedule=zero-bubble"]))
+    assert tomllib.loads(one)["parallelism"]["pipeline_parallel_schedule"] == "1F1B"
+    assert "no zero-bubble schedule for one stage per rank" in one
+    two = torchtitan_toml(load_scenario(tiny, ["plan.schedule=zero-bubble", "plan.virtual_pipeline_stages=2",
+                                              "plan.micro_batch_size=1"]))
+    assert tomllib.loads(two)["parallelism"]["pipeline_parallel_schedule"] == "InterleavedZeroBubble"
+
+
 def test_fp8_plans_convert_the_linears_and_moe_models_are_not_llama3():
     cfg = tomllib.loads(torchtitan_toml(scenario("deepseek-v3-2048xh800")))  # fp8, MoE
     assert cfg["model"]["converters"] == ["quantize.linear.float8"]
