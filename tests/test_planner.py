@@ -241,10 +241,12 @@ def test_dp_candidates_filter_the_derived_dp():
 def test_zero_bubble_exports_say_what_each_framework_runs():
     from planner.emit import megatron_args_text, torchtitan_toml
 
-    sc = tiny("plan.pp=2", "plan.tp=1", "plan.dp=4", "plan.schedule=zero-bubble")
+    sc = tiny("plan.pp=2", "plan.tp=1", "plan.dp=4", "plan.schedule=zero-bubble", "plan.virtual_pipeline_stages=2")
     assert simulate(sc).step_time_s > 0
     assert 'pipeline_parallel_schedule = "InterleavedZeroBubble"' in torchtitan_toml(sc)
     assert "Megatron-LM has no zero-bubble schedule" in megatron_args_text(sc)
+    one_stage = tiny("plan.pp=2", "plan.tp=1", "plan.dp=4", "plan.schedule=zero-bubble")
+    assert 'pipeline_parallel_schedule = "1F1B"' in torchtitan_toml(one_stage)
 
 
 def test_zero_stages_stay_distinct_while_expert_states_shard():
