@@ -75,10 +75,15 @@ def _attention_core(ctx: LayerContext, backward: bool) -> float:
     step (Transformer Engine AttnFuncWithCPAndKVP2P): the diagonal step a causal (s/cp)^2 block,
     the others (s/cp) x (s/2cp) unmasked ones, all of the same FLOPs. So cp calls of a causal
     (s/cp)^2 attention, together 1/cp of the full causal work, each priced at its own size."""
+    return ctx.plan.cp * _attention_step(ctx, backward)
+
+
+def _attention_step(ctx: LayerContext, backward: bool) -> float:
+    """One of those cp kernels: a causal (s/cp)^2 attention (the whole attention when cp = 1)."""
     m, p = ctx.model, ctx.plan
     fn = attention_time if ctx.attention_kernel == "flash" else unfused_attention_time
     step_len = ctx.seq_length // p.cp
-    t = fn(
+    return fn(
         ctx.gpu,
         batch=p.micro_batch_size,
         heads=m.num_attention_heads // p.tp,
@@ -89,7 +94,6 @@ def _attention_core(ctx: LayerContext, backward: bool) -> float:
         causal=True,
         backward=backward,
     )
-    return t * p.cp
 
 
 def _memory_bound(ctx: LayerContext, kernels: list[float], backward: bool) -> float:
@@ -173,8 +177,7 @@ def _cp_comm(ctx: LayerContext, backward: bool) -> float:
         return 0.0
     kv_bytes = 2 * ctx.tokens * m.kv_channels // p.tp * ctx.act_bytes * (2 if backward else 1)
     step_comm = collective_time(ctx.network, "send_recv", kv_bytes, ctx.cp_layout)
-    step_compute = _attention_core(ctx, backward) / p.cp
-    return (p.cp - 1) * max(0.0, step_comm - step_compute)
+    return (p.cp - 1) * max(0.0, step_comm - _attention_step(ctx, backward))
 
 
 def _comm_exposed(ctx: LayerContext, comms: list[float], gemms: list[float]) -> float:

@@ -22,7 +22,6 @@ from paraplan.fileio import write_atomic
 MiB = 1024**2
 
 
-
 def add_arguments(p) -> None:
     p.add_argument("config", help="executor config: scenario YAML with a run: section (e.g. best_plan.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
