@@ -45,13 +45,12 @@ def executor_config_yaml(sc: Scenario, ev: Evaluation, *, launch: str, header: s
 
 def layers_per_virtual_stage(sc: Scenario) -> list[int]:
     """Transformer layers of each virtual stage, in virtual-stage order (g = chunk x pp + stage,
-    Megatron's interleaved order): the simulated split (simulator.layout.layers_per_chunk)."""
-    from simulator.layout import layers_per_chunk
+    Megatron's interleaved order): the simulated split (simulator.layout)."""
+    from simulator import layout
 
     p = sc.plan
-    layers = layers_per_chunk(sc.model.num_layers, p.pp, p.virtual_pipeline_stages,
-                              p.first_stage_layers, p.last_stage_layers)
-    return [layers[g % p.pp][g // p.pp] for g in range(p.pp * p.virtual_pipeline_stages)]
+    return layout.layers_per_virtual_stage(sc.model.num_layers, p.pp, p.virtual_pipeline_stages,
+                                           p.first_stage_layers, p.last_stage_layers)
 
 
 def megatron_args(sc: Scenario) -> list[str]:
@@ -465,7 +464,7 @@ def _torchtitan_stage_split(sc: Scenario) -> list[str]:
     ceil((layers + first_less + last_less) / layers_per_stage) virtual stages and gives the first
     and last `*_less_layers` fewer layers (torchtitan pipeline_llm / generate_llm_fqn_per_model_part;
     both default to 1, so an even split must say 0). The counts are the simulated ones
-    (simulator.layout.layers_per_chunk)."""
+    (simulator.layout.layers_per_virtual_stage)."""
     by_vstage = layers_per_virtual_stage(sc)
     first, last = by_vstage[0], by_vstage[-1]
     middle = max(by_vstage[1:-1], default=max(first, last))

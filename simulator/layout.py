@@ -2,17 +2,16 @@
 from __future__ import annotations
 
 
-def layers_per_chunk(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> list[list[int]]:
-    """layers[stage][chunk]. Virtual stage g = chunk x pp + stage holds a contiguous block of layers
-    (Megatron's interleaved layout). Even split over the pp x vpp virtual stages, or, with
-    first/last overrides, those layers on the first virtual stage (stage 0, chunk 0) and the last
-    (stage pp-1, chunk vpp-1) and the rest spread evenly over the others: Megatron-Core's
+def layers_per_virtual_stage(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> list[int]:
+    """Layers of each virtual stage g = chunk x pp + stage, in that order; each holds a contiguous
+    block of layers (Megatron's interleaved layout). Even split over the pp x vpp virtual stages, or,
+    with first/last overrides, those layers on the first virtual stage (stage 0, chunk 0) and the
+    last (stage pp-1, chunk vpp-1) and the rest spread evenly over the others: Megatron-Core's
     --decoder-first/last-pipeline-num-layers, and what --account-for-embedding/loss-in-pipeline-split
     and DeepSpeed's 'type:transformer|embedding' partition amount to (one layer fewer at each end
     to make room for the embedding and the loss, as the Llama 3 paper also does).
     Callers check divisibility first (simulator.feasibility)."""
     v = pp * vpp
-    sizes = [0] * v
     fixed = {}
     if first is not None:
         fixed[0] = first
@@ -20,6 +19,10 @@ def layers_per_chunk(num_layers: int, pp: int, vpp: int, first: int | None, last
         fixed[v - 1] = last
     rest = num_layers - sum(fixed.values())
     per = rest // (v - len(fixed)) if v > len(fixed) else 0
-    for g in range(v):
-        sizes[g] = fixed.get(g, per)
+    return [fixed.get(g, per) for g in range(v)]
+
+
+def layers_per_chunk(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> list[list[int]]:
+    """layers[stage][chunk]: layers_per_virtual_stage by pipeline rank."""
+    sizes = layers_per_virtual_stage(num_layers, pp, vpp, first, last)
     return [[sizes[c * pp + s] for c in range(vpp)] for s in range(pp)]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 from dataclasses import dataclass
 
 from hwmodels.compute import memory_bound_time
@@ -14,7 +15,7 @@ from simulator.cost import Cost
 from simulator.engine import StageWork, run_iteration
 from simulator.feasibility import structural_problems
 from simulator.flops import MODEL_FLOPS_FORMULA, hardware_flops, model_flops
-from simulator.layout import layers_per_chunk
+from simulator.layout import layers_per_chunk, layers_per_virtual_stage
 from simulator.memory import activation_bytes_per_layer, stage_memory, state_bytes_per_param, working_set_bytes
 from simulator.moe import (
     dispatch_buffer_bytes, draw_routing, moe_activation_bytes, moe_block, routed_tokens_per_rank,
@@ -96,8 +97,12 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
     gathered_of = {kind: dense * (shard > 1) + expert * (edp_layout.size > 1)
                    for kind, (dense, expert) in kinds.params.items()}
 
+    # a tied LM head on the embedding's stage (pp 1) uses the embedding's weights: no copy of its own
+    own_head = not (m.tied_embeddings and p.pp == 1)
     works, mems = [], []
-    first_layer = _first_layer_of_vstage(layers, p.pp)
+    # global index of the first layer of each virtual stage g = chunk x pp + stage
+    first_layer = [0, *accumulate(layers_per_virtual_stage(m.num_layers, p.pp, vpp, p.first_stage_layers,
+                                                            p.last_stage_layers))]
     for s in range(p.pp):
         stage_kinds: set[str] = set()
         op_cost, buckets, chunk_acts = {}, {}, []
@@ -107,7 +112,8 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
             kinds_in_chunk = ["moe" if m.is_moe_layer(i) else "dense" for i in range(start, start + layers[s][c])]
             stage_kinds.update(kinds_in_chunk)
             chunk = _chunk_work(ctx, kinds, kinds_in_chunk, per_unit, first=s == 0 and c == 0,
-                                last=s == p.pp - 1 and c == len(layers[s]) - 1, emb_params=emb_params)
+                                last=s == p.pp - 1 and c == len(layers[s]) - 1, emb_params=emb_params,
+                                own_head=own_head)
             f, b, w, c_dense, c_expert, acts = chunk
             op_cost[("F", c)], op_cost[("B", c)] = f, b
             if split_backward:
@@ -133,7 +139,6 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
             optimizer_time=memory_bound_time(gpu, local_opt * opt_bytes), param_gather_time=param_gather,
         ))
         working = kinds.working + working_set_bytes(m, p, tr.seq_length, tr.attention, s == p.pp - 1, ctx.act_bytes)
-        own_head = not (m.tied_embeddings and p.pp == 1)
         holds_embedding = s == 0 or (s == p.pp - 1 and own_head)
         gathered_layer = max((gathered_of[k] for k in stage_kinds), default=0.0)
         gathered = max(gathered_layer, emb_params * (shard > 1) if holds_embedding else 0.0)
@@ -224,8 +229,8 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     return _Layers(kinds.fwd, kinds.bwd, kinds.wgrad, kinds.params, kinds.acts, working), draw
 
 
-def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], zero3: dict, *, first: bool, last: bool,
-                emb_params: float) -> tuple[Cost, Cost, float, float, float, float]:
+def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, *, first: bool, last: bool,
+                emb_params: float, own_head: bool) -> tuple[Cost, Cost, float, float, float, float]:
     """(forward cost, backward cost, seconds of the backward that are weight-gradient GEMMs,
     params sharded over dp x cp, expert params, activation bytes per microbatch) of one model
     chunk: its layers, plus the embedding on the first chunk of the pipeline and the LM head on
@@ -238,17 +243,16 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], zero3: dict, *, 
         expert += n * kinds.params[kind][1]
         acts += n * kinds.acts[kind]
     # (forward cost, backward cost, ZeRO-2/3 (gather, scatter)) of each piece in forward order
-    pieces = [(kinds.fwd[k], kinds.bwd[k], zero3.get(k, (0.0, 0.0))) for k in kinds_in_chunk]
+    pieces = [(kinds.fwd[k], kinds.bwd[k], per_unit.get(k, (0.0, 0.0))) for k in kinds_in_chunk]
     no_comm = (0.0, 0.0)
     if first:
         pieces.insert(0, (embedding_cost(ctx, backward=False), embedding_cost(ctx, backward=True),
-                          zero3.get("embedding", no_comm)))
+                          per_unit.get("embedding", no_comm)))
         dense += emb_params
     if last:
-        # a tied head on the embedding's stage uses the weights gathered with the embedding
-        own_head = not (ctx.model.tied_embeddings and ctx.plan.pp == 1)
+        # a head without its own weights (own_head false) uses those gathered with the embedding
         pieces.append((head_cost(ctx, backward=False), head_cost(ctx, backward=True),
-                       zero3.get("embedding", no_comm) if own_head else no_comm))
+                       per_unit.get("embedding", no_comm) if own_head else no_comm))
         wgrad += head_weight_grad(ctx)
         if own_head:
             dense += emb_params
@@ -257,20 +261,10 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], zero3: dict, *, 
     return f, b, wgrad, dense, expert, acts
 
 
-def _first_layer_of_vstage(layers: list[list[int]], pp: int) -> list[int]:
-    """Global index of the first layer of each virtual stage g = chunk x pp + stage (layers are
-    assigned to virtual stages in order, Megatron's interleaved layout)."""
-    vstages = [layers[g % pp][g // pp] for g in range(pp * len(layers[0]))]
-    out, total = [], 0
-    for n in vstages:
-        out.append(total)
-        total += n
-    return out
-
-
 def _grad_buckets(net, p, params: float, layout: GroupLayout, group: int) -> list[tuple[float, float]]:
     """(seconds, seconds of it on the NIC) per gradient bucket of `params` over `layout`:
-    all-reduce without ZeRO, reduce-scatter with ZeRO-1/2 (Megatron distributed optimizer)."""
+    all-reduce without ZeRO, reduce-scatter with ZeRO-1 (Megatron distributed optimizer); ZeRO-2/3
+    reduce per unit instead (_zero3_comm)."""
     if group <= 1 or params <= 0:
         return []
     op = "all_reduce" if p.zero_stage == 0 else "reduce_scatter"
