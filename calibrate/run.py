@@ -19,7 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from calibrate.errors import CalibrationError
-from paraplan.fileio import check_output_file
+from paraplan.fileio import check_output_file, check_profile_suffix
 
 __all__ = ["BENCHMARKS", "Options", "Outcome", "calibrate", "check_options"]
 
@@ -104,10 +104,7 @@ def check_options(opts: Options, env: Mapping[str, str] | None = None) -> None:
 
     env = os.environ if env is None else env
     out = Path(opts.out)
-    if out.suffix not in (".yaml", ".yml"):
-        raise CalibrationError(f"--out {out}: a profile file must end in .yaml or .yml (scenarios find it by that)")
-    if out.is_dir():
-        raise CalibrationError(f"--out {out}: is a directory")
+    check_profile_suffix(out, "--out")
     if opts.report is not None and Path(opts.report).resolve() == out.resolve():
         raise CalibrationError("--report must be another file than --out")
     if opts.name is not None and not opts.name.strip():

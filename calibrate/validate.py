@@ -29,22 +29,20 @@ import argparse
 import dataclasses
 import datetime as _dt
 import math
-import os
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from paraplan.errors import ParaplanError
 
-__all__ = ["Refit", "compare", "cpu_bf16", "measure", "prepare", "refit", "refit_path_problem",
-           "resolve_profile"]
+__all__ = ["Refit", "compare", "cpu_bf16", "measure", "prepare", "refit", "resolve_profile"]
 
 DEFAULT_TOLERANCE_PCT = 15.0
 """What the CLI calls a match by default: the accuracy target on a dedicated GPU node (see
 tests/test_validate.py for why CPU runs need a much looser one)."""
 
 
-def resolve_profile(profile: str | None, base_dir: Path | None = None) -> str | None:
+def resolve_profile(profile: str | None) -> str | None:
     """A bundled name, or an absolute path to an existing profile file; ParaplanError otherwise."""
     if profile is None:
         return None
@@ -61,23 +59,6 @@ def resolve_profile(profile: str | None, base_dir: Path | None = None) -> str | 
     except ParaplanError as exc:
         raise ParaplanError(f"--profile {profile}: {exc}") from None
     return str(path.resolve())
-
-
-def refit_path_problem(path: str | os.PathLike) -> str | None:
-    """Why the refit profile could not be written at `path` (checked before anything runs), or None."""
-    path = Path(path)
-    if path.suffix not in (".yaml", ".yml"):
-        return f"--refit {path}: must end in .yaml or .yml"
-    if path.is_dir():
-        return f"--refit {path}: is a folder"
-    parent = path.parent if str(path.parent) else Path(".")
-    if not parent.is_dir():
-        return f"--refit {path}: folder {parent} does not exist"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"--refit {path}: folder {parent} is not writable"
-    if path.exists() and not os.access(path, os.W_OK):
-        return f"--refit {path}: file is not writable"
-    return None
 
 
 def prepare(config: str, *, profile: str | None = None, overrides=(), backend: str | None = None,

@@ -57,6 +57,19 @@ def check_output_file(path: str | os.PathLike | None, what: str) -> None:
     _check_parent(path.parent, what)
 
 
+def check_profile_suffix(path: str | os.PathLike, what: str) -> None:
+    """A hardware profile's file name must end in .yaml or .yml: a scenario's `cluster.gpu` tells a
+    profile file from a bundled profile name by it."""
+    if Path(path).suffix not in (".yaml", ".yml"):
+        raise ConfigError(what, f"{path}: a profile file must end in .yaml or .yml (scenarios find it by that)")
+
+
+def check_profile_output(path: str | os.PathLike, what: str) -> None:
+    """check_output_file for a hardware profile about to be written."""
+    check_profile_suffix(path, what)
+    check_output_file(path, what)
+
+
 def check_output_dir(path: str | os.PathLike | None, what: str) -> None:
     """Fail before any work if `path` cannot be used as an output directory (it is a file, or
     lies under a file or an unwritable directory). Creates nothing."""

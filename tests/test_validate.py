@@ -158,7 +158,7 @@ def test_cli_json_and_refit(profile, configs, tmp_path):
     assert load_profile(str(out)).calibrated
 
 
-@pytest.mark.parametrize("case", ["missing config", "unknown profile", "refit folder missing", "refit is a folder",
+@pytest.mark.parametrize("case", ["missing config", "unknown profile", "refit under a file", "refit is a folder",
                                   "refit not yaml"])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(case, configs, tmp_path, capsys):
     cfg, prof, refit_out = str(configs["dp"]), "h100-sxm-80gb", str(tmp_path / "out.yaml")
@@ -166,11 +166,12 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(case, configs, tmp_pat
         cfg, message = str(tmp_path / "nope.yaml"), "config file not found"
     elif case == "unknown profile":
         prof, message = str(tmp_path / "nope-profile.yaml"), "--profile"
-    elif case == "refit folder missing":
-        refit_out, message = str(tmp_path / "no" / "out.yaml"), "does not exist"
+    elif case == "refit under a file":
+        (tmp_path / "f").write_text("")
+        refit_out, message = str(tmp_path / "f" / "out.yaml"), "is a file, so nothing can be written under it"
     elif case == "refit is a folder":
         (tmp_path / "dir.yaml").mkdir()
-        refit_out, message = str(tmp_path / "dir.yaml"), "is a folder"
+        refit_out, message = str(tmp_path / "dir.yaml"), "is a directory"
     else:
         refit_out, message = str(tmp_path / "out.txt"), "must end in .yaml"
     before = sorted(os.listdir(tmp_path))

@@ -39,16 +39,17 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    from calibrate.validate import compare, measure, prepare, refit, refit_path_problem
+    from calibrate.validate import compare, measure, prepare, refit
     from executor.launch import LaunchError
     from hwmodels.profile import write_profile
     from paraplan.errors import ParaplanError
+    from paraplan.fileio import check_profile_output
     from simulator.simulate import simulate
 
     if args.tolerance is not None and not args.tolerance > 0:
         raise ParaplanError(f"--tolerance {args.tolerance:g}: expected a positive percentage")
-    if args.refit and (why := refit_path_problem(args.refit)):
-        raise ParaplanError(why)
+    if args.refit:
+        check_profile_output(args.refit, "--refit")
     sc, nproc = prepare(args.config, profile=args.profile, overrides=args.overrides, backend=args.backend,
                         steps=args.steps, warmup=args.warmup, layers=args.layers, hidden=args.hidden,
                         timeout=args.timeout, nproc=args.nproc)
