@@ -30,13 +30,30 @@ from hwmodels.profile import GpuProfile
 from paraplan.placement import GroupLayout
 from paraplan.specs import ClusterSpec
 
-__all__ = ["OPS", "Network", "Tier", "build_network", "busbw_factor", "collective_time", "nccl_latency",
-           "tier_names_crossed"]
+__all__ = ["COMM_SM_SHARE", "OPS", "Network", "Tier", "build_network", "busbw_factor", "collective_time",
+           "nccl_latency", "overlapped", "tier_names_crossed"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 US = 1e-6
 CURVE_GPUS = 8
 """The profiles' nvlink_busbw curves are 8-GPU all_reduce measurements."""
+
+COMM_SM_SHARE = 0.15
+"""Fraction of the GPU's SMs a collective holds while it runs beside compute. NCCL's CTAs do not
+share an SM with compute kernels, and on a DGX with 8 NICs it uses 16 of them (the NCCL maintainer
+in https://github.com/NVIDIA/nccl/issues/689; 16 of an A100's 108 SMs is 0.148); a lone NCCL kernel
+keeps 15% of the SMs active (https://github.com/NVIDIA/nccl/issues/1432); Calculon's NVLink
+processor_usage is 0.15 (systems/h100_80g_nvl8.json, https://github.com/calculon-ai/calculon).
+Calculon gives its InfiniBand tier 0.02, but NCCL's 16 SMs above are the 8-NIC multi-node case, so
+one share is used for every tier."""
+
+
+def overlapped(compute: float, comm: float) -> float:
+    """Seconds for `compute` with `comm` running beside it on another stream: compute overlapped by
+    a collective for t seconds finishes COMM_SM_SHARE x t later (Calculon's overlap accounting,
+    calculon/llm/llm.py, exposed time = hidden communication x processor_usage), unless the
+    communication is the longer of the two."""
+    return max(compute + COMM_SM_SHARE * min(compute, comm), comm)
 
 # --- NCCL tuning.cc constants, microseconds, per protocol (LL, LL128, Simple):
 # https://github.com/NVIDIA/nccl/blob/5067397c2676d5aed50042fc39e5c8ee96eb0027/src/graph/tuning.cc

@@ -18,6 +18,10 @@ receiver's running op and bucket, and arrives late by the larger of the two side
 running op's share is added to the receiver's next op, which saves an event per send and moves
 that op's end by at most one send); an op or a bucket that starts while a send is on its NIC is
 delayed by the overlap (the send's arrival was settled when it left).
+
+SM sharing: a gradient bucket's collective holds COMM_SM_SHARE of the GPU's SMs while it runs, so
+an op that runs beside it for t seconds ends COMM_SM_SHARE x t later (booked as data-parallel
+communication); whichever of the two starts second settles it, so each overlap counts once.
 """
 from __future__ import annotations
 
@@ -26,6 +30,7 @@ from dataclasses import dataclass, field
 
 import simpy
 
+from hwmodels.network import COMM_SM_SHARE
 from simulator.schedules import Op
 
 
@@ -40,7 +45,7 @@ class StageWork:
     op_cost: dict  # (kind, chunk) -> workload.Cost
     grad_buckets: dict  # chunk -> list of bucket reduction times (seconds)
     optimizer_time: float
-    param_gather_time: float  # ZeRO-1/2 all-gather after the step, exposed; 0 when overlapped
+    param_gather_time: float  # ZeRO-1/2 all-gather after the step, exposed; when overlapped, its SM share
     grad_bucket_nic: dict = field(default_factory=dict)  # chunk -> seconds of each bucket on the NIC
 
 
@@ -112,6 +117,11 @@ def run_iteration(
     # took from the receiver's running op, paid when that op's successor starts
     link_nic_until = [0.0] * pp
     owed_next = [0.0] * pp
+    # SM sharing: until when the current bucket runs and the current op is expected to end, and
+    # the slowdown a bucket that started mid-op owes that op
+    bucket_until = [0.0] * pp
+    op_until = [0.0] * pp
+    owed_sm = [0.0] * pp
 
     # When each cross-stage output arrives at its consumer; a SimPy event only for an input a stage
     # waits on before it exists (most inputs are ready when asked for, and skip the event queue).
@@ -223,7 +233,7 @@ def run_iteration(
         bd = traces[stage].breakdown
         timeout = env.timeout
         now = lambda: env.now  # noqa: E731
-        bubble = comm = contention = 0.0
+        bubble = comm = contention = slowed = 0.0
         for dep, duration, nic, name, category, produces, grads_of, launched_after in prepared(stage, work):
             recv = 0.0  # waiting for the input to arrive, folded into the op's timeout (one event)
             if dep is not None:
@@ -249,12 +259,17 @@ def run_iteration(
                 owed_grad[stage] += with_bucket
                 shared += with_bucket + nic * held(link_nic_until[stage], start, duration) / duration
                 op_nic[stage] = (start, start + duration + shared, nic, duration)
-            yield timeout(recv + duration + shared)
-            while owed_compute[stage] > 0:  # a bucket that started during this op took NIC time
+            sm = COMM_SM_SHARE * held(bucket_until[stage], start, duration)
+            op_until[stage] = start + duration + shared + sm
+            yield timeout(recv + duration + shared + sm)
+            while owed_compute[stage] > 0 or owed_sm[stage] > 0:  # a bucket started during this op
                 extra, owed_compute[stage] = owed_compute[stage], 0.0
+                extra_sm, owed_sm[stage] = owed_sm[stage], 0.0
                 shared += extra
-                yield timeout(extra)
+                sm += extra_sm
+                yield timeout(extra + extra_sm)
             contention += shared
+            slowed += sm
             end = now()
             spans.append(Span(stage, "compute", name, category, start, end))
             if produces is not None:
@@ -276,7 +291,7 @@ def run_iteration(
             for k, v in work.op_cost[key].parts.items():
                 if v:
                     _add(bd, k, n * v)
-        for k, v in (("pp_bubble", bubble), ("pp_comm", comm), ("ep_comm", contention)):
+        for k, v in (("pp_bubble", bubble), ("pp_comm", comm), ("ep_comm", contention), ("dp_comm", slowed)):
             if v:
                 _add(bd, k, v)
         traces[stage].compute_end = env.now
@@ -309,6 +324,10 @@ def run_iteration(
                     owed_compute[stage] += clash
                     seconds += clash + held(link_nic_until[stage], t0, nic)
                     bucket_nic_until[stage] = t0 + seconds
+                slowdown = COMM_SM_SHARE * held(op_until[stage], t0, seconds)
+                owed_sm[stage] += slowdown
+                op_until[stage] += slowdown
+                bucket_until[stage] = t0 + seconds
                 yield env.timeout(seconds)
                 while owed_grad[stage] > 0:  # an op that started during this bucket took NIC time
                     extra, owed_grad[stage] = owed_grad[stage], 0.0

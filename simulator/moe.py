@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from hwmodels.compute import gemm_time, memory_bound_time
-from hwmodels.network import collective_time
+from hwmodels.network import collective_time, overlapped
 from paraplan.placement import GroupLayout
 from simulator.cost import Cost
 from simulator.workload import activation_time, ffn_norm_residual, mlp_linear_shapes, outside_fp8, tp_collective_pairs
@@ -296,8 +296,9 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     shared, shared_tp = _shared_experts(ctx, backward)
     dispatch = a2a
     if overlap_shared:
-        # Megatron --moe-shared-expert-overlap: the shared experts run while tokens are dispatched
-        dispatch = max(0.0, a2a - shared)
+        # Megatron --moe-shared-expert-overlap: the shared experts run while tokens are dispatched,
+        # on the SMs the all-to-all leaves them
+        dispatch = overlapped(shared, a2a) - shared
     cost = Cost().add("compute", router + permute + unpermute + experts_t + shared)
     cost.add("ep_comm", dispatch + a2a + etp_comm).add("tp_comm", shared_tp)
     if ep_layout.num_nodes > 1:

@@ -6,7 +6,7 @@ from itertools import accumulate
 from dataclasses import dataclass
 
 from hwmodels.compute import memory_bound_time
-from hwmodels.network import build_network, collective_time, tier_names_crossed
+from hwmodels.network import COMM_SM_SHARE, build_network, collective_time, overlapped, tier_names_crossed
 from hwmodels.profile import load_profile
 from paraplan.errors import InfeasiblePlanError
 from paraplan.placement import GroupLayout, expert_group_layouts, group_layout, pp_neighbour_layout
@@ -129,9 +129,11 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
             + expert_params / (edp_layout.size if p.zero_stage >= 1 else 1)
         opt_bytes = ADAM_BYTES_PER_PARAM - (2 if tr.precision == "fp32" else 0)
         param_gather = 0.0
-        if p.zero_stage in (1, 2) and not p.overlap_param_gather:
+        if p.zero_stage in (1, 2):
             param_gather = (collective_time(net, "all_gather", dense_params * w_bytes, dp_layout)
                             + collective_time(net, "all_gather", expert_params * w_bytes, edp_layout))
+            if p.overlap_param_gather:  # hidden behind the next forward, which runs on fewer SMs
+                param_gather *= COMM_SM_SHARE
         works.append(StageWork(
             ops=schedule[s], op_cost=op_cost,
             grad_buckets={c: [t for t, _ in bl] for c, bl in buckets.items() if bl},
@@ -289,7 +291,8 @@ def _zero3_chain(pieces: list[tuple[Cost, float]]) -> Cost:
     also its gradients' reduce-scatter) on a separate stream, prefetched one piece ahead (FSDP
     forward/backward prefetch, Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3.3): time =
     comm_1 + sum_i max(compute_i, comm_(i+1)) + compute_n. The part above the compute is exposed
-    data-parallel communication. For n identical layers: comm + (n-1) x max(compute, comm) + compute."""
+    data-parallel communication. For n identical layers: comm + (n-1) x max(compute, comm) + compute,
+    with each compute slowed by the SMs its overlapping gather takes (network.overlapped)."""
     total = Cost()
     for cost, _ in pieces:
         total += cost
@@ -297,7 +300,7 @@ def _zero3_chain(pieces: list[tuple[Cost, float]]) -> Cost:
         return total
     span = pieces[0][1] + pieces[-1][0].total
     for (cost, _), (_, nxt) in zip(pieces, pieces[1:]):
-        span += max(cost.total, nxt)
+        span += overlapped(cost.total, nxt)
     return total.add("dp_comm", span - sum(cost.total for cost, _ in pieces))
 
 

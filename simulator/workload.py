@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from hwmodels.compute import attention_time, gemm_time, memory_bound_time, unfused_attention_time
-from hwmodels.network import collective_time
+from hwmodels.network import COMM_SM_SHARE, collective_time, overlapped
 from paraplan.specs import DTYPE_BYTES
 from simulator.schedules import SPLIT_BACKWARD_SCHEDULES
 from simulator.cost import Cost
@@ -146,10 +146,6 @@ def activation_time(ctx: LayerContext, tokens: float, width: int, backward: bool
     return _memory_bound(ctx, [tokens * act], backward)
 
 
-# Fraction of the GPU's SMs an NVLink collective occupies while it runs beside compute
-# (Calculon systems/*.json nvlink processor_usage = 0.15).
-NVLINK_SM_SHARE = 0.15
-
 
 def tp_collective_pairs(ctx: LayerContext) -> list[float]:
     """Tensor-parallel collectives of one layer in one direction, one per linear layer in the order
@@ -171,24 +167,24 @@ def _cp_comm(ctx: LayerContext, backward: bool) -> float:
     """Ring attention KV exchange (Megatron-Core context parallelism): cp-1 steps, each sending
     this rank's K and V chunk to the next rank while computing on the current one; the backward
     also returns dK, dV (twice the bytes). Only the part not hidden behind the attention compute
-    of a step is exposed."""
+    of a step is exposed; the hidden part slows that compute by COMM_SM_SHARE of itself."""
     p, m = ctx.plan, ctx.model
     if p.cp == 1:
         return 0.0
     kv_bytes = 2 * ctx.tokens * m.kv_channels // p.tp * ctx.act_bytes * (2 if backward else 1)
     step_comm = collective_time(ctx.network, "send_recv", kv_bytes, ctx.cp_layout)
-    return (p.cp - 1) * max(0.0, step_comm - _attention_step(ctx, backward))
+    return (p.cp - 1) * (overlapped(_attention_step(ctx, backward), step_comm) - _attention_step(ctx, backward))
 
 
 def _comm_exposed(ctx: LayerContext, comms: list[float], gemms: list[float]) -> float:
     """Exposed TP communication: every collective without --tp-comm-overlap; with it each is split
     into tp chunks pipelined against its GEMM (Transformer Engine userbuffers; Wang et al. 2023,
     "Overlap communication with dependent computation"): the first chunk is exposed, the rest
-    hides behind the GEMM, and while they overlap the collective takes NVLINK_SM_SHARE of the SMs."""
+    hides behind the GEMM, and while they overlap the collective takes COMM_SM_SHARE of the SMs."""
     if not ctx.plan.tp_comm_overlap:
         return sum(comms)
     tp = ctx.plan.tp
-    return sum(max(c / tp, c - g) + NVLINK_SM_SHARE * min(c, g) for c, g in zip(comms, gemms))
+    return sum(max(c / tp, c - g) + COMM_SM_SHARE * min(c, g) for c, g in zip(comms, gemms))
 
 
 def _hiding_gemms(ctx: LayerContext, shapes: list[tuple[int, int]], gemms: list[float], backward: bool) -> list[float]:

@@ -257,3 +257,15 @@ def test_busbw_factors_are_nccl_tests():
 
 def test_network_is_hashable_for_memoisation():
     assert hash(net_for()) == hash(net_for())
+
+
+def test_overlapped_compute_pays_the_sm_share_of_the_hidden_communication():
+    """A collective beside compute holds COMM_SM_SHARE (0.15) of the SMs: 2 s of compute beside a
+    1 s collective takes 2.15 s; a collective longer than its compute sets the time."""
+    from hwmodels.network import COMM_SM_SHARE, overlapped
+
+    assert COMM_SM_SHARE == 0.15
+    assert overlapped(2.0, 1.0) == pytest.approx(2.15)
+    assert overlapped(1.0, 1.1) == pytest.approx(1.15)  # compute slowed past the collective's end
+    assert overlapped(1.0, 3.0) == 3.0
+    assert overlapped(2.0, 0.0) == 2.0

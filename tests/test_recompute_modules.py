@@ -231,3 +231,18 @@ def test_context_parallel_attention_is_cp_kernels_of_one_step_each():
                            q_len=sc.training.seq_length, kv_len=sc.training.seq_length,
                            head_dim=m.head_dim, dtype="bf16", causal=True, backward=False)
     assert _attention_core(ctx, False) > whole / 4  # smaller kernels run less efficiently
+
+
+def test_a_hidden_context_parallel_ring_costs_its_sm_share():
+    """Llama-3 8B, cp 2 inside a node: each K/V exchange hides behind its ring step's attention,
+    which it slows by COMM_SM_SHARE of the exchange (it cost nothing before SM sharing)."""
+    from hwmodels.network import COMM_SM_SHARE, collective_time
+    from paraplan.placement import group_layout
+    from simulator.workload import _attention_step, _cp_comm
+
+    sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml", ["plan.cp=2", "plan.dp=32"])
+    ctx = context(sc)
+    kv_bytes = 2 * ctx.tokens * sc.model.kv_channels // sc.plan.tp * ctx.act_bytes
+    step = collective_time(ctx.network, "send_recv", kv_bytes, ctx.cp_layout)
+    assert 0 < step < _attention_step(ctx, False)
+    assert _cp_comm(ctx, False) == pytest.approx(COMM_SM_SHARE * step)

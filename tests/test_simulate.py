@@ -209,15 +209,16 @@ def test_zero3_with_nothing_to_shard_costs_what_zero0_does():
 
 
 def test_zero3_chain_by_hand():
-    """Prefetch one piece ahead: comm_1 + sum max(compute_i, comm_i+1) + compute_n."""
+    """Prefetch one piece ahead: comm_1 + sum max(compute_i, comm_i+1) + compute_n, a compute
+    overlapped by a gather running COMM_SM_SHARE (0.15) x that gather longer."""
     from simulator.cost import Cost
     from simulator.simulate import _zero3_chain  # noqa: PLC2701
 
     pieces = [(Cost().add("compute", c), g) for c, g in [(1.0, 0.5), (2.0, 3.0), (1.0, 0.5), (4.0, 2.0)]]
     out = _zero3_chain(pieces)
     assert out.parts["compute"] == 8.0
-    # 0.5 + max(1, 3) + max(2, 0.5) + max(1, 2) + 4 = 11.5 -> 3.5 s exposed
-    assert out.parts["dp_comm"] == pytest.approx(3.5)
+    # 0.5 + max(1 + 0.15, 3) + max(2 + 0.075, 0.5) + max(1 + 0.15, 2) + 4 = 11.575 -> 3.575 s
+    assert out.parts["dp_comm"] == pytest.approx(3.575)
 
 
 def test_zero3_gathers_experts_over_the_expert_data_parallel_group():
@@ -318,3 +319,18 @@ def test_zero2_reduces_every_microbatch_and_zero1_once():
     z2_one, z2_two = dp_comm(2, 1), dp_comm(2, 2)
     assert z2_one > 10 * dp_comm(1, 1)
     assert 1.8 < z2_two / z2_one < 2.1
+
+
+def test_an_overlapped_param_gather_costs_its_sm_share():
+    """ZeRO-1 with --overlap-param-gather hides the all-gather behind the next forward, which runs
+    on the 85% of the SMs the gather leaves it: the gather costs 0.15 of its exposed time."""
+    from hwmodels.network import COMM_SM_SHARE
+
+    def gather(on):
+        sc = load_scenario(ROOT / "scenarios" / "llama3-70b-512xh100.yaml",
+                           ["plan.zero_stage=1", "plan.overlap_grad_reduce=true", f"plan.overlap_param_gather={on}"])
+        spans = [s for s in simulate(sc).spans if s.name == "param all-gather"]
+        return max(s.end - s.start for s in spans)
+
+    assert gather("true") == pytest.approx(COMM_SM_SHARE * gather("false"))
+
