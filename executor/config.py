@@ -125,12 +125,21 @@ def scaled_scenario(sc: Scenario) -> Scenario:
 # What the executor refuses, and what it runs differently
 
 
-def executor_problems(sc: Scenario) -> list[str]:
-    """Reasons the executor refuses this (already scaled) plan, each naming the key at fault.
+def launch_problems(sc: Scenario) -> list[str]:
+    """Every reason `paraplan launch` refuses this (already scaled) plan: the simulator's structural
+    checks, then the executor's own, a key the simulator already refused said once."""
+    from simulator.feasibility import structural_problems
 
-    These come on top of the simulator's structural checks. They are the plans PyTorch 2.13 cannot
-    run correctly (see shared/reference/torch_distributed_on_cpu.md) or features this executor
-    does not implement; every other plan the simulator accepts runs.
+    problems = structural_problems(sc)
+    flagged = {r.split(":", 1)[0] for r in problems}
+    return problems + [r for r in executor_problems(sc) if r.split(":", 1)[0] not in flagged]
+
+
+def executor_problems(sc: Scenario) -> list[str]:
+    """Reasons the executor refuses this (already scaled) plan beyond the simulator's structural
+    checks (launch_problems gives both), each naming the key at fault: the plans PyTorch 2.13's
+    pipelining and DTensor APIs cannot run correctly, and the features this executor does not
+    implement; every other plan the simulator accepts runs.
     """
     m, p, t, r = sc.model, sc.plan, sc.training, sc.run
     out: list[str] = []
@@ -162,20 +171,6 @@ def executor_problems(sc: Scenario) -> list[str]:
         out.append(f"training.optimizer: {t.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
     if p.expert_tp != 1:
         out.append("plan.expert_tp: tensor parallelism inside experts is not implemented by the executor; use expert_tp: 1")
-    if p.ep > 1:
-        if m.moe is None:
-            out.append("plan.ep: expert parallelism needs an MoE model (model.moe)")
-        else:
-            if (p.tp * p.cp * p.dp) % p.ep:
-                out.append(f"plan.ep: {p.ep} does not divide tp x cp x dp = {p.tp * p.cp * p.dp} (the ranks of a "
-                           "pipeline stage, which MoE parallel folding re-divides into ep x expert-dp)")
-            if m.moe.num_experts % p.ep:
-                out.append(f"plan.ep: {p.ep} does not divide model.moe.num_experts ({m.moe.num_experts})")
-    if m.moe is not None and p.tp > 1 and not p.sequence_parallel:
-        out.append("plan.sequence_parallel: MoE with tp > 1 needs sequence_parallel: true (each TP rank routes "
-                   "its own tokens, as in Megatron-Core)")
-    if m.moe is not None and m.moe.top_k > m.moe.num_experts:
-        out.append(f"model.moe.top_k: {m.moe.top_k} is more than num_experts ({m.moe.num_experts})")
     unsupported = [mod for mod in p.recomputed_modules if mod in ("layernorm", "moe_act")]
     if unsupported:
         # Megatron-Core frees these outputs and rebuilds them before the backward

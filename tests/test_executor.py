@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from executor.config import (  # noqa: E402
-    executor_problems, notes, scaled_model, scaled_scenario, scenario_from_json, scenario_to_json,
+    executor_problems, launch_problems, notes, scaled_model, scaled_scenario, scenario_from_json, scenario_to_json,
 )
 from paraplan.errors import ConfigError  # noqa: E402
 from paraplan.specs import (  # noqa: E402
@@ -303,18 +303,18 @@ def test_executor_refusals():
         training = kw.pop("training", {})
         sc = scenario("x", **kw)
         sc = dataclasses.replace(sc, model=model, training=dataclasses.replace(sc.training, **training))
-        return " | ".join(executor_problems(sc))
+        return " | ".join(launch_problems(sc))
 
     assert problems(dp=2) == ""
     assert "dualpipev needs at least 4 microbatches" in problems(pp=2, schedule="dualpipev", virtual_pipeline_stages=2,
                                                                  micro_batch_size=4)
     assert "zbv needs exactly 2 stages per rank" in problems(pp=2, schedule="zbv")
     assert "5 microbatches to be a multiple of 2 rounds" in problems(pp=2, schedule="zero-bubble", micro_batch_size=1,
-                                                                    virtual_pipeline_stages=2, gbs=5)
+                                                                    virtual_pipeline_stages=1, gbs=5)
     assert "not one of gpipe" in problems(schedule="zb1p")
     assert "training.precision: the executor trains in fp32 or bf16, not fp8" in problems(training={"precision": "fp8"})
     assert "plan.ep: expert parallelism needs an MoE model" in problems(dp=2, ep=2)
-    assert "plan.ep: 3 does not divide tp x cp x dp = 2" in problems(dp=2, ep=3, model=MOE)
+    assert "plan.ep: ep x expert_tp = 3 x 1 does not divide the 2 ranks" in problems(dp=2, ep=3, model=MOE)
     assert "plan.sequence_parallel: MoE with tp > 1 needs sequence_parallel" in problems(tp=2, model=MOE)
     assert "plan.expert_tp" in problems(expert_tp=2)
     assert "plan.tp_comm_overlap" in problems(tp=2, sequence_parallel=True, tp_comm_overlap=True)

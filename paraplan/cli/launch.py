@@ -52,10 +52,9 @@ _RUN_FLAGS = {"backend": "backend", "steps": "steps", "warmup": "warmup_steps", 
 
 def prepare(args):
     """The checked, scaled scenario and the process layout; raises ParaplanError for any bad input."""
-    from executor.config import executor_problems, scaled_scenario
+    from executor.config import launch_problems, scaled_scenario
     from paraplan.fileio import check_output_dir, check_output_file
     from paraplan.loader import load_scenario
-    from simulator.feasibility import structural_problems
 
     overrides = list(args.overrides)
     for flag, key in _RUN_FLAGS.items():
@@ -63,9 +62,7 @@ def prepare(args):
         if value is not None:
             overrides.append(f"run.{key}={value}")
     sc = scaled_scenario(load_scenario(args.config, overrides))
-    problems = structural_problems(sc)
-    flagged = {r.split(":", 1)[0] for r in problems}  # a key the simulator already refused is said once
-    problems += [r for r in executor_problems(sc) if r.split(":", 1)[0] not in flagged]
+    problems = launch_problems(sc)
     if problems:
         raise InfeasiblePlanError(problems)
     if args.nnodes < 1 or (args.nproc is not None and args.nproc < 1):
