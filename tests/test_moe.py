@@ -263,3 +263,29 @@ def test_a_zipf_exponent_with_another_distribution_is_refused():
     sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml",
                        ["model.moe.routing.s=1.5", "model.moe.routing.distribution=zipf"])
     assert sc.model.moe.routing.s == 1.5
+
+
+@pytest.mark.parametrize("shared_experts", [1, 4])
+def test_shared_expert_overlap_hides_the_dispatch_minus_its_sm_share(h100_net, shared_experts):
+    """--moe-shared-expert-overlap runs the shared experts beside the dispatch all-to-all: the
+    dispatch costs only what the shared experts do not cover, and the shared experts run
+    COMM_SM_SHARE of the overlap longer (hwmodels.network.overlapped; both of its branches are
+    checked in tests/test_hwmodels_network.py). Mixtral's in-node dispatch is shorter than one
+    shared expert, so it hides whole and costs 0.15 of itself."""
+    from hwmodels.network import overlapped
+    from simulator.moe import _shared_experts  # noqa: PLC2701
+
+    sc, gpu, net = h100_net
+    model = replace(sc.model, moe=replace(sc.model.moe, num_shared_experts=shared_experts))
+    sc, ctx = _ctx(replace(sc, model=model), gpu, net)
+    etp, ep, _ = expert_group_layouts(sc.plan, 8)
+    draw = draw_routing(model.moe, sc.plan.ep, ctx.tokens)
+    for backward in (False, True):
+        plain = moe_block(ctx, draw, ep, etp, overlap_shared=False)(ctx, backward)
+        hidden = moe_block(ctx, draw, ep, etp, overlap_shared=True)(ctx, backward)
+        a2a = plain.parts["ep_comm"] / 2  # dispatch + combine, no expert-TP
+        shared = _shared_experts(ctx, backward)[0]
+        assert a2a < shared
+        assert hidden.parts["ep_comm"] == pytest.approx(a2a + overlapped(shared, a2a) - shared)
+        assert hidden.parts["ep_comm"] == pytest.approx(1.15 * a2a)
+        assert hidden.parts["compute"] == pytest.approx(plain.parts["compute"])
