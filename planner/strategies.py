@@ -128,7 +128,8 @@ class RefiningSampler(BaseSampler):
 
     1. one knob changed around the incumbent (the schedule and its virtual stages count as one);
     2. the incumbent's settings moved to every other layout (tp, pp, cp, cluster size; dp
-       follows), the way an engineer tries "the same, with tp 2 and pp 8";
+       follows), the way an engineer tries "the same, with tp 2 and pp 8"; then the same again
+       at the smallest micro-batch, which is what a plan that no longer fits needs first;
     3. one knob changed around the best feasible plan of every other layout, best first;
     4. two knobs changed around the incumbent.
 
@@ -226,6 +227,12 @@ class RefiningSampler(BaseSampler):
         # 2. the incumbent's settings on every other layout (a layout move keeps dp derived)
         layout_moves = self._moves(axes, layout_axes, len(layout_axes), same_size=False)
         phases += [(c, layout_moves) for c in centres[:TRANSPLANT_CENTRES]]
+        # 2b. the same at the smallest micro-batch: on a deeper pipeline or a wider context-parallel
+        #     group the incumbent's micro-batch often overflows memory
+        if "micro_batch_size" in self._choices:
+            smallest = min(self._choices["micro_batch_size"])
+            phases += [({**c, "micro_batch_size": smallest}, layout_moves) for c in centres[:TRANSPLANT_CENTRES]
+                       if c.get("micro_batch_size") != smallest]
         # 3. one knob changed around the best plan of every other layout
         phases += [(c, one_knob) for c in centres[1:]]
         # 4. two knobs changed around the incumbent
