@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import shlex
 
 import yaml
@@ -146,13 +147,7 @@ def _transformer_layers(count: int) -> str:
 
 def _runs(items: list[str]) -> list[tuple[str, int]]:
     """Consecutive equal items as (item, how many)."""
-    runs: list[tuple[str, int]] = []
-    for item in items:
-        if runs and runs[-1][0] == item:
-            runs[-1] = (item, runs[-1][1] + 1)
-        else:
-            runs.append((item, 1))
-    return runs
+    return [(item, len(list(group))) for item, group in itertools.groupby(items)]
 
 
 def _megatron_data_parallel(p) -> list[str]:

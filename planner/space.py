@@ -32,8 +32,9 @@ range**, so `search: {}` or no section at all means "every valid factorisation o
 
 Every other plan field (overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, expert_tp)
 keeps the scenario's value; tp_comm_overlap is applied where it can be (sequence_parallel and
-tp > 1), and so is overlap_param_gather (zero_stage >= 1 and overlap_grad_reduce). Uneven stages are derived, not searched: when pp does not divide the layers (and the
-schedule is not interleaved), the middle stages take ceil(layers / pp) each and the first and
+tp > 1), and so is overlap_param_gather (zero_stage >= 1 and overlap_grad_reduce). Uneven stages
+are derived, not searched: when pp does not divide the layers (and the schedule is not
+interleaved), the middle stages take ceil(layers / pp) each and the first and
 last stages share the rest, the last one the lighter (they also hold the embedding and the LM
 head: Llama 3 405B's 126 layers on 16 stages are 7 + 14 x 8 + 7, Dubey et al. 2024 Sec. 3.3.2);
 the scenario's own plan, as written, is evaluated as the baseline.

@@ -140,8 +140,8 @@ def run_iteration(
             ev.succeed(arrival)
 
     def held(until: float, t: float, window: float) -> float:
-        """Seconds of [t, t + window] during which a flow that holds the NIC until `until` (a
-        gradient bucket or a pipeline send) is still on it."""
+        """Seconds of [t, t + window] before `until`: how long a flow that holds the NIC or the
+        SMs until then (a gradient bucket, a pipeline send, a running op) overlaps that window."""
         busy = until - t
         return 0.0 if busy <= 0 else busy if busy < window else window
 

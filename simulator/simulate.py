@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import math
-from itertools import accumulate
 from dataclasses import dataclass
+from itertools import accumulate
 
 from hwmodels.compute import memory_bound_time
 from hwmodels.network import COMM_SM_SHARE, build_network, collective_time, overlapped, tier_names_crossed

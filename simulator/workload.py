@@ -146,7 +146,6 @@ def activation_time(ctx: LayerContext, tokens: float, width: int, backward: bool
     return _memory_bound(ctx, [tokens * act], backward)
 
 
-
 def tp_collective_pairs(ctx: LayerContext) -> list[float]:
     """Tensor-parallel collectives of one layer in one direction, one per linear layer in the order
     QKV, attention projection, MLP up, MLP down: with sequence parallelism an all-gather before each
@@ -173,7 +172,8 @@ def _cp_comm(ctx: LayerContext, backward: bool) -> float:
         return 0.0
     kv_bytes = 2 * ctx.tokens * m.kv_channels // p.tp * ctx.act_bytes * (2 if backward else 1)
     step_comm = collective_time(ctx.network, "send_recv", kv_bytes, ctx.cp_layout)
-    return (p.cp - 1) * (overlapped(_attention_step(ctx, backward), step_comm) - _attention_step(ctx, backward))
+    step_compute = _attention_step(ctx, backward)
+    return (p.cp - 1) * (overlapped(step_compute, step_comm) - step_compute)
 
 
 def _comm_exposed(ctx: LayerContext, comms: list[float], gemms: list[float]) -> float:

@@ -15,6 +15,9 @@ from pathlib import Path
 
 from calibrate.run import BENCHMARKS, Options
 
+# Held-out error above which a fitted table is called out in the summary.
+POOR_FIT_MAPE = 25.0  # percent, as the fits report it
+
 
 def add_arguments(p) -> None:
     p.add_argument("--out", required=True, metavar="FILE.yaml", help="profile to write (atomically, when done)")
@@ -105,7 +108,3 @@ def format_summary(o) -> str:
         lines.append(f"  warning: the {key} fit misses its held-out measurements by {_pct(err)} (MAPE): the timings "
                      f"on this device are noisy or do not follow the model; predictions from this profile inherit it")
     return "\n".join(lines)
-
-
-# Held-out error above which a fitted table is called out in the summary.
-POOR_FIT_MAPE = 25.0  # percent, as the fits report it
