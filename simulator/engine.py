@@ -145,6 +145,15 @@ def run_iteration(
         busy = until - t
         return 0.0 if busy <= 0 else busy if busy < window else window
 
+    def occupy_sms(stage: int, t: float, seconds: float) -> None:
+        """A gradient bucket holds its SM share over [t, t + seconds]: the op running then owes
+        COMM_SM_SHARE of the overlap (paid when it ends), and ops starting before t + seconds
+        see the bucket through bucket_until."""
+        slowdown = COMM_SM_SHARE * held(op_until[stage], t, seconds)
+        owed_sm[stage] += slowdown
+        op_until[stage] += slowdown
+        bucket_until[stage] = t + seconds
+
     def op_nic_left(stage: int, t: float, window: float = float("inf")) -> float:
         """NIC seconds the stage's current op (running, or about to start once its input has
         arrived) moves between t and t + window, its traffic spread evenly over the op."""
@@ -324,14 +333,12 @@ def run_iteration(
                     owed_compute[stage] += clash
                     seconds += clash + held(link_nic_until[stage], t0, nic)
                     bucket_nic_until[stage] = t0 + seconds
-                slowdown = COMM_SM_SHARE * held(op_until[stage], t0, seconds)
-                owed_sm[stage] += slowdown
-                op_until[stage] += slowdown
-                bucket_until[stage] = t0 + seconds
+                occupy_sms(stage, t0, seconds)
                 yield env.timeout(seconds)
                 while owed_grad[stage] > 0:  # an op that started during this bucket took NIC time
                     extra, owed_grad[stage] = owed_grad[stage], 0.0
                     bucket_nic_until[stage] = env.now + extra
+                    occupy_sms(stage, env.now, extra)
                     yield env.timeout(extra)
                 spans.append(Span(stage, "dp-comm", f"grad-reduce c{c} b{j}", "dp_comm", t0, env.now))
         traces[stage].comm_end = env.now

@@ -316,8 +316,9 @@ def embedding_cost(ctx: LayerContext, backward: bool) -> Cost:
 
 
 def head_cost(ctx: LayerContext, backward: bool) -> Cost:
-    """Final norm, LM head (column-parallel over the vocabulary) and vocab-parallel cross-entropy
-    (Megatron _VocabParallelCrossEntropy: fp32 logits read for max, exp-sum and gradient). The
+    """Final norm (on the tokens/tp shard under sequence parallelism: it runs before the gather),
+    LM head (column-parallel over the vocabulary) and vocab-parallel cross-entropy (Megatron
+    _VocabParallelCrossEntropy: fp32 logits read for max, exp-sum and gradient). The
     head's input: with sequence parallelism all-gathered in the forward and its gradient
     reduce-scattered in the backward; without, copied (identity) forward and its gradient
     all-reduced backward (copy_to_tensor_model_parallel_region)."""
@@ -326,7 +327,7 @@ def head_cost(ctx: LayerContext, backward: bool) -> Cost:
     gemm = _linear(outside_fp8(ctx), m.hidden_size, vocab, backward)
     logits = ctx.tokens * vocab * 4
     ce = memory_bound_time(ctx.gpu, (2 if backward else 3) * logits)
-    norm = memory_bound_time(ctx.gpu, (2 if backward else 1) * 2 * ctx.tokens * m.hidden_size * ctx.act_bytes)
+    norm = memory_bound_time(ctx.gpu, (2 if backward else 1) * _norm_bytes(ctx))
     cost = Cost().add("compute", gemm + ce + norm)
     if p.tp > 1 and (p.sequence_parallel or backward):
         op = {(True, False): "all_gather", (True, True): "reduce_scatter", (False, True): "all_reduce"}

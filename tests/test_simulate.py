@@ -200,6 +200,33 @@ def test_embedding_and_head_collectives_follow_megatrons_mappings(gpt3, sp):
             assert fn(ctx, backward).parts["tp_comm"] == pytest.approx(coll(op), rel=1e-12), (fn.__name__, backward)
 
 
+def test_head_final_norm_runs_on_the_sequence_parallel_shard(gpt3):
+    """Under sequence parallelism the final norm sees tokens/tp (it runs before the head's
+    all-gather); everything else in the head's compute is the same with or without SP."""
+    from hwmodels.compute import memory_bound_time
+    from hwmodels.network import build_network
+    from hwmodels.profile import load_profile
+    from paraplan.placement import group_layout
+    from simulator.workload import LayerContext, head_cost
+
+    gpu, m = load_profile(gpt3.cluster.gpu), gpt3.model
+    net = build_network(gpt3.cluster, gpu)
+
+    def compute(sp, backward):
+        p = replace(gpt3.plan, sequence_parallel=sp)
+        ctx = LayerContext(model=m, plan=p, gpu=gpu, network=net, seq_length=gpt3.training.seq_length,
+                           dtype="bf16", attention_kernel="flash", tp_layout=group_layout(("tp",), p, 8),
+                           cp_layout=group_layout(("cp",), p, 8))
+        return head_cost(ctx, backward).parts["compute"]
+
+    tp = gpt3.plan.tp
+    norm = gpt3.plan.micro_batch_size * gpt3.training.seq_length * 2 * m.hidden_size * 2  # read + write h, bf16
+    for backward in (False, True):
+        f = 2 if backward else 1
+        want = memory_bound_time(gpu, f * norm / tp) - memory_bound_time(gpu, f * norm)
+        assert compute(True, backward) - compute(False, backward) == pytest.approx(want, rel=1e-9)
+
+
 def test_zero3_with_nothing_to_shard_costs_what_zero0_does():
     sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml")
     one = plan_variant(sc, tp=2, pp=4, dp=1)
