@@ -143,6 +143,9 @@ def executor_problems(sc: Scenario) -> list[str]:
     """
     m, p, t, r = sc.model, sc.plan, sc.training, sc.run
     out: list[str] = []
+    if m.mla is not None:
+        out.append("model.mla: the executor implements multi-head and grouped-query attention, not multi-head "
+                   "latent attention")
     info = SCHEDULES.get(p.schedule)
     if info is None:
         out.append(f"plan.schedule: {p.schedule!r} is not one of {', '.join(SCHEDULES)}")

@@ -33,7 +33,7 @@ from paraplan.errors import ConfigError
 from paraplan.fileio import read_text
 from paraplan.specs import (
     ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, MOE_DISPATCHERS, ROUTING_DISTRIBUTIONS, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
-    ClusterSpec, InterNodeSpec, LinkSpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
+    ClusterSpec, InterNodeSpec, LinkSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -204,6 +204,14 @@ MODEL = _schema(
     activation=Key(_one_of(ACTIVATIONS), required=True),
     tied_embeddings=Key(_boolean),
     moe=Key(_anything),
+    mla=Key(_anything),
+)
+MLA = _schema(
+    q_lora_rank=Key(_optional(POSITIVE), required=True),
+    kv_lora_rank=Key(POSITIVE, required=True),
+    qk_head_dim=Key(POSITIVE, required=True),
+    qk_rope_head_dim=Key(POSITIVE, required=True),
+    v_head_dim=Key(POSITIVE, required=True),
 )
 MOE = _schema(
     num_experts=Key(POSITIVE, required=True),
@@ -440,14 +448,15 @@ def _hf_qwen3_moe(cfg: Mapping, need: Callable[[str], Any]) -> dict:
 
 
 def _hf_deepseek_v3(cfg: Mapping, need: Callable[[str], Any]) -> dict:
-    """DeepSeek-V3: leading dense layers, routed + shared experts. Multi-head latent attention is
-    modelled as multi-head attention with v_head_dim per head (its low-rank projections are not
-    represented: attention weights are overcounted, about 0.47B vs 0.19B per layer for V3)."""
+    """DeepSeek-V3 (and V2): multi-head latent attention, leading dense layers, routed + shared
+    experts (transformers DeepseekV3Config: q_lora_rank null means a direct query projection)."""
     heads = need("num_attention_heads")
     return {
         "num_layers": need("num_hidden_layers"), "hidden_size": need("hidden_size"),
-        "num_attention_heads": heads, "num_kv_heads": heads,
-        "head_dim": cfg.get("v_head_dim") or need("hidden_size") // heads,
+        "num_attention_heads": heads,
+        "mla": {"q_lora_rank": cfg.get("q_lora_rank"), "kv_lora_rank": need("kv_lora_rank"),
+                "qk_head_dim": need("qk_nope_head_dim"), "qk_rope_head_dim": need("qk_rope_head_dim"),
+                "v_head_dim": need("v_head_dim")},
         "ffn_hidden_size": need("intermediate_size"), "vocab_size": need("vocab_size"),
         "activation": "swiglu", "tied_embeddings": cfg.get("tie_word_embeddings", False),
         "moe": {"num_experts": need("n_routed_experts"), "top_k": need("num_experts_per_tok"),
@@ -537,7 +546,23 @@ def _model(raw: Any, base_dir: Path) -> ModelSpec:
     values.setdefault("name", name)
     if values.get("moe") is not None:
         values["moe"] = _moe(values["moe"], values["num_layers"])
+    if values.get("mla") is not None:
+        values["mla"] = _mla(values)
     return ModelSpec(**_derive_model_defaults(values))
+
+
+def _mla(values: dict) -> MLASpec:
+    """model.mla: every head has its own keys and values (num_kv_heads, when given, is
+    num_attention_heads) and head_dim is the value head width."""
+    mla = MLASpec(**_validate(values["mla"], "model.mla", MLA))
+    heads = values["num_attention_heads"]
+    if values.setdefault("num_kv_heads", heads) != heads:
+        raise ConfigError("model.num_kv_heads", f"{values['num_kv_heads']}: with model.mla every head has its "
+                                                f"own keys and values; leave it out or set {heads}")
+    if values.setdefault("head_dim", mla.v_head_dim) != mla.v_head_dim:
+        raise ConfigError("model.head_dim", f"{values['head_dim']}: with model.mla it is model.mla.v_head_dim "
+                                            f"({mla.v_head_dim}); leave it out")
+    return mla
 
 
 def _moe(raw: Any, num_layers: int) -> MoESpec:

@@ -83,6 +83,8 @@ def model_to_mapping(m: ModelSpec) -> dict[str, Any]:
     }
     if m.moe is not None:
         out["moe"] = moe_to_mapping(m.moe)
+    if m.mla is not None:
+        out["mla"] = dataclasses.asdict(m.mla)
     return out
 
 

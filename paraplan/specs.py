@@ -64,6 +64,22 @@ class MoESpec:
 
 
 @dataclass(frozen=True, kw_only=True)
+class MLASpec:
+    """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, Sec. 2.1; Megatron-Core
+    MLASelfAttention): queries and keys/values are projected down to low-rank latents, normalised,
+    and projected back up per head; a decoupled rotary part of qk_rope_head_dim per head (queries)
+    and one shared rotary key per token."""
+
+    q_lora_rank: int | None
+    """Query latent width; None projects queries directly (DeepSeek-V2-Lite)."""
+    kv_lora_rank: int
+    qk_head_dim: int
+    """Per-head query/key width without the rotary part."""
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+
+@dataclass(frozen=True, kw_only=True)
 class ModelSpec:
     """A decoder-only transformer."""
 
@@ -83,23 +99,71 @@ class ModelSpec:
     """Input embedding and LM head share one matrix (Megatron GPT default); costs a first/last-stage all-reduce under PP."""
     moe: MoESpec | None = None
     """Mixture-of-experts FFN; None for a dense model."""
+    mla: MLASpec | None = None
+    """Multi-head latent attention instead of multi-head/grouped-query attention (head_dim is then
+    its v_head_dim)."""
+
+    @property
+    def q_head_dim(self) -> int:
+        """Per-head width of queries and keys (MLA: the non-rotary and rotary parts together)."""
+        return self.head_dim if self.mla is None else self.mla.qk_head_dim + self.mla.qk_rope_head_dim
 
     @property
     def kv_channels(self) -> int:
+        """Width of the keys (= of the values) of grouped-query attention."""
         return self.num_kv_heads * self.head_dim
 
     @property
     def q_channels(self) -> int:
-        return self.num_attention_heads * self.head_dim
+        return self.num_attention_heads * self.q_head_dim
+
+    @property
+    def k_channels(self) -> int:
+        """Width of the keys attention reads (MLA: every head's, after the up-projection)."""
+        return self.kv_channels if self.mla is None else self.q_channels
+
+    @property
+    def v_channels(self) -> int:
+        """Width of the values attention reads; also the attention output's width per KV group."""
+        return self.kv_channels if self.mla is None else self.num_attention_heads * self.mla.v_head_dim
+
+    @property
+    def o_channels(self) -> int:
+        """Width of the attention output, the output projection's input."""
+        return self.num_attention_heads * (self.head_dim if self.mla is None else self.mla.v_head_dim)
 
     @property
     def ffn_matrices(self) -> int:
         return 3 if self.activation == "swiglu" else 2
 
-    def attention_params(self) -> int:
-        """QKV and output projections of one layer, plus its two norms."""
-        h = self.hidden_size
-        return h * (self.q_channels + 2 * self.kv_channels) + self.q_channels * h + 4 * h
+    def attention_linears(self) -> list[tuple[int, int, str]]:
+        """(input width, output width, tensor-parallel mode) of one layer's attention projections in
+        forward order; mode: column (output split over TP), row (input split) or replicated (every
+        TP rank runs it whole). Megatron-LM (Shoeybi et al. 2019, Fig. 3): a column-parallel QKV
+        and a row-parallel output projection. MLA (Megatron-Core MLASelfAttention): replicated
+        ("duplicated") query and key/value down-projections, column-parallel up-projections of the
+        latents (keys/values: kv_lora_rank -> heads x (qk_head_dim + v_head_dim)), row-parallel
+        output projection."""
+        h, a = self.hidden_size, self.mla
+        if a is None:
+            return [(h, self.q_channels + self.k_channels + self.v_channels, "column"), (self.o_channels, h, "row")]
+        query = ([(h, a.q_lora_rank, "replicated"), (a.q_lora_rank, self.q_channels, "column")]
+                 if a.q_lora_rank else [(h, self.q_channels, "column")])
+        kv_up = self.num_attention_heads * (a.qk_head_dim + a.v_head_dim)
+        return [*query, (h, a.kv_lora_rank + a.qk_rope_head_dim, "replicated"), (a.kv_lora_rank, kv_up, "column"),
+                (self.o_channels, h, "row")]
+
+    @property
+    def latent_channels(self) -> int:
+        """MLA's normalised latents per token (query latent and key/value latent; their norms'
+        weights), 0 without MLA."""
+        return 0 if self.mla is None else (self.mla.q_lora_rank or 0) + self.mla.kv_lora_rank
+
+    def attention_params(self, tp: int = 1) -> float:
+        """Attention projections of one layer plus its two norms (and MLA's latent norms), on one of
+        `tp` tensor-parallel ranks: split projections divided by tp, replicated ones whole."""
+        linears = sum(k * n / (1 if mode == "replicated" else tp) for k, n, mode in self.attention_linears())
+        return linears + (4 * self.hidden_size + self.latent_channels) / tp
 
     def expert_params(self) -> int:
         """One expert FFN (same activation as the model)."""

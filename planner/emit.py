@@ -190,6 +190,12 @@ def _megatron_model(sc: Scenario) -> list[str]:
     ]
     if m.num_kv_heads != m.num_attention_heads:
         a += ["--group-query-attention", "--num-query-groups", str(m.num_kv_heads)]
+    if m.mla is not None:  # Megatron-LM arguments.py _add_mla_args
+        a += ["--multi-latent-attention", "--kv-lora-rank", str(m.mla.kv_lora_rank),
+              "--qk-head-dim", str(m.mla.qk_head_dim), "--qk-pos-emb-head-dim", str(m.mla.qk_rope_head_dim),
+              "--v-head-dim", str(m.mla.v_head_dim)]
+        if m.mla.q_lora_rank:
+            a += ["--q-lora-rank", str(m.mla.q_lora_rank)]
     if m.activation == "swiglu":
         a.append("--swiglu")
     if not m.tied_embeddings:

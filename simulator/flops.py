@@ -6,7 +6,8 @@ from __future__ import annotations
 
 MODEL_FLOPS_FORMULA = (
     "model FLOPs = 3 x forward GEMM FLOPs per token x tokens: per layer 2*(h*(q+2kv) + q*h + m*h*f) "
-    "+ attention 4*s*q (QK^T and AV, causal mask not halved), plus the LM head 2*h*V; "
+    "(MLA: its down- and up-projections) + attention 4*s*q (QK^T and AV, causal mask not halved; "
+    "MLA: 2*s*(q+o)), plus the LM head 2*h*V; "
     "= 72*B*s*L*h^2*(1 + s/6h + V/12hL) for GPT (Korthikanti et al. 2022, Appendix A), "
     "generalised to GQA/SwiGLU; recompute not counted (that is HFU). MoE layers count the router "
     "and only the active experts (top_k routed + shared), not all experts"
@@ -16,8 +17,8 @@ MODEL_FLOPS_FORMULA = (
 def layer_gemm_flops_per_token(model, index: int) -> float:
     """Forward GEMM FLOPs per token of layer `index`: attention projections plus the dense MLP, or
     for an MoE layer the router and only the experts a token activates (top_k routed + shared)."""
-    h, q, kv = model.hidden_size, model.q_channels, model.kv_channels
-    return 2 * (h * (q + 2 * kv) + q * h) + _ffn_flops_per_token(model, index)
+    attention = sum(k * n for k, n, _ in model.attention_linears())
+    return 2 * attention + _ffn_flops_per_token(model, index)
 
 
 def _ffn_flops_per_token(model, index: int, *, shared_only: bool = False) -> float:
@@ -35,7 +36,8 @@ def _ffn_flops_per_token(model, index: int, *, shared_only: bool = False) -> flo
 def forward_flops_per_token(model, seq_length: int) -> tuple[float, float, float]:
     """(GEMMs of all layers, attention score/value products of all layers, LM head) per token."""
     gemm = sum(layer_gemm_flops_per_token(model, i) for i in range(model.num_layers))
-    attention = model.num_layers * 4 * seq_length * model.q_channels
+    # QK^T over q_channels and AV over o_channels: 4*s*q when they are equal (MLA: 192 vs 128 per head)
+    attention = model.num_layers * 2 * seq_length * (model.q_channels + model.o_channels)
     head = 2 * model.hidden_size * model.vocab_size
     return gemm, attention, head
 

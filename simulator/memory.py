@@ -83,14 +83,16 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     h_wide = ((2 if "layernorm" in recomputed else 4) * e + 2) * h / sp
     mlp_mats = model.ffn_matrices - 1
     mlp = e * (mlp_mats * f + f) / t if moe_ffn_bytes is None and "mlp" not in recomputed else 0.0
-    tp_sharded = e * (model.q_channels + 2 * model.kv_channels + model.q_channels) / t + mlp
+    tp_sharded = e * (model.q_channels + model.k_channels + model.v_channels + model.o_channels) / t + mlp
+    # MLA keeps each latent twice (its norm's input and the up-projection's input), SP-sharded
+    latents = 2 * e * model.latent_channels / sp
     if attention_kernel == "flash":
         scores = 4 * a / t  # fp32 logsumexp per head
     elif "core_attn" in recomputed:
         scores = 0.0
     else:
         scores = (2 * e + 1) * a * seq_length / t  # softmax out (e), dropout mask (1), dropout out (e)
-    return tokens * (h_wide + tp_sharded + scores) + (moe_ffn_bytes or 0.0)
+    return tokens * (h_wide + tp_sharded + latents + scores) + (moe_ffn_bytes or 0.0)
 
 
 def stage_memory(

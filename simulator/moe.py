@@ -18,7 +18,7 @@ from hwmodels.compute import gemm_time, memory_bound_time
 from hwmodels.network import collective_time, overlapped
 from paraplan.placement import GroupLayout
 from simulator.cost import Cost
-from simulator.workload import activation_time, ffn_norm_residual, mlp_linear_shapes, outside_fp8, tp_collective_pairs
+from simulator.workload import activation_time, ffn_norm_residual, mlp_collectives, mlp_linear_shapes, outside_fp8
 
 
 @dataclass(frozen=True)
@@ -258,7 +258,7 @@ def _shared_experts(ctx, backward: bool) -> tuple[float, float]:
         return 0.0, 0.0
     compute = sum(_gemm(ctx, ctx.tokens, k, w, backward) for k, w in _shared_linears(ctx))
     compute += activation_time(ctx, ctx.tokens, _shared_width(ctx), backward)
-    return compute, sum(tp_collective_pairs(ctx)[2:])
+    return compute, sum(mlp_collectives(ctx))
 
 
 def _shared_forward(ctx) -> Cost:

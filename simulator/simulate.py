@@ -205,7 +205,7 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     """Per-layer forward/backward costs, parameters and activations of a dense layer and, for an
     MoE model, of an MoE layer (whose costs follow the seeded routing draw)."""
     m, p = ctx.model, ctx.plan
-    attn_params = m.attention_params() / p.tp
+    attn_params = m.attention_params(p.tp)
     dense_acts = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, act_bytes=ctx.act_bytes)
     kinds = _Layers(
         fwd={"dense": layer_forward(ctx)}, bwd={"dense": layer_backward(ctx)}, wgrad={"dense": layer_weight_grad(ctx)},

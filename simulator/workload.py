@@ -39,27 +39,38 @@ class LayerContext:
         return 2 if self.dtype == "fp8" else DTYPE_BYTES[self.dtype]
 
 
-def _linear(ctx: LayerContext, k: int, n: int, backward: bool) -> float:
-    """A linear layer y = x W with x (tokens, k), W (k, n). Backward is dgrad (tokens, n)x(n, k)
-    plus wgrad (k, tokens)x(tokens, n), each as many FLOPs as the forward (2x total)."""
-    m = ctx.tokens
+def _linear(ctx: LayerContext, k: int, n: int, backward: bool, tokens: float | None = None) -> float:
+    """A linear layer y = x W with x (tokens, k), W (k, n); `tokens` defaults to the microbatch's
+    (ctx.tokens). Backward is dgrad (tokens, n)x(n, k) plus wgrad (k, tokens)x(tokens, n), each as
+    many FLOPs as the forward (2x total)."""
+    m = ctx.tokens if tokens is None else tokens
     if not backward:
         return gemm_time(ctx.gpu, m, n, k, ctx.dtype)
-    return gemm_time(ctx.gpu, m, k, n, ctx.dtype) + _weight_grad_gemm(ctx, k, n)
+    return gemm_time(ctx.gpu, m, k, n, ctx.dtype) + _weight_grad_gemm(ctx, k, n, m)
 
 
-def _weight_grad_gemm(ctx: LayerContext, k: int, n: int) -> float:
+def _weight_grad_gemm(ctx: LayerContext, k: int, n: int, tokens: float | None = None) -> float:
     """dW = x^T dY of the linear layer x (tokens, k) @ W (k, n): a (k, tokens) x (tokens, n) GEMM."""
-    return gemm_time(ctx.gpu, k, n, ctx.tokens, ctx.dtype)
+    return gemm_time(ctx.gpu, k, n, ctx.tokens if tokens is None else tokens, ctx.dtype)
 
 
-def _linear_shapes(ctx: LayerContext) -> list[tuple[int, int]]:
-    """(k, n) of a dense layer's four linear layers on one TP rank: QKV, attention projection,
-    MLP up (+gate), MLP down."""
-    m, p = ctx.model, ctx.plan
-    h = m.hidden_size
-    return [(h, (m.q_channels + 2 * m.kv_channels) // p.tp), (m.q_channels // p.tp, h),
-            *mlp_linear_shapes(m, m.ffn_hidden_size // p.tp)]
+def _attention_shapes(ctx: LayerContext) -> list[tuple[int, int, float]]:
+    """(k, n, tokens) of the attention projections on one TP rank (model.attention_linears): a
+    column-parallel layer's n and a row-parallel one's k divided by tp; a replicated one (MLA's
+    down-projections) runs whole on the h-wide tokens, tokens/tp under sequence parallelism."""
+    tp = ctx.plan.tp
+    out = []
+    for k, n, mode in ctx.model.attention_linears():
+        if mode == "replicated":
+            out.append((k, n, _h_wide_tokens(ctx)))
+        else:
+            out.append((k // tp, n, ctx.tokens) if mode == "row" else (k, n // tp, ctx.tokens))
+    return out
+
+
+def _mlp_shapes(ctx: LayerContext) -> list[tuple[int, int]]:
+    """(k, n) of the dense MLP's up (+gate) and down projections on one TP rank."""
+    return mlp_linear_shapes(ctx.model, ctx.model.ffn_hidden_size // ctx.plan.tp)
 
 
 def mlp_linear_shapes(model, width: int) -> list[tuple[int, int]]:
@@ -89,7 +100,8 @@ def _attention_step(ctx: LayerContext, backward: bool) -> float:
         heads=m.num_attention_heads // p.tp,
         q_len=step_len,
         kv_len=step_len,
-        head_dim=m.head_dim,
+        # QK^T runs over q_head_dim, AV over v's; their mean gives the FLOPs (equal but for MLA)
+        head_dim=(m.q_head_dim + m.o_channels // m.num_attention_heads) / 2,
         dtype=ctx.dtype,
         causal=True,
         backward=backward,
@@ -111,10 +123,16 @@ def _h_wide_tokens(ctx: LayerContext) -> float:
 def _attention_elementwise(ctx: LayerContext, backward: bool) -> float:
     """Bytes per token after Korthikanti et al. 2022 Sec. 4.1: the input LayerNorm reads and writes
     h; the bias-dropout-add reads 2h and writes h plus a 1-byte mask; Llama-family models apply
-    rotary embeddings to q and k (read + write)."""
+    rotary embeddings to q and k (read + write). MLA also normalises its latents (read + write, on
+    the h-wide tokens) and rotates only the rotary parts: qk_rope_head_dim per query head and one
+    shared key of that width."""
     m, p, b = ctx.model, ctx.plan, ctx.act_bytes
     kernels = [_norm_bytes(ctx), _residual_bytes(ctx)]
-    if m.activation == "swiglu":
+    if m.mla is not None:
+        kernels.append(_h_wide_tokens(ctx) * 2 * m.latent_channels * b)
+        rope = m.mla.qk_rope_head_dim
+        kernels.append(ctx.tokens * 2 * (m.num_attention_heads // p.tp + 1) * rope * b)
+    elif m.activation == "swiglu":
         kernels.append(ctx.tokens * 2 * (m.q_channels + m.kv_channels) // p.tp * b)
     return _memory_bound(ctx, kernels, backward)
 
@@ -146,20 +164,44 @@ def activation_time(ctx: LayerContext, tokens: float, width: int, backward: bool
     return _memory_bound(ctx, [tokens * act], backward)
 
 
-def tp_collective_pairs(ctx: LayerContext) -> list[float]:
-    """Tensor-parallel collectives of one layer in one direction, one per linear layer in the order
-    QKV, attention projection, MLP up, MLP down: with sequence parallelism an all-gather before each
-    column-parallel and a reduce-scatter after each row-parallel GEMM (Korthikanti et al. 2022,
-    Sec. 4.2.2, Fig. 5); without it an all-reduce after each row-parallel GEMM (Shoeybi et al. 2019)."""
+def _tp_collectives(ctx: LayerContext, linears: list[tuple[int, int, str]]) -> list[float]:
+    """Tensor-parallel collectives of a chain of linear layers in one direction, one per layer: with
+    sequence parallelism an all-gather of the input before a column-parallel GEMM and a
+    reduce-scatter after a row-parallel one (Korthikanti et al. 2022, Sec. 4.2.2, Fig. 5); without
+    it an all-reduce after each row-parallel GEMM (Shoeybi et al. 2019). A column-parallel layer
+    fed by a replicated one (MLA's latents) gathers that latent, not h (Megatron-Core
+    MLASelfAttention: the down-projections run on the sequence-parallel shard)."""
     if ctx.plan.tp == 1:
-        return [0.0] * 4
-    nbytes = ctx.tokens * ctx.model.hidden_size * ctx.act_bytes
-    if ctx.plan.sequence_parallel:
-        ag = collective_time(ctx.network, "all_gather", nbytes, ctx.tp_layout)
-        rs = collective_time(ctx.network, "reduce_scatter", nbytes, ctx.tp_layout)
-        return [ag, rs, ag, rs]
-    ar = collective_time(ctx.network, "all_reduce", nbytes, ctx.tp_layout)
-    return [0.0, ar, 0.0, ar]
+        return [0.0] * len(linears)
+    out = []
+    for k, _, mode in linears:
+        width = ctx.model.hidden_size if mode == "row" else k
+        nbytes = ctx.tokens * width * ctx.act_bytes
+        if mode == "replicated":
+            out.append(0.0)
+        elif ctx.plan.sequence_parallel:
+            op = "reduce_scatter" if mode == "row" else "all_gather"
+            out.append(collective_time(ctx.network, op, nbytes, ctx.tp_layout))
+        else:
+            out.append(collective_time(ctx.network, "all_reduce", nbytes, ctx.tp_layout) if mode == "row" else 0.0)
+    return out
+
+
+def attention_collectives(ctx: LayerContext) -> list[float]:
+    """TP collectives of the attention projections (model.attention_linears), one per layer; MLA's
+    key/value latent is gathered with the shared rotary key (kv_lora_rank + qk_rope_head_dim)."""
+    linears = ctx.model.attention_linears()
+    if ctx.model.mla is not None:  # [..., kv down, kv up, output]
+        k, n, mode = linears[-2]
+        linears[-2] = (k + ctx.model.mla.qk_rope_head_dim, n, mode)
+    return _tp_collectives(ctx, linears)
+
+
+def mlp_collectives(ctx: LayerContext) -> list[float]:
+    """TP collectives of an MLP (column-parallel up, row-parallel down): the dense MLP's, and the
+    shared experts' (the same tensor-parallel layout)."""
+    h = ctx.model.hidden_size
+    return _tp_collectives(ctx, [(h, 0, "column"), (h, h, "row")])
 
 
 def _cp_comm(ctx: LayerContext, backward: bool) -> float:
@@ -170,7 +212,7 @@ def _cp_comm(ctx: LayerContext, backward: bool) -> float:
     p, m = ctx.plan, ctx.model
     if p.cp == 1:
         return 0.0
-    kv_bytes = 2 * ctx.tokens * m.kv_channels // p.tp * ctx.act_bytes * (2 if backward else 1)
+    kv_bytes = ctx.tokens * (m.k_channels + m.v_channels) // p.tp * ctx.act_bytes * (2 if backward else 1)
     step_comm = collective_time(ctx.network, "send_recv", kv_bytes, ctx.cp_layout)
     step_compute = _attention_step(ctx, backward)
     return (p.cp - 1) * (overlapped(step_compute, step_comm) - step_compute)
@@ -187,32 +229,34 @@ def _comm_exposed(ctx: LayerContext, comms: list[float], gemms: list[float]) -> 
     return sum(max(c / tp, c - g) + COMM_SM_SHARE * min(c, g) for c, g in zip(comms, gemms))
 
 
-def _hiding_gemms(ctx: LayerContext, shapes: list[tuple[int, int]], gemms: list[float], backward: bool) -> list[float]:
+def _hiding_gemms(ctx: LayerContext, shapes: list[tuple[int, int, float]], gemms: list[float],
+                  backward: bool) -> list[float]:
     """The GEMM time each TP collective can hide behind: the whole linear layer, except in the
     backward of a split-backward (zero-bubble) schedule, where the weight-gradient GEMM runs later
     in its own W pass and only the input-gradient GEMM is there to overlap with."""
     if not (backward and ctx.plan.schedule in SPLIT_BACKWARD_SCHEDULES):
         return gemms
-    return [g - _weight_grad_gemm(ctx, k, n) for g, (k, n) in zip(gemms, shapes)]
+    return [g - _weight_grad_gemm(ctx, k, n, tokens) for g, (k, n, tokens) in zip(gemms, shapes)]
 
 
 def attention_block(ctx: LayerContext, backward: bool) -> Cost:
-    """Input norm, QKV (column-parallel), attention core, output projection (row-parallel) and the
-    residual; with its TP collectives and the context-parallel exchange."""
-    shapes = _linear_shapes(ctx)[:2]
-    gemms = [_linear(ctx, k, n, backward) for k, n in shapes]
+    """Input norm, the attention projections (QKV column-parallel; MLA's replicated
+    down-projections and column-parallel up-projections), attention core, output projection
+    (row-parallel) and the residual; with its TP collectives and the context-parallel exchange."""
+    shapes = _attention_shapes(ctx)
+    gemms = [_linear(ctx, k, n, backward, tokens) for k, n, tokens in shapes]
     compute = sum(gemms) + _attention_core(ctx, backward) + _attention_elementwise(ctx, backward)
-    tp = _comm_exposed(ctx, tp_collective_pairs(ctx)[:2], _hiding_gemms(ctx, shapes, gemms, backward))
+    tp = _comm_exposed(ctx, attention_collectives(ctx), _hiding_gemms(ctx, shapes, gemms, backward))
     return Cost().add("compute", compute).add("tp_comm", tp).add("cp_comm", _cp_comm(ctx, backward))
 
 
 def mlp_block(ctx: LayerContext, backward: bool) -> Cost:
     """The MLP module: up (+gate, column-parallel), activation, down (row-parallel), with their TP
     collectives."""
-    shapes = _linear_shapes(ctx)[2:]
-    gemms = [_linear(ctx, k, n, backward) for k, n in shapes]
+    shapes = [(k, n, ctx.tokens) for k, n in _mlp_shapes(ctx)]
+    gemms = [_linear(ctx, k, n, backward) for k, n, _ in shapes]
     compute = sum(gemms) + activation_time(ctx, ctx.tokens, ctx.model.ffn_hidden_size // ctx.plan.tp, backward)
-    tp = _comm_exposed(ctx, tp_collective_pairs(ctx)[2:], _hiding_gemms(ctx, shapes, gemms, backward))
+    tp = _comm_exposed(ctx, mlp_collectives(ctx), _hiding_gemms(ctx, shapes, gemms, backward))
     return Cost().add("compute", compute).add("tp_comm", tp)
 
 
@@ -283,10 +327,9 @@ def layer_weight_grad(ctx: LayerContext, ffn=dense_ffn_block) -> float:
     """The W pass of one layer under a split-backward (zero-bubble) schedule: the weight-gradient
     GEMMs, which layer_backward also contains (Qi et al. 2024, Sec. 2: B computes the input
     gradient, W the parameter gradient). An MoE FFN brings its own (`weight_grad` of the block)."""
-    shapes = _linear_shapes(ctx)
-    attention = sum(_weight_grad_gemm(ctx, k, n) for k, n in shapes[:2])
+    attention = sum(_weight_grad_gemm(ctx, k, n, tokens) for k, n, tokens in _attention_shapes(ctx))
     if ffn is dense_ffn_block:
-        return attention + sum(_weight_grad_gemm(ctx, k, n) for k, n in shapes[2:])
+        return attention + sum(_weight_grad_gemm(ctx, k, n) for k, n in _mlp_shapes(ctx))
     return attention + ffn.weight_grad
 
 

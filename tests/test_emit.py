@@ -144,6 +144,16 @@ def test_moe_arguments_name_the_dispatcher_and_grouped_gemm():
     assert "--moe-grouped-gemm" in megatron_args(scenario("deepseek-v3-2048xh800"))  # fp8 runs with --bf16
 
 
+def test_latent_attention_arguments():
+    """Megatron-LM's MLA arguments (arguments.py _add_mla_args) carry the model's latent ranks and
+    head widths; a model without MLA gets none of them."""
+    args = megatron_args(scenario("deepseek-v3-2048xh800"))
+    assert "--multi-latent-attention" in args
+    assert [flag_value(args, f) for f in ("--q-lora-rank", "--kv-lora-rank", "--qk-head-dim", "--qk-pos-emb-head-dim",
+                                          "--v-head-dim")] == ["1536", "512", "128", "64", "128"]
+    assert "--multi-latent-attention" not in megatron_args(scenario("mixtral-8x7b-64xh100"))
+
+
 def test_shared_expert_overlap_only_where_megatron_runs_it():
     """transformer_config.py: "moe_shared_expert_overlap only works with alltoall token dispatcher"."""
     on = ["plan.moe_shared_expert_overlap=true"]

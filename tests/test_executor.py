@@ -20,7 +20,7 @@ from executor.config import (  # noqa: E402
 )
 from paraplan.errors import ConfigError  # noqa: E402
 from paraplan.specs import (  # noqa: E402
-    ClusterSpec, ModelSpec, MoESpec, PlanSpec, RunSpec, Scenario, TrainingSpec,
+    ClusterSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RunSpec, Scenario, TrainingSpec,
 )
 
 LOSS_ATOL = 1e-4
@@ -321,6 +321,9 @@ def test_executor_refusals():
     assert "does not recompute layernorm, moe_act" in problems(
         dp=2, model=MOE, recompute="selective", recompute_modules=("layernorm", "moe_act", "moe"))
     assert problems(dp=2, model=MOE, recompute="selective", recompute_modules=("core_attn", "mlp", "shared_experts")) == ""
+    mla = dataclasses.replace(DENSE, mla=MLASpec(q_lora_rank=None, kv_lora_rank=16, qk_head_dim=DENSE.head_dim,
+                                                 qk_rope_head_dim=8, v_head_dim=DENSE.head_dim))
+    assert "model.mla: the executor implements multi-head and grouped-query attention" in problems(dp=2, model=mla)
 
 
 def test_zero3_under_zero_bubble_is_said():

@@ -161,9 +161,7 @@ PUBLISHED_PARAMS = {
     "llama2-7b": 6.74e9, "llama2-70b": 68.98e9, "mpt-7b": 6.7e9, "mpt-30b": 29.96e9,
     "mixtral-8x7b": 46.7e9, "mixtral-8x22b": 140.6e9, "qwen3-235b-a22b": 235e9, "deepseek-v3": 671e9,
 }
-# DeepSeek-V3's multi-head latent attention is modelled as plain MHA (see the preset's comment),
-# which overcounts its attention weights by ~0.28B per layer: 3% over the published 671B.
-TOLERANCE = {"deepseek-v3": 0.03}
+TOLERANCE: dict[str, float] = {}
 
 
 @pytest.mark.parametrize("preset", sorted(PUBLISHED_PARAMS))
@@ -662,3 +660,53 @@ def test_overriding_a_degree_rederives_dp():
     assert load_scenario(path, ["cluster={gpu: h100-sxm-80gb, num_nodes: 32, gpus_per_node: 8}"]).plan.dp == 8
     with pytest.raises(ConfigError, match=r"tp\*pp\*cp\*dp = 4\*4\*1\*32 = 512"):
         load_scenario(path, ["plan.tp=4", "plan.pp=4", "plan.dp=32"])
+
+
+# Multi-head latent attention
+
+
+def test_deepseek_v3_preset_has_the_published_total_and_active_parameters():
+    """671B total, 37B activated per token (DeepSeek-V3 technical report, arXiv 2412.19437, Sec. 1);
+    per layer the MLA projections are 7168x1536 + 1536x(128x192) + 7168x576 + 512x(128x256) +
+    (128x128)x7168 (config.json: q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128)."""
+    m = load_scenario({**tiny(), "model": "deepseek-v3"}).model
+    by_hand = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert m.attention_params() == by_hand + 4 * 7168 + 1536 + 512
+    inactive = sum((m.moe.num_experts - m.moe.top_k) * m.expert_params()
+                   for i in range(m.num_layers) if m.is_moe_layer(i))
+    assert m.total_params() == pytest.approx(671e9, rel=0.002)
+    assert m.total_params() - inactive == pytest.approx(37e9, rel=0.02)  # embedding and head included
+
+
+def test_mla_params_per_tensor_parallel_rank_keep_the_down_projections_whole():
+    m = load_scenario({**tiny(), "model": "deepseek-v3"}).model
+    down = 7168 * 1536 + 7168 * 576
+    split = 1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168 + 4 * 7168 + 1536 + 512
+    assert m.attention_params(8) == pytest.approx(down + split / 8)
+
+
+def test_hf_deepseek_config_loads_its_latent_attention(tmp_path):
+    cfg = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+           "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+           "qk_rope_head_dim": 64, "v_head_dim": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+           "vocab_size": 129280, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
+           "first_k_dense_replace": 3, "moe_layer_freq": 1, "tie_word_embeddings": False}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf = load_scenario({**tiny(), "model": {"hf_config": str(tmp_path)}}).model
+    preset = load_scenario({**tiny(), "model": "deepseek-v3"}).model
+    assert hf.mla == preset.mla and hf.head_dim == 128 and hf.num_kv_heads == 128
+    assert hf.total_params() == preset.total_params()
+
+
+@pytest.mark.parametrize("extra, key, words", [
+    ({"num_kv_heads": 8}, "model.num_kv_heads", "every head has its own keys and values"),
+    ({"head_dim": 192}, "model.head_dim", "v_head_dim (128)"),
+    ({"preset": "llama3-8b", "num_kv_heads": 32,
+      "mla": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_head_dim": 128, "qk_rope_head_dim": 64}},
+     "model.mla.v_head_dim", "required"),
+    ({"mla": {"q_lora_rank": 1536, "kv_lora_rank": 512, "qk_head_dim": 128, "qk_rope_head_dim": 64,
+              "v_head_dim": 128, "rope_dim": 64}}, "model.mla.rope_dim", "unknown"),
+])
+def test_mla_bad_input_names_the_key(extra, key, words):
+    err = error_of({**tiny(), "model": {"preset": "deepseek-v3", **extra}})  # extra may name another preset
+    assert err.path == key and words in str(err)

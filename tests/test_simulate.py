@@ -361,3 +361,62 @@ def test_an_overlapped_param_gather_costs_its_sm_share():
 
     assert gather("true") == pytest.approx(COMM_SM_SHARE * gather("false"))
 
+
+
+def _mla_context(tp: int, sp: bool, cp: int = 1):
+    from hwmodels.network import build_network
+    from hwmodels.profile import load_profile
+    from paraplan.placement import group_layout
+    from simulator.workload import LayerContext
+
+    sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml")
+    p = replace(sc.plan, tp=tp, sequence_parallel=sp, cp=cp)
+    gpu = load_profile(sc.cluster.gpu)
+    return LayerContext(model=sc.model, plan=p, gpu=gpu, network=build_network(sc.cluster, gpu),
+                        seq_length=sc.training.seq_length, dtype="bf16", attention_kernel="flash",
+                        tp_layout=group_layout(("tp",), p, 8), cp_layout=group_layout(("cp",), p, 8))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+def test_mla_projections_and_tp_collectives_by_hand(sp):
+    """DeepSeek-V3's MLA under tp 8 (Megatron-Core MLASelfAttention): the down-projections run whole
+    on every rank, on tokens/8 under SP; the up-projections and the output projection are split.
+    With SP the query latent (1536) and the key/value latent with the rotary key (512 + 64) are
+    all-gathered before the up-projections and h reduce-scattered after the output projection;
+    without SP only the output projection's all-reduce remains."""
+    from hwmodels.network import collective_time
+    from simulator.workload import _attention_shapes, attention_collectives
+
+    ctx = _mla_context(8, sp)
+    n = ctx.tokens
+    h_wide = n / 8 if sp else n
+    assert _attention_shapes(ctx) == [(7168, 1536, h_wide), (1536, 128 * 192 // 8, n), (7168, 576, h_wide),
+                                      (512, 128 * 256 // 8, n), (128 * 128 // 8, 7168, n)]
+
+    def coll(op, width):
+        return collective_time(ctx.network, op, n * width * 2, ctx.tp_layout)
+
+    want = ([0.0, coll("all_gather", 1536), 0.0, coll("all_gather", 576), coll("reduce_scatter", 7168)] if sp
+            else [0.0, 0.0, 0.0, 0.0, coll("all_reduce", 7168)])
+    assert attention_collectives(ctx) == pytest.approx(want, rel=1e-12)
+
+
+def test_mla_model_flops_and_context_parallel_exchange_by_hand():
+    """Model FLOPs per token of a dense DeepSeek-V3 layer: 2 x its five projections + the MLP, and
+    attention 2*s*(128 x 192) for QK^T plus 2*s*(128 x 128) for AV; the CP ring sends the
+    up-projected keys (128 x 192) and values (128 x 128) of this rank's heads."""
+    from hwmodels.network import collective_time, overlapped
+    from simulator.flops import forward_flops_per_token, layer_gemm_flops_per_token
+    from simulator.workload import _attention_step, _cp_comm
+
+    m = _mla_context(1, False).model
+    proj = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
+    assert layer_gemm_flops_per_token(m, 0) == 2 * proj + 2 * 3 * 7168 * 18432
+    s = 4096
+    assert forward_flops_per_token(m, s)[1] == 61 * (2 * s * 128 * 192 + 2 * s * 128 * 128)
+
+    ctx = _mla_context(2, True, cp=2)
+    kv = ctx.tokens * (128 * 192 + 128 * 128) // 2 * 2
+    step = collective_time(ctx.network, "send_recv", kv, ctx.cp_layout)
+    compute = _attention_step(ctx, False)
+    assert _cp_comm(ctx, False) == pytest.approx(overlapped(compute, step) - compute, rel=1e-12)
