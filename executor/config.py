@@ -146,6 +146,8 @@ def executor_problems(sc: Scenario) -> list[str]:
     if m.mla is not None:
         out.append("model.mla: the executor implements multi-head and grouped-query attention, not multi-head "
                    "latent attention")
+    if m.mtp_layers:
+        out.append("model.mtp_layers: the executor has no multi-token prediction modules; set 0")
     info = SCHEDULES.get(p.schedule)
     if info is None:
         out.append(f"plan.schedule: {p.schedule!r} is not one of {', '.join(SCHEDULES)}")

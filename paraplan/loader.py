@@ -205,6 +205,7 @@ MODEL = _schema(
     tied_embeddings=Key(_boolean),
     moe=Key(_anything),
     mla=Key(_anything),
+    mtp_layers=Key(_integer(minimum=0)),
 )
 MLA = _schema(
     q_lora_rank=Key(_optional(POSITIVE), required=True),
@@ -454,6 +455,7 @@ def _hf_deepseek_v3(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     return {
         "num_layers": need("num_hidden_layers"), "hidden_size": need("hidden_size"),
         "num_attention_heads": heads,
+        "mtp_layers": cfg.get("num_nextn_predict_layers") or 0,
         "mla": {"q_lora_rank": cfg.get("q_lora_rank"), "kv_lora_rank": need("kv_lora_rank"),
                 "qk_head_dim": need("qk_nope_head_dim"), "qk_rope_head_dim": need("qk_rope_head_dim"),
                 "v_head_dim": need("v_head_dim")},

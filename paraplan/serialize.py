@@ -85,6 +85,8 @@ def model_to_mapping(m: ModelSpec) -> dict[str, Any]:
         out["moe"] = moe_to_mapping(m.moe)
     if m.mla is not None:
         out["mla"] = dataclasses.asdict(m.mla)
+    if m.mtp_layers:
+        out["mtp_layers"] = m.mtp_layers
     return out
 
 

@@ -102,6 +102,11 @@ class ModelSpec:
     mla: MLASpec | None = None
     """Multi-head latent attention instead of multi-head/grouped-query attention (head_dim is then
     its v_head_dim)."""
+    mtp_layers: int = 0
+    """Multi-token prediction modules (DeepSeek-V3, arXiv 2412.19437, Sec. 2.2; Megatron-Core
+    --mtp-num-layers): each embeds the next token, normalises it and the previous hidden state,
+    projects their concatenation 2h -> h, runs one more layer of the model's last kind and the
+    shared LM head; they run on the last pipeline stage."""
 
     @property
     def q_head_dim(self) -> int:
@@ -179,6 +184,12 @@ class ModelSpec:
                     + (e.num_experts + e.num_shared_experts) * self.expert_params())
         return self.attention_params() + self.ffn_matrices * self.hidden_size * self.ffn_hidden_size
 
+    def mtp_module_params(self) -> int:
+        """One multi-token prediction module: a layer like the model's last, the 2h -> h projection
+        and three norms (embedding, hidden, final); its embedding and LM head are the model's."""
+        h = self.hidden_size
+        return self.layer_params(self.num_layers - 1) + 2 * h * h + 3 * h
+
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(index)
 
@@ -188,7 +199,8 @@ class ModelSpec:
     def total_params(self) -> int:
         head = 0 if self.tied_embeddings else self.embedding_params()
         layers = sum(self.layer_params(i) for i in range(self.num_layers))
-        return layers + self.embedding_params() + head + 2 * self.hidden_size
+        mtp = self.mtp_layers * self.mtp_module_params()
+        return layers + mtp + self.embedding_params() + head + 2 * self.hidden_size
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -196,6 +196,8 @@ def _megatron_model(sc: Scenario) -> list[str]:
               "--v-head-dim", str(m.mla.v_head_dim)]
         if m.mla.q_lora_rank:
             a += ["--q-lora-rank", str(m.mla.q_lora_rank)]
+    if m.mtp_layers:
+        a += ["--mtp-num-layers", str(m.mtp_layers)]
     if m.activation == "swiglu":
         a.append("--swiglu")
     if not m.tied_embeddings:

@@ -7,7 +7,8 @@ from __future__ import annotations
 MODEL_FLOPS_FORMULA = (
     "model FLOPs = 3 x forward GEMM FLOPs per token x tokens: per layer 2*(h*(q+2kv) + q*h + m*h*f) "
     "(MLA: its down- and up-projections) + attention 4*s*q (QK^T and AV, causal mask not halved; "
-    "MLA: 2*s*(q+o)), plus the LM head 2*h*V; "
+    "MLA: 2*s*(q+o)), plus the LM head 2*h*V; each multi-token prediction module adds a layer, "
+    "its 2h x h projection and the head again; "
     "= 72*B*s*L*h^2*(1 + s/6h + V/12hL) for GPT (Korthikanti et al. 2022, Appendix A), "
     "generalised to GQA/SwiGLU; recompute not counted (that is HFU). MoE layers count the router "
     "and only the active experts (top_k routed + shared), not all experts"
@@ -35,10 +36,13 @@ def _ffn_flops_per_token(model, index: int, *, shared_only: bool = False) -> flo
 
 def forward_flops_per_token(model, seq_length: int) -> tuple[float, float, float]:
     """(GEMMs of all layers, attention score/value products of all layers, LM head) per token."""
+    h, mtp = model.hidden_size, model.mtp_layers
     gemm = sum(layer_gemm_flops_per_token(model, i) for i in range(model.num_layers))
+    # a multi-token prediction module: its 2h -> h projection, a layer like the last, the LM head
+    gemm += mtp * (2 * 2 * h * h + layer_gemm_flops_per_token(model, model.num_layers - 1))
     # QK^T over q_channels and AV over o_channels: 4*s*q when they are equal (MLA: 192 vs 128 per head)
-    attention = model.num_layers * 2 * seq_length * (model.q_channels + model.o_channels)
-    head = 2 * model.hidden_size * model.vocab_size
+    attention = (model.num_layers + mtp) * 2 * seq_length * (model.q_channels + model.o_channels)
+    head = (1 + mtp) * 2 * h * model.vocab_size
     return gemm, attention, head
 
 

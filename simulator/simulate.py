@@ -24,6 +24,7 @@ from simulator.result import BREAKDOWN_KEYS, MoEReport, SimResult, StageResult
 from simulator.schedules import SPLIT_BACKWARD_SCHEDULES, build_schedule, peak_in_flight
 from simulator.workload import (
     LayerContext, embedding_cost, head_cost, head_weight_grad, layer_backward, layer_forward, layer_weight_grad,
+    mtp_projection, mtp_weight_grad,
 )
 
 # Megatron DDP bucket size: max(40M, 1M x dp) parameters, dp the gradient-reduction group (dp x cp)
@@ -99,6 +100,9 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
 
     # a tied LM head on the embedding's stage (pp 1) uses the embedding's weights: no copy of its own
     own_head = not (m.tied_embeddings and p.pp == 1)
+    # multi-token prediction embeds tokens on the last stage: an untied pipelined model keeps a copy
+    # of the input embedding there (Megatron-Core GPTModel builds it on the MTP stage)
+    mtp_embedding = m.mtp_layers > 0 and p.pp > 1 and not m.tied_embeddings
     works, mems = [], []
     # global index of the first layer of each virtual stage g = chunk x pp + stage
     first_layer = [0, *accumulate(layers_per_virtual_stage(m.num_layers, p.pp, vpp, p.first_stage_layers,
@@ -113,7 +117,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
             stage_kinds.update(kinds_in_chunk)
             chunk = _chunk_work(ctx, kinds, kinds_in_chunk, per_unit, first=s == 0 and c == 0,
                                 last=s == p.pp - 1 and c == len(layers[s]) - 1, emb_params=emb_params,
-                                own_head=own_head)
+                                own_head=own_head, mtp_embedding=mtp_embedding)
             f, b, w, c_dense, c_expert, acts = chunk
             op_cost[("F", c)], op_cost[("B", c)] = f, b
             if split_backward:
@@ -148,7 +152,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
             plan=p, precision=tr.precision, dense_params=dense_params, expert_params=expert_params,
             max_layer_params=gathered, activations=peak_in_flight(schedule[s], chunk_acts), working_set=working,
             prefetched_params=gathered_layer,
-            embedding_params=emb_params * ((s == 0) + (s == p.pp - 1 and own_head)),
+            embedding_params=emb_params * ((s == 0) + (s == p.pp - 1) * (own_head + mtp_embedding)),
         ))
 
     p2p_bytes = ctx.tokens * m.hidden_size * ctx.act_bytes / p.tp  # scatter-gather (SC'21 Sec. 4.1)
@@ -232,11 +236,13 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
 
 
 def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, *, first: bool, last: bool,
-                emb_params: float, own_head: bool) -> tuple[Cost, Cost, float, float, float, float]:
+                emb_params: float, own_head: bool, mtp_embedding: bool = False,
+                ) -> tuple[Cost, Cost, float, float, float, float]:
     """(forward cost, backward cost, seconds of the backward that are weight-gradient GEMMs,
     params sharded over dp x cp, expert params, activation bytes per microbatch) of one model
-    chunk: its layers, plus the embedding on the first chunk of the pipeline and the LM head on
-    the last."""
+    chunk: its layers, plus the embedding on the first chunk of the pipeline and the LM head and
+    the multi-token prediction modules on the last (`mtp_embedding`: the last stage holds its own
+    copy of the input embedding for them)."""
     dense = expert = acts = wgrad = 0.0
     for kind in dict.fromkeys(kinds_in_chunk):  # the kinds present, in a fixed order
         n = kinds_in_chunk.count(kind)
@@ -258,6 +264,28 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
         wgrad += head_weight_grad(ctx)
         if own_head:
             dense += emb_params
+        if mtp_embedding:
+            dense += emb_params
+        m, p = ctx.model, ctx.plan
+        kind = "moe" if m.is_moe_layer(m.num_layers - 1) else "dense"
+        for _ in range(m.mtp_layers):
+            # embed the next tokens, project [norm(embedding), norm(hidden)] to h, one more layer,
+            # the shared head (Megatron-Core MultiTokenPredictionBlock, after the decoder)
+            f, b = Cost(), Cost()
+            for backward, cost in ((False, f), (True, b)):
+                cost += embedding_cost(ctx, backward)
+                cost += mtp_projection(ctx, backward)
+                cost += (kinds.bwd if backward else kinds.fwd)[kind]
+                cost += head_cost(ctx, backward)
+            pieces.append((f, b, per_unit.get(kind, no_comm)))
+            wgrad += kinds.wgrad[kind] + mtp_weight_grad(ctx) + head_weight_grad(ctx)
+            dense += kinds.params[kind][0] + (m.mtp_module_params() - m.layer_params(m.num_layers - 1)) / p.tp
+            expert += kinds.params[kind][1]
+            # its layer's activations, the saved 2h projection input (SP-sharded) and, like the
+            # head's working set, one microbatch of logits kept for the cross-entropy backward
+            sp = p.tp if p.sequence_parallel else 1
+            acts += kinds.acts[kind] + ctx.tokens * (2 * m.hidden_size * ctx.act_bytes / sp
+                                                      + m.vocab_size / p.tp * (ctx.act_bytes + 4))
     f = _zero3_chain([(fwd, gather) for fwd, _, (gather, _) in pieces])
     b = _zero3_chain([(bwd, gather + scatter) for _, bwd, (gather, scatter) in reversed(pieces)])
     return f, b, wgrad, dense, expert, acts
@@ -307,11 +335,11 @@ def _zero3_chain(pieces: list[tuple[Cost, float]]) -> Cost:
 def _sync_time(sc: Scenario, net, emb_params: float, gpn: int) -> float:
     """End-of-iteration syncs every rank waits for: the gradient-norm all-reduce over the
     model-parallel group (Megatron clip_grad_norm_fp32, a few bytes) and, when the embedding is
-    tied and pipelined, the all-reduce of its gradient between the first and last stage
-    (Megatron _allreduce_word_embedding_grads)."""
+    tied (or multi-token prediction embeds tokens on the last stage) and pipelined, the all-reduce
+    of its gradient between the first and last stage (Megatron _allreduce_word_embedding_grads)."""
     p = sc.plan
     t = collective_time(net, "all_reduce", 4, group_layout(("tp", "pp"), p, gpn))
-    if sc.model.tied_embeddings and p.pp > 1:
+    if (sc.model.tied_embeddings or sc.model.mtp_layers) and p.pp > 1:
         pair = pp_neighbour_layout(p, gpn)
         layout = GroupLayout(size=2, ranks_per_node=pair.ranks_per_node, num_nodes=pair.num_nodes)
         t += collective_time(net, "all_reduce", emb_params * 4, layout)

@@ -358,6 +358,28 @@ def embedding_cost(ctx: LayerContext, backward: bool) -> Cost:
     return cost
 
 
+def mtp_projection(ctx: LayerContext, backward: bool) -> Cost:
+    """What a multi-token prediction module runs around its layer (Megatron-Core
+    MultiTokenPredictionLayer): the norms of the next token's embedding and of the hidden state, and
+    the column-parallel 2h -> h projection of their concatenation, whose input is all-gathered under
+    sequence parallelism and whose output is gathered back to h for the layer. Its embedding lookup
+    and LM head are the model's (embedding_cost, head_cost)."""
+    h = ctx.model.hidden_size
+    gemm = _linear(ctx, 2 * h, h // ctx.plan.tp, backward)
+    norms = _memory_bound(ctx, [2 * _norm_bytes(ctx)], backward)
+    tp = _tp_collectives(ctx, [(2 * h, h, "column")])[0]
+    if ctx.plan.tp > 1:
+        tp += collective_time(ctx.network, "all_gather", ctx.tokens * h * ctx.act_bytes, ctx.tp_layout)
+    return Cost().add("compute", gemm + norms).add("tp_comm", tp)
+
+
+def mtp_weight_grad(ctx: LayerContext) -> float:
+    """The W pass of a multi-token prediction module's projection (its layer's and the head's are
+    layer_weight_grad and head_weight_grad)."""
+    h = ctx.model.hidden_size
+    return _weight_grad_gemm(ctx, 2 * h, h // ctx.plan.tp)
+
+
 def head_cost(ctx: LayerContext, backward: bool) -> Cost:
     """Final norm (on the tokens/tp shard under sequence parallelism: it runs before the gather),
     LM head (column-parallel over the vocabulary) and vocab-parallel cross-entropy (Megatron

@@ -302,3 +302,8 @@ def test_fp8_plans_convert_the_linears_and_moe_models_are_not_llama3():
     dense = tomllib.loads(torchtitan_toml(scenario("llama3-70b-512xh100")))
     assert dense["model"]["name"] == "llama3" and "converters" not in dense["model"]
     assert "keys follow torchtitan 0.2" in torchtitan_toml(scenario("llama3-70b-512xh100"))
+
+
+def test_multi_token_prediction_argument():
+    assert flag_value(megatron_args(scenario("deepseek-v3-2048xh800")), "--mtp-num-layers") == "1"
+    assert "--mtp-num-layers" not in megatron_args(scenario("deepseek-v3-2048xh800", "model.mtp_layers=0"))

@@ -324,6 +324,8 @@ def test_executor_refusals():
     mla = dataclasses.replace(DENSE, mla=MLASpec(q_lora_rank=None, kv_lora_rank=16, qk_head_dim=DENSE.head_dim,
                                                  qk_rope_head_dim=8, v_head_dim=DENSE.head_dim))
     assert "model.mla: the executor implements multi-head and grouped-query attention" in problems(dp=2, model=mla)
+    assert "model.mtp_layers: the executor has no multi-token prediction" in problems(
+        dp=2, model=dataclasses.replace(DENSE, mtp_layers=1))
 
 
 def test_zero3_under_zero_bubble_is_said():

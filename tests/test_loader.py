@@ -159,7 +159,10 @@ def test_tiny_scenario_derives_dp():
 PUBLISHED_PARAMS = {
     "gpt3-175b": 175.0e9, "llama3-8b": 8.03e9, "llama3-70b": 70.6e9, "llama3-405b": 405.9e9,
     "llama2-7b": 6.74e9, "llama2-70b": 68.98e9, "mpt-7b": 6.7e9, "mpt-30b": 29.96e9,
-    "mixtral-8x7b": 46.7e9, "mixtral-8x22b": 140.6e9, "qwen3-235b-a22b": 235e9, "deepseek-v3": 671e9,
+    "mixtral-8x7b": 46.7e9, "mixtral-8x22b": 140.6e9, "qwen3-235b-a22b": 235e9,
+    # 685B on the model card: 671B main model + its multi-token prediction module, counted there with
+    # its own copies of the embedding and the head (2 x 0.93B), which paraplan's shares
+    "deepseek-v3": 685e9 - 2 * 129280 * 7168,
 }
 TOLERANCE: dict[str, float] = {}
 
@@ -674,8 +677,10 @@ def test_deepseek_v3_preset_has_the_published_total_and_active_parameters():
     assert m.attention_params() == by_hand + 4 * 7168 + 1536 + 512
     inactive = sum((m.moe.num_experts - m.moe.top_k) * m.expert_params()
                    for i in range(m.num_layers) if m.is_moe_layer(i))
-    assert m.total_params() == pytest.approx(671e9, rel=0.002)
-    assert m.total_params() - inactive == pytest.approx(37e9, rel=0.02)  # embedding and head included
+    main = m.total_params() - m.mtp_module_params()
+    assert main == pytest.approx(671e9, rel=0.002)
+    assert main - inactive == pytest.approx(37e9, rel=0.02)  # embedding and head included
+    assert m.mtp_layers == 1 and m.mtp_module_params() == m.layer_params(60) + 2 * 7168 ** 2 + 3 * 7168
 
 
 def test_mla_params_per_tensor_parallel_rank_keep_the_down_projections_whole():
@@ -690,11 +695,12 @@ def test_hf_deepseek_config_loads_its_latent_attention(tmp_path):
            "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
            "qk_rope_head_dim": 64, "v_head_dim": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
            "vocab_size": 129280, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
-           "first_k_dense_replace": 3, "moe_layer_freq": 1, "tie_word_embeddings": False}
+           "first_k_dense_replace": 3, "moe_layer_freq": 1, "tie_word_embeddings": False,
+           "num_nextn_predict_layers": 1}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     hf = load_scenario({**tiny(), "model": {"hf_config": str(tmp_path)}}).model
     preset = load_scenario({**tiny(), "model": "deepseek-v3"}).model
-    assert hf.mla == preset.mla and hf.head_dim == 128 and hf.num_kv_heads == 128
+    assert hf.mla == preset.mla and hf.head_dim == 128 and hf.num_kv_heads == 128 and hf.mtp_layers == 1
     assert hf.total_params() == preset.total_params()
 
 
@@ -710,3 +716,8 @@ def test_hf_deepseek_config_loads_its_latent_attention(tmp_path):
 def test_mla_bad_input_names_the_key(extra, key, words):
     err = error_of({**tiny(), "model": {"preset": "deepseek-v3", **extra}})  # extra may name another preset
     assert err.path == key and words in str(err)
+
+
+def test_negative_mtp_layers_is_rejected():
+    err = error_of({**tiny(), "model": {"preset": "deepseek-v3", "mtp_layers": -1}})
+    assert err.path == "model.mtp_layers"

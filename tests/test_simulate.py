@@ -413,10 +413,38 @@ def test_mla_model_flops_and_context_parallel_exchange_by_hand():
     proj = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
     assert layer_gemm_flops_per_token(m, 0) == 2 * proj + 2 * 3 * 7168 * 18432
     s = 4096
-    assert forward_flops_per_token(m, s)[1] == 61 * (2 * s * 128 * 192 + 2 * s * 128 * 128)
+    # 61 layers and the multi-token prediction module's one
+    assert forward_flops_per_token(m, s)[1] == (61 + 1) * (2 * s * 128 * 192 + 2 * s * 128 * 128)
 
     ctx = _mla_context(2, True, cp=2)
     kv = ctx.tokens * (128 * 192 + 128 * 128) // 2 * 2
     step = collective_time(ctx.network, "send_recv", kv, ctx.cp_layout)
     compute = _attention_step(ctx, False)
     assert _cp_comm(ctx, False) == pytest.approx(overlapped(compute, step) - compute, rel=1e-12)
+
+
+def test_multi_token_prediction_on_the_last_stage_by_hand():
+    """DeepSeek-V3 (tp 1, ep 64, ZeRO-1, untied; bf16 here, fp8 would add its weight caches): its MTP
+    module puts on the last stage one more MoE layer, the 2h -> h projection and three norms, and a
+    copy of the input embedding; model FLOPs gain a layer, the projection and the head per token
+    (3x for forward + backward)."""
+    from simulator.flops import layer_gemm_flops_per_token, model_flops
+
+    path = ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml"
+    with_mtp = load_scenario(path, ["training.precision=bf16"])
+    without = load_scenario(path, ["training.precision=bf16", "model.mtp_layers=0"])
+    m, p = with_mtp.model, with_mtp.plan
+    assert (m.mtp_layers, p.tp, p.expert_tp, p.zero_stage, m.tied_embeddings) == (1, 1, 1, 1, False)
+    h, e = m.hidden_size, m.moe
+    layer = m.attention_params() + h * e.num_experts + e.num_shared_experts * m.expert_params()
+    local_experts = e.num_experts // p.ep * m.expert_params()
+    extra = layer + 2 * h * h + 3 * h + local_experts + m.embedding_params()
+    a, b = simulate(with_mtp), simulate(without)
+    assert a.stages[-1].memory["weights"] - b.stages[-1].memory["weights"] == pytest.approx(2 * extra, rel=1e-12)
+    assert a.stages[0].memory["weights"] == b.stages[0].memory["weights"]
+    assert a.step_time_s > b.step_time_s
+
+    s, tokens = with_mtp.training.seq_length, 1000
+    per_token = 2 * 2 * h * h + layer_gemm_flops_per_token(m, 60) + 2 * s * (m.q_channels + m.o_channels) \
+        + 2 * h * m.vocab_size
+    assert model_flops(m, s, tokens) - model_flops(without.model, s, tokens) == pytest.approx(3 * tokens * per_token)
