@@ -159,7 +159,8 @@ def working_set_bytes(model, plan, seq_length: int, attention_kernel: str, is_la
     """Transient buffers on top of the stored activations: under full recompute the layer being
     recomputed holds its full activations during its backward (under selective mlp recompute, its
     MLP intermediates); the last stage holds one
-    microbatch of logits (the GEMM output at `act_bytes` + an fp32 copy for the cross-entropy)."""
+    microbatch of logits (the GEMM output at `act_bytes` + an fp32 copy for the cross-entropy), and
+    as many again per multi-token prediction module (their losses are computed in the same forward)."""
     out = 0.0
     if plan.recompute == "full":
         out += activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel,
@@ -170,5 +171,5 @@ def working_set_bytes(model, plan, seq_length: int, attention_kernel: str, is_la
         out += tokens * act_bytes * model.ffn_matrices * model.ffn_hidden_size / plan.tp
     if is_last_stage:
         tokens = plan.micro_batch_size * seq_length // plan.cp
-        out += tokens * (model.vocab_size / plan.tp) * (act_bytes + 4)
+        out += (1 + model.mtp_layers) * tokens * (model.vocab_size / plan.tp) * (act_bytes + 4)
     return out

@@ -281,11 +281,10 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
             wgrad += kinds.wgrad[kind] + mtp_weight_grad(ctx) + head_weight_grad(ctx)
             dense += kinds.params[kind][0] + (m.mtp_module_params() - m.layer_params(m.num_layers - 1)) / p.tp
             expert += kinds.params[kind][1]
-            # its layer's activations, the saved 2h projection input (SP-sharded) and, like the
-            # head's working set, one microbatch of logits kept for the cross-entropy backward
+            # its layer's activations and the saved 2h projection input (SP-sharded); its logits are
+            # working set, like the head's (memory.working_set_bytes)
             sp = p.tp if p.sequence_parallel else 1
-            acts += kinds.acts[kind] + ctx.tokens * (2 * m.hidden_size * ctx.act_bytes / sp
-                                                      + m.vocab_size / p.tp * (ctx.act_bytes + 4))
+            acts += kinds.acts[kind] + ctx.tokens * 2 * m.hidden_size * ctx.act_bytes / sp
     f = _zero3_chain([(fwd, gather) for fwd, _, (gather, _) in pieces])
     b = _zero3_chain([(bwd, gather + scatter) for _, bwd, (gather, scatter) in reversed(pieces)])
     return f, b, wgrad, dense, expert, acts
