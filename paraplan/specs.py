@@ -184,11 +184,15 @@ class ModelSpec:
                     + (e.num_experts + e.num_shared_experts) * self.expert_params())
         return self.attention_params() + self.ffn_matrices * self.hidden_size * self.ffn_hidden_size
 
-    def mtp_module_params(self) -> int:
-        """One multi-token prediction module: a layer like the model's last, the 2h -> h projection
-        and three norms (embedding, hidden, final); its embedding and LM head are the model's."""
+    def mtp_projection_params(self) -> int:
+        """What a multi-token prediction module adds around its layer: the 2h -> h projection and
+        three norms (embedding, hidden, final); its embedding and LM head are the model's."""
         h = self.hidden_size
-        return self.layer_params(self.num_layers - 1) + 2 * h * h + 3 * h
+        return 2 * h * h + 3 * h
+
+    def mtp_module_params(self) -> int:
+        """One multi-token prediction module: a layer like the model's last, and its projection."""
+        return self.layer_params(self.num_layers - 1) + self.mtp_projection_params()
 
     def is_moe_layer(self, index: int) -> bool:
         return self.moe is not None and self.moe.is_moe_layer(index)

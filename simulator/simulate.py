@@ -259,32 +259,33 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
         dense += emb_params
     if last:
         # a head without its own weights (own_head false) uses those gathered with the embedding
-        pieces.append((head_cost(ctx, backward=False), head_cost(ctx, backward=True),
-                       per_unit.get("embedding", no_comm) if own_head else no_comm))
+        head = {backward: head_cost(ctx, backward) for backward in (False, True)}
+        pieces.append((head[False], head[True], per_unit.get("embedding", no_comm) if own_head else no_comm))
         wgrad += head_weight_grad(ctx)
         if own_head:
             dense += emb_params
         if mtp_embedding:
             dense += emb_params
         m, p = ctx.model, ctx.plan
-        kind = "moe" if m.is_moe_layer(m.num_layers - 1) else "dense"
-        for _ in range(m.mtp_layers):
-            # embed the next tokens, project [norm(embedding), norm(hidden)] to h, one more layer,
-            # the shared head (Megatron-Core MultiTokenPredictionBlock, after the decoder)
-            f, b = Cost(), Cost()
-            for backward, cost in ((False, f), (True, b)):
-                cost += embedding_cost(ctx, backward)
-                cost += mtp_projection(ctx, backward)
-                cost += (kinds.bwd if backward else kinds.fwd)[kind]
-                cost += head_cost(ctx, backward)
-            pieces.append((f, b, per_unit.get(kind, no_comm)))
-            wgrad += kinds.wgrad[kind] + mtp_weight_grad(ctx) + head_weight_grad(ctx)
-            dense += kinds.params[kind][0] + (m.mtp_module_params() - m.layer_params(m.num_layers - 1)) / p.tp
-            expert += kinds.params[kind][1]
+        if m.mtp_layers:
+            # each module (all alike): embed the next tokens, project [norm(embedding), norm(hidden)]
+            # to h, one more layer like the last, the shared head (Megatron-Core
+            # MultiTokenPredictionBlock, after the decoder)
+            kind = "moe" if m.is_moe_layer(m.num_layers - 1) else "dense"
+            module = {}
+            for backward in (False, True):
+                module[backward] = embedding_cost(ctx, backward)
+                module[backward] += mtp_projection(ctx, backward)
+                module[backward] += (kinds.bwd if backward else kinds.fwd)[kind]
+                module[backward] += head[backward]
+            pieces += [(module[False], module[True], per_unit.get(kind, no_comm))] * m.mtp_layers
+            wgrad += m.mtp_layers * (kinds.wgrad[kind] + mtp_weight_grad(ctx) + head_weight_grad(ctx))
+            dense += m.mtp_layers * (kinds.params[kind][0] + m.mtp_projection_params() / p.tp)
+            expert += m.mtp_layers * kinds.params[kind][1]
             # its layer's activations and the saved 2h projection input (SP-sharded); its logits are
             # working set, like the head's (memory.working_set_bytes)
             sp = p.tp if p.sequence_parallel else 1
-            acts += kinds.acts[kind] + ctx.tokens * 2 * m.hidden_size * ctx.act_bytes / sp
+            acts += m.mtp_layers * (kinds.acts[kind] + ctx.tokens * 2 * m.hidden_size * ctx.act_bytes / sp)
     f = _zero3_chain([(fwd, gather) for fwd, _, (gather, _) in pieces])
     b = _zero3_chain([(bwd, gather + scatter) for _, bwd, (gather, scatter) in reversed(pieces)])
     return f, b, wgrad, dense, expert, acts
