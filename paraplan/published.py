@@ -7,15 +7,20 @@ same way for every row.
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass
+from importlib import resources
 
 import yaml
 
 from paraplan.errors import ConfigError
 
 ASSUMPTIONS = (
+    "null fields the source set in its launch scripts are filled from them (paraplan/data/launch_scripts.yaml): "
+    "SC'21 Table 1 micro-batch sizes, virtual pipeline stages and DDP implementation from Megatron-LM "
+    "examples/sc21/run_table_1.sh (DDP torch: gradients all-reduced during the backward; local: after it)",
     "micro_batch_size null -> 1 (Megatron's default)",
     "activation_recompute null -> none (Megatron-Core default when the plan fits); 'selective (norm, act)' and "
     "the like name Megatron-Core --recompute-modules (norm -> layernorm, act -> moe_act, attention -> core_attn); "
@@ -173,11 +178,32 @@ def _uneven_stages(num_layers: int, pp: int, vpp: int) -> dict:
     return {"first_stage_layers": edge, "last_stage_layers": edge}
 
 
+_SCRIPT_KEYS = {"micro_batch_size", "layers_per_virtual_stage", "ddp_impl"}
+
+
+@functools.lru_cache(maxsize=1)
+def launch_script_settings() -> dict[str, dict]:
+    """Record id -> the settings its source's launch scripts give (paraplan/data/launch_scripts.yaml)."""
+    text = resources.files("paraplan.data").joinpath("launch_scripts.yaml").read_text(encoding="utf-8")
+    out: dict[str, dict] = {}
+    for entry in yaml.safe_load(text):
+        for rid, settings in entry["records"].items():
+            unknown = set(settings) - _SCRIPT_KEYS
+            if unknown or settings.get("ddp_impl", "torch") not in ("torch", "local"):
+                raise ConfigError(f"launch_scripts.yaml: {rid}", f"unknown setting {sorted(unknown) or settings['ddp_impl']!r}")
+            out[rid] = settings
+    return out
+
+
 def record_to_scenario(rec: dict) -> dict:
     """A scenario mapping for the loader, with ASSUMPTIONS applied to null fields."""
     m, h, par, b = rec["model"], rec["hardware"], rec["parallelism"], rec["batch"]
     date = str((rec.get("source") or {}).get("date") or "")
-    tp, vpp = int(par["tp"]), int(par.get("virtual_pipeline_stages") or 1)
+    script = launch_script_settings().get(rec["id"], {})
+    vpp = par.get("virtual_pipeline_stages")
+    if vpp is None and "layers_per_virtual_stage" in script:
+        vpp = int(m["num_layers"]) // (int(par["pp"]) * int(script["layers_per_virtual_stage"]))
+    tp, vpp = int(par["tp"]), int(vpp or 1)
     sp = par.get("sequence_parallel")
     modern = date >= "2023"
     sp = bool(sp) if sp is not None else (tp > 1 and modern)
@@ -210,13 +236,13 @@ def record_to_scenario(rec: dict) -> dict:
                      "precision": precision, "attention": "flash" if modern else "unfused"},
         "plan": {
             "tp": tp, "pp": int(par["pp"]), "dp": int(par["dp"]), "cp": int(par.get("cp") or 1),
-            "micro_batch_size": int(b.get("micro_batch_size") or 1),
+            "micro_batch_size": int(b.get("micro_batch_size") or script.get("micro_batch_size") or 1),
             "virtual_pipeline_stages": vpp,
             "schedule": "interleaved-1f1b" if vpp > 1 else "1f1b",
             "sequence_parallel": sp,
             "zero_stage": _zero(rec, flags),
             **_recompute(rec.get("activation_recompute")),
-            "overlap_grad_reduce": modern or "--overlap-grad-reduce" in flags,
+            "overlap_grad_reduce": modern or "--overlap-grad-reduce" in flags or script.get("ddp_impl") == "torch",
             "overlap_param_gather": "--overlap-param-gather" in flags or _megatron_core_moe_defaults(rec),
             "tp_comm_overlap": "--tp-comm-overlap" in flags and sp and tp > 1,
             "ep": int(par.get("ep") or 1),

@@ -1,0 +1,57 @@
+"""How published records become scenarios: null fields filled from the sources' launch scripts."""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import yaml
+
+from paraplan.published import launch_script_settings, record_to_scenario
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def records():
+    recs = yaml.safe_load((ROOT / "paraplan" / "data" / "public_runs.yaml").read_text())
+    return {r["id"]: r for r in recs}
+
+
+def test_every_launch_script_entry_names_a_bundled_record_whose_field_is_null(records):
+    settings = launch_script_settings()
+    assert settings
+    for rid, s in settings.items():
+        rec = records[rid]
+        if "micro_batch_size" in s:
+            assert rec["batch"]["micro_batch_size"] is None, rid
+        if "layers_per_virtual_stage" in s:
+            assert rec["parallelism"]["virtual_pipeline_stages"] is None, rid
+            per_chunk = rec["parallelism"]["pp"] * s["layers_per_virtual_stage"]
+            assert rec["model"]["num_layers"] % per_chunk == 0, rid
+
+
+def test_sc21_rows_run_the_authors_micro_batches_virtual_stages_and_ddp(records):
+    small = record_to_scenario(records["megatron_sc21_t1_1.7B"])["plan"]
+    assert small["micro_batch_size"] == 16 and small["overlap_grad_reduce"] is True  # --DDP-impl torch
+    assert small["virtual_pipeline_stages"] == 1 and small["schedule"] == "1f1b"
+    big = record_to_scenario(records["megatron_sc21_t1_76.1B"])["plan"]
+    # 60 layers, pp 4, 5 layers per virtual stage -> 3 chunks per stage
+    assert big["micro_batch_size"] == 2 and big["virtual_pipeline_stages"] == 3
+    assert big["schedule"] == "interleaved-1f1b" and big["overlap_grad_reduce"] is False  # --DDP-impl local
+
+
+def test_a_value_the_record_states_wins_over_the_launch_script(records):
+    rec = copy.deepcopy(records["megatron_sc21_t1_76.1B"])
+    rec["batch"]["micro_batch_size"] = 4
+    rec["parallelism"]["virtual_pipeline_stages"] = 5
+    plan = record_to_scenario(rec)["plan"]
+    assert plan["micro_batch_size"] == 4 and plan["virtual_pipeline_stages"] == 5
+
+
+def test_records_without_launch_scripts_keep_the_general_defaults(records):
+    rec = copy.deepcopy(records["megatron_sc21_t1_76.1B"])
+    rec["id"] = "not_in_any_launch_script"
+    plan = record_to_scenario(rec)["plan"]
+    assert plan["micro_batch_size"] == 1 and plan["virtual_pipeline_stages"] == 1
+    assert plan["overlap_grad_reduce"] is False  # 2021: reduce after the backward
