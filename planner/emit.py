@@ -253,8 +253,13 @@ def _shared_expert_overlap_runs(sc: Scenario) -> bool:
 
 
 def _megatron_precision(precision: str) -> list[str]:
-    if precision in ("bf16", "fp16"):
-        return [f"--{precision}"]
+    """The simulator reduces and accumulates gradients in fp32 (simulate.GRAD_REDUCE_BYTES, the
+    fp32 main grads of memory.py). arguments.py turns accumulate_allreduce_grads_in_fp32 on for
+    bf16 itself; under fp16 it stays off (grads reduced in fp16) unless asked for."""
+    if precision == "bf16":
+        return ["--bf16"]
+    if precision == "fp16":
+        return ["--fp16", "--accumulate-allreduce-grads-in-fp32"]
     if precision == "fp8":
         return ["--bf16", "--fp8-format", "hybrid"]
     return []

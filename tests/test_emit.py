@@ -192,6 +192,13 @@ def test_zero1_is_the_distributed_optimizer_alone():
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1 " in megatron_launch_command(sc)  # arguments.py, tp > 1
 
 
+
+@pytest.mark.parametrize("precision, flags", [("bf16", ["--bf16"]), ("fp16", ["--fp16", "--accumulate-allreduce-grads-in-fp32"])])
+def test_gradients_are_reduced_in_fp32_as_simulated(precision, flags):
+    """Megatron turns fp32 gradient accumulation and reduction on for bf16 by itself, not for fp16."""
+    args = megatron_args(scenario("tiny-gpt-8xa100", f"training.precision={precision}"))
+    assert [a for a in args if a in ("--bf16", "--fp16", "--accumulate-allreduce-grads-in-fp32")] == flags
+
 # -- the suggested launch line gives argparse exactly megatron_args ---------------------------------
 
 def argv_through_launch_line(sc, folder: Path) -> list[str]:
