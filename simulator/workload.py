@@ -349,13 +349,28 @@ def embedding_cost(ctx: LayerContext, backward: bool) -> Cost:
     """Vocab-parallel embedding lookup (Megatron VocabParallelEmbedding): gather rows, then an
     all-reduce of the (tokens, h) output over TP (reduce_from_tensor_model_parallel_region), or a
     reduce-scatter with sequence parallelism. Their backwards: the all-reduce's is the identity,
-    the reduce-scatter's an all-gather of the gradient (Megatron-Core tensor_parallel/mappings.py)."""
+    the reduce-scatter's an all-gather of the gradient (Megatron-Core tensor_parallel/mappings.py).
+    The backward also writes the table's weight gradient (embedding_weight_grad_kernels)."""
     nbytes = ctx.tokens * ctx.model.hidden_size * ctx.act_bytes
-    cost = Cost().add("compute", memory_bound_time(ctx.gpu, (4 if backward else 2) * nbytes))
+    compute = memory_bound_time(ctx.gpu, (4 if backward else 2) * nbytes)
+    if backward:
+        rows = ctx.model.hidden_size * (ctx.model.vocab_size // ctx.plan.tp)
+        compute += sum(memory_bound_time(ctx.gpu, rows * b) for b in embedding_weight_grad_kernels(ctx))
+    cost = Cost().add("compute", compute)
     if ctx.plan.tp > 1 and (ctx.plan.sequence_parallel or not backward):
         op = {(False, False): "all_reduce", (True, False): "reduce_scatter", (True, True): "all_gather"}
         cost.add("tp_comm", collective_time(ctx.network, op[ctx.plan.sequence_parallel, backward], nbytes, ctx.tp_layout))
     return cost
+
+
+def embedding_weight_grad_kernels(ctx: LayerContext) -> list[int]:
+    """Bytes per element of the (vocab/tp x h) embedding table that its weight gradient moves each
+    microbatch, one kernel each: PyTorch's embedding backward (embedding_dense_backward) starts
+    from a zero-filled gradient of the whole table in the weight's dtype (write w), and Megatron's
+    gradient hook adds it into the fp32 main_grad (main_grad.add_(grad): read w + 4, write 4;
+    megatron/core/distributed param hook). The scatter of the tokens' rows is tokens x h, small."""
+    w = 4 if ctx.act_bytes == 4 else 2  # 16-bit weights, also under fp8 (the table is no fp8 module)
+    return [w, w + 8]
 
 
 def mtp_projection(ctx: LayerContext, backward: bool) -> Cost:
@@ -382,16 +397,15 @@ def mtp_weight_grad(ctx: LayerContext) -> float:
 
 def head_cost(ctx: LayerContext, backward: bool) -> Cost:
     """Final norm (on the tokens/tp shard under sequence parallelism: it runs before the gather),
-    LM head (column-parallel over the vocabulary) and vocab-parallel cross-entropy (Megatron
-    _VocabParallelCrossEntropy: fp32 logits read for max, exp-sum and gradient). The
-    head's input: with sequence parallelism all-gathered in the forward and its gradient
-    reduce-scattered in the backward; without, copied (identity) forward and its gradient
-    all-reduced backward (copy_to_tensor_model_parallel_region)."""
+    LM head (column-parallel over the vocabulary) and vocab-parallel cross-entropy
+    (cross_entropy_kernels). The head's input: with sequence parallelism all-gathered in the
+    forward and its gradient reduce-scattered in the backward; without, copied (identity) forward
+    and its gradient all-reduced backward (copy_to_tensor_model_parallel_region)."""
     m, p = ctx.model, ctx.plan
     vocab = m.vocab_size // p.tp
     gemm = _linear(outside_fp8(ctx), m.hidden_size, vocab, backward)
-    logits = ctx.tokens * vocab * 4
-    ce = memory_bound_time(ctx.gpu, (2 if backward else 3) * logits)
+    logits = ctx.tokens * vocab
+    ce = sum(memory_bound_time(ctx.gpu, logits * nbytes) for nbytes in cross_entropy_kernels(ctx, backward))
     norm = memory_bound_time(ctx.gpu, (2 if backward else 1) * _norm_bytes(ctx))
     cost = Cost().add("compute", gemm + ce + norm)
     if p.tp > 1 and (p.sequence_parallel or backward):
@@ -399,3 +413,18 @@ def head_cost(ctx: LayerContext, backward: bool) -> Cost:
         nbytes = ctx.tokens * m.hidden_size * ctx.act_bytes
         cost.add("tp_comm", collective_time(ctx.network, op[p.sequence_parallel, backward], nbytes, ctx.tp_layout))
     return cost
+
+
+def cross_entropy_kernels(ctx: LayerContext, backward: bool) -> list[int]:
+    """Bytes per logit each kernel of Megatron's unfused vocab-parallel cross-entropy moves
+    (megatron/core/tensor_parallel/cross_entropy.py, VocabParallelCrossEntropy; the same passes as
+    Megatron-LM's 2021 mpu/cross_entropy.py behind `output.float()`), one kernel per pass over the
+    (tokens x vocab/tp) logits. Forward: cast the 16-bit logits to fp32 (read 2, write 4; no copy
+    when they are fp32 already), max over the vocabulary (read 4), subtract it in place (read 4,
+    write 4), exp in place (8), sum (read 4), divide by the sum to keep the softmax (8). Backward:
+    multiply the softmax by the incoming gradient in place (8; the target's -1 is a gather), and the
+    cast's backward back to the logits' dtype (read 4, write 2)."""
+    cast = ctx.act_bytes + 4 if ctx.act_bytes < 4 else 0
+    if backward:
+        return [8, cast]
+    return [cast, 4, 8, 8, 4, 8]

@@ -227,6 +227,56 @@ def test_head_final_norm_runs_on_the_sequence_parallel_shard(gpt3):
         assert compute(True, backward) - compute(False, backward) == pytest.approx(want, rel=1e-9)
 
 
+@pytest.mark.parametrize("dtype, fwd, bwd", [("bf16", 38, 14), ("tf32", 32, 8)])
+def test_cross_entropy_moves_the_bytes_of_megatrons_unfused_passes(gpt3, dtype, fwd, bwd):
+    """Per logit, Megatron's vocab-parallel cross-entropy moves 6 (cast to fp32) + 4 (max) + 8
+    (subtract) + 8 (exp) + 4 (sum) + 8 (divide) bytes forward and 8 (scale by the gradient) + 6
+    (cast back) backward; fp32 logits skip the casts. The head's compute is the GEMM, the final norm
+    and one memory-bound kernel per pass over the (tokens x vocab/tp) logits."""
+    from hwmodels.compute import memory_bound_time
+    from hwmodels.network import build_network
+    from hwmodels.profile import load_profile
+    from paraplan.placement import group_layout
+    from simulator.workload import LayerContext, _linear, _norm_bytes, cross_entropy_kernels, head_cost
+
+    gpu, m, p = load_profile(gpt3.cluster.gpu), gpt3.model, gpt3.plan
+    ctx = LayerContext(model=m, plan=p, gpu=gpu, network=build_network(gpt3.cluster, gpu),
+                       seq_length=gpt3.training.seq_length, dtype=dtype, attention_kernel="flash",
+                       tp_layout=group_layout(("tp",), p, 8), cp_layout=group_layout(("cp",), p, 8))
+    logits = p.micro_batch_size * gpt3.training.seq_length * (m.vocab_size // p.tp)
+    for backward, total in ((False, fwd), (True, bwd)):
+        kernels = cross_entropy_kernels(ctx, backward)
+        assert sum(kernels) == total
+        ce = sum(memory_bound_time(gpu, logits * b) for b in kernels)
+        rest = _linear(ctx, m.hidden_size, m.vocab_size // p.tp, backward) + memory_bound_time(
+            gpu, (2 if backward else 1) * _norm_bytes(ctx))
+        assert head_cost(ctx, backward).parts["compute"] == pytest.approx(rest + ce, rel=1e-12)
+
+
+@pytest.mark.parametrize("dtype, table_bytes", [("bf16", 2 + 10), ("tf32", 4 + 12)])
+def test_embedding_backward_writes_the_whole_tables_gradient(gpt3, dtype, table_bytes):
+    """Each microbatch's embedding backward zero-fills a gradient of the whole (vocab/tp x h) table
+    in the weight's dtype and adds it into the fp32 main_grad (read w + 4, write 4), besides
+    reading and writing the tokens' rows."""
+    from hwmodels.compute import memory_bound_time
+    from hwmodels.network import build_network
+    from hwmodels.profile import load_profile
+    from paraplan.placement import group_layout
+    from simulator.workload import LayerContext, embedding_cost, embedding_weight_grad_kernels
+
+    gpu, m, p = load_profile(gpt3.cluster.gpu), gpt3.model, gpt3.plan
+    ctx = LayerContext(model=m, plan=p, gpu=gpu, network=build_network(gpt3.cluster, gpu),
+                       seq_length=gpt3.training.seq_length, dtype=dtype, attention_kernel="flash",
+                       tp_layout=group_layout(("tp",), p, 8), cp_layout=group_layout(("cp",), p, 8))
+    kernels = embedding_weight_grad_kernels(ctx)
+    assert sum(kernels) == table_bytes
+    rows = p.micro_batch_size * gpt3.training.seq_length * m.hidden_size * ctx.act_bytes
+    table = m.hidden_size * (m.vocab_size // p.tp)
+    want = memory_bound_time(gpu, 4 * rows) + sum(memory_bound_time(gpu, table * b) for b in kernels)
+    assert embedding_cost(ctx, True).parts["compute"] == pytest.approx(want, rel=1e-12)
+    assert embedding_cost(ctx, False).parts["compute"] == pytest.approx(memory_bound_time(gpu, 2 * rows), rel=1e-12)
+
+
 def test_zero3_with_nothing_to_shard_costs_what_zero0_does():
     sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml")
     one = plan_variant(sc, tp=2, pp=4, dp=1)
