@@ -354,8 +354,8 @@ def embedding_cost(ctx: LayerContext, backward: bool) -> Cost:
     nbytes = ctx.tokens * ctx.model.hidden_size * ctx.act_bytes
     compute = memory_bound_time(ctx.gpu, (4 if backward else 2) * nbytes)
     if backward:
-        rows = ctx.model.hidden_size * (ctx.model.vocab_size // ctx.plan.tp)
-        compute += sum(memory_bound_time(ctx.gpu, rows * b) for b in embedding_weight_grad_kernels(ctx))
+        table = ctx.model.hidden_size * (ctx.model.vocab_size // ctx.plan.tp)
+        compute += sum(memory_bound_time(ctx.gpu, table * b) for b in embedding_weight_grad_kernels(ctx))
     cost = Cost().add("compute", compute)
     if ctx.plan.tp > 1 and (ctx.plan.sequence_parallel or not backward):
         op = {(False, False): "all_reduce", (True, False): "reduce_scatter", (True, True): "all_gather"}
@@ -369,7 +369,7 @@ def embedding_weight_grad_kernels(ctx: LayerContext) -> list[int]:
     from a zero-filled gradient of the whole table in the weight's dtype (write w), and Megatron's
     gradient hook adds it into the fp32 main_grad (main_grad.add_(grad): read w + 4, write 4;
     megatron/core/distributed param hook). The scatter of the tokens' rows is tokens x h, small."""
-    w = 4 if ctx.act_bytes == 4 else 2  # 16-bit weights, also under fp8 (the table is no fp8 module)
+    w = ctx.act_bytes  # the table's dtype: 16-bit, also under fp8 (it is no fp8 module); fp32 in fp32
     return [w, w + 8]
 
 
