@@ -86,9 +86,11 @@ def published_step_time(rec: dict) -> tuple[float, bool] | None:
 
 def megatron_core_moe_flops(rec: dict) -> float:
     """FLOPs per iteration as Megatron-Core counts them for an MoE model (megatron/training/training.py,
-    num_floating_point_operations): 12 B s L h^2 x [(1 + g/a + s/(2h)) q/h + (f_moe/h) k (3/2 if SwiGLU)
-    + (f_shared/h)(3/2) + V/(2Lh)], the attention s/h term halved for the causal mask as the MoE
-    records' source counts it; used only to turn a published TFLOP/s into a step time."""
+    num_floating_point_operations): 12 B s L h^2 x [(1 + g/a + s/h) q/h + (f_moe/h) k (3/2 if SwiGLU)
+    + (f_shared/h)(3/2) + V/(2Lh)]; used only to turn a published TFLOP/s into a step time. The 2024
+    releases (MCore v0.8/v0.9, with the shared-expert term) count the whole s x s attention; the 2025
+    rewrite of the function (the one with DeepSeek-style dense layers) halves the s/h term for the
+    causal mask, so records dated 2025 or later get the halved term."""
     m, b = rec["model"], rec["batch"]
     e = m["moe"]
     h, layers, s = m["hidden_size"], m["num_layers"], m["seq_length"]
@@ -96,7 +98,8 @@ def megatron_core_moe_flops(rec: dict) -> float:
     q = (m.get("head_dim") or h // heads) * heads
     gated = 1.5 if m.get("activation") == "swiglu" else 1.0
     shared = (e.get("num_shared_experts") or 0) * e["expert_ffn_hidden_size"]
-    per = ((1 + groups / heads + s / h / 2) * q / h
+    causal_halved = str((rec.get("source") or {}).get("date") or "") >= "2025"
+    per = ((1 + groups / heads + s / h / (2 if causal_halved else 1)) * q / h
            + e["expert_ffn_hidden_size"] / h * e["top_k"] * gated
            + shared / h * gated
            + m["vocab_size"] / (2 * layers * h))

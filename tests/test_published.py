@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from paraplan.published import launch_script_settings, record_to_scenario
+from paraplan.published import launch_script_settings, published_step_time, record_to_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,3 +55,16 @@ def test_records_without_launch_scripts_keep_the_general_defaults(records):
     plan = record_to_scenario(rec)["plan"]
     assert plan["micro_batch_size"] == 1 and plan["virtual_pipeline_stages"] == 1
     assert plan["overlap_grad_reduce"] is False  # 2021: reduce after the backward
+
+
+def test_a_published_moe_tflops_becomes_a_step_time_with_the_sources_flop_count(records):
+    # Mixtral 8x7B, MCore v0.8 (2024): 12 B s L h^2 [(1 + 8/32 + 4096/4096) + (14336/4096) 2 (3/2)
+    # + 32000/(2 32 4096)], the whole s x s attention counted, at 438 TFLOP/s on each of 64 GPUs
+    rec = copy.deepcopy(records["mcore_moe_readme_mixtral_8x7b_64xh100"])
+    per = (1 + 0.25 + 1.0) + 3.5 * 2 * 1.5 + 32000 / (2 * 32 * 4096)
+    flops = 12 * 256 * 4096 * 32 * 4096 ** 2 * per
+    assert published_step_time(rec) == (pytest.approx(flops / (438e12 * 64)), True)
+    # a 2025 record is counted as Megatron-LM counts it since: the s/h term halved for the causal mask
+    rec["source"]["date"] = "2025-03"
+    halved = 12 * 256 * 4096 * 32 * 4096 ** 2 * (per - 0.5)
+    assert published_step_time(rec) == (pytest.approx(halved / (438e12 * 64)), True)
