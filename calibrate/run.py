@@ -19,7 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from calibrate.errors import CalibrationError
-from paraplan.fileio import check_output_file, check_profile_suffix
+from paraplan.fileio import check_distinct_files, check_output_file, check_profile_suffix
 
 __all__ = ["BENCHMARKS", "Options", "Outcome", "calibrate", "check_options"]
 
@@ -208,6 +208,7 @@ def calibrate(opts: Options, *, env: Mapping[str, str] | None = None, stream=Non
     if rank == 0:  # fail now, not after the sweep, if a file cannot be written where asked
         check_output_file(out, "--out")
         check_output_file(opts.report, "--report")
+        check_distinct_files({"--out": out, "--report": opts.report})
     if opts.base is not None:
         _load_base(opts.base)  # a bad --base fails before torch is imported
 
@@ -419,7 +420,7 @@ def _write(outcome: Outcome, opts: Options) -> None:
             "measurements": [m.to_json() for m in outcome.measurements],
             "collectives": [s.to_json() for s in outcome.collectives],
         }
-        write_atomic(opts.report, json.dumps(_clean(report), indent=1) + "\n")
+        write_atomic(opts.report, json.dumps(_clean(report), indent=1) + "\n", "--report")
     # Written beside the target under a hidden name, loaded back (the format's round trip, checked
     # where the file is made), then renamed over the target: a profile that would not load is never
     # left where a scenario looks for it.

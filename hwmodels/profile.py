@@ -111,6 +111,8 @@ def load_profile(name_or_path: str) -> GpuProfile:
         path = PROFILE_DIR / f"{name_or_path}.yaml"
     else:
         path = Path(name_or_path).expanduser()
+        if path.exists() and not path.is_file():
+            raise ConfigError("cluster.gpu", f"{name_or_path}: a directory or device, not a GPU profile file")
         if not path.is_file():
             raise ConfigError("cluster.gpu", f"unknown GPU profile {name_or_path!r}: neither a bundled name "
                                              f"({', '.join(BUNDLED)}) nor an existing profile file")

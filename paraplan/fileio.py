@@ -10,24 +10,68 @@ from pathlib import Path
 from paraplan.errors import ConfigError
 
 
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    mode = "wb" if isinstance(data, bytes) else "w"
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+# Scenarios, profiles, configs and record files are kilobytes to a few megabytes; the cap keeps a
+# device such as /dev/zero, or a wrong multi-gigabyte file, from being read into memory.
+MAX_INPUT_BYTES = 64 * 2**20
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes, what: str | None = None) -> None:
+    """Write one file atomically (write_files_atomic); `what` is the argument that named it."""
+    write_files_atomic([(path, data, what)])
+
+
+def write_files_atomic(files: list[tuple[str | os.PathLike, str | bytes, str | None]]) -> None:
+    """Write every (path, data, argument) file or none: each goes to a temporary file beside its
+    target first, and only when all are written are they renamed into place. A symlink is written
+    through (its target is replaced), a device or FIFO is refused. A failure names the target and
+    the argument that chose it, never a temporary name, and leaves no temporary behind."""
+    targets = [(Path(os.path.realpath(p)), data, what) for p, data, what in files]
+    for target, _, what in targets:
+        _check_target(target, what)
+    temps: list[tuple[str, Path]] = []
+    target, what = Path("."), None
+    try:
+        for target, data, what in targets:
+            target.parent.mkdir(parents=True, exist_ok=True)
+            temps.append((_write_temp(target, data), target))
+        for (tmp, target), (_, _, what) in zip(temps, targets):
+            os.replace(tmp, target)
+    except OSError as exc:
+        _remove_temps(temps)
+        raise ConfigError(what or "", f"cannot write {target}: {exc.strerror or exc}") from None
+    except BaseException:
+        _remove_temps(temps)
+        raise
+
+
+def _write_temp(target: Path, data: str | bytes) -> str:
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)  # what open() would have given, not mkstemp's 0600
-        with os.fdopen(fd, mode) as f:
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
+        _remove_temps([(tmp, target)])
+        raise
+    return tmp
+
+
+def _remove_temps(temps) -> None:
+    for tmp, _ in temps:
         if os.path.exists(tmp):
             os.unlink(tmp)
-        raise
+
+
+def _check_target(target: Path, what: str | None) -> None:
+    if target.is_dir():
+        raise ConfigError(what or "", f"{target} is a directory, expected a file name")
+    if target.exists() and not target.is_file():
+        raise ConfigError(what or "", f"{target} is not a regular file (a device, FIFO or socket); "
+                                      f"give a file name")
 
 
 def read_text(path: str | os.PathLike, what: str) -> str:
@@ -38,6 +82,12 @@ def read_text(path: str | os.PathLike, what: str) -> str:
         raise ConfigError(what, f"{path} is a directory, expected a file")
     if not path.exists():
         raise ConfigError(what, f"file not found: {path}")
+    if not path.is_file():
+        raise ConfigError(what, f"{path} is not a regular file (a device, FIFO or socket)")
+    size = path.stat().st_size
+    if size > MAX_INPUT_BYTES:
+        raise ConfigError(what, f"{path} is {size / 2**20:.0f} MiB; input files are at most "
+                                f"{MAX_INPUT_BYTES // 2**20} MiB")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
@@ -47,14 +97,28 @@ def read_text(path: str | os.PathLike, what: str) -> str:
 
 
 def check_output_file(path: str | os.PathLike | None, what: str) -> None:
-    """Fail before any work if `path` cannot be written as a file: it is a directory, or its
-    parent is a file or an unwritable directory. Creates nothing."""
+    """Fail before any work if `path` cannot be written as a file: it is empty, a directory or a
+    device, or its folder cannot take a new file. Leaves nothing behind."""
     if path is None:
         return
-    path = Path(path)
-    if str(path) == "" or path.is_dir():
-        raise ConfigError(what, f"{str(path) or '(empty)'} is a directory or empty, expected a file name")
-    _check_parent(path.parent, what)
+    if str(path) == "":
+        raise ConfigError(what, "empty; expected a file name")
+    target = Path(os.path.realpath(path))
+    _check_target(target, what)
+    _check_parent(target.parent, what)
+
+
+def check_distinct_files(named: dict[str, str | os.PathLike | None]) -> None:
+    """Inputs and outputs of one command (argument -> path) must be different files: a trace
+    written over its own scenario, or a plot over the trace, would silently lose one of them."""
+    seen: dict[str, str] = {}
+    for what, path in named.items():
+        if path is None or str(path) == "":
+            continue
+        real = os.path.realpath(path)
+        if real in seen:
+            raise ConfigError(what, f"{path} is the same file as {seen[real]}; give a different file name")
+        seen[real] = what
 
 
 def check_profile_suffix(path: str | os.PathLike, what: str) -> None:
@@ -71,10 +135,12 @@ def check_profile_output(path: str | os.PathLike, what: str) -> None:
 
 
 def check_output_dir(path: str | os.PathLike | None, what: str) -> None:
-    """Fail before any work if `path` cannot be used as an output directory (it is a file, or
-    lies under a file or an unwritable directory). Creates nothing."""
+    """Fail before any work if `path` cannot be used as an output directory (it is empty, a file,
+    or lies under a file or a folder that cannot take new files). Leaves nothing behind."""
     if path is None:
         return
+    if str(path) == "":
+        raise ConfigError(what, "empty; expected a folder name")
     path = Path(path)
     if path.exists() and not path.is_dir():
         raise ConfigError(what, f"{path} exists and is not a directory")
@@ -82,11 +148,17 @@ def check_output_dir(path: str | os.PathLike | None, what: str) -> None:
 
 
 def _check_parent(parent: Path, what: str) -> None:
-    """The nearest existing ancestor of `parent` must be a writable directory."""
+    """The nearest existing ancestor of `parent` must be a directory that takes a new file: tried
+    by creating (and removing) an empty one, since permission bits do not tell a read-only file
+    system, or /proc, from a writable folder."""
     probe = parent if str(parent) else Path(".")
     while not probe.exists():
         probe = probe.parent
     if not probe.is_dir():
         raise ConfigError(what, f"{probe} is a file, so nothing can be written under it")
-    if not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(what, f"cannot write under {probe}: permission denied")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=".paraplan-probe.", dir=probe)
+    except OSError as exc:
+        raise ConfigError(what, f"cannot write under {probe}: {exc.strerror or exc}") from None
+    os.close(fd)
+    os.unlink(tmp)

@@ -60,16 +60,25 @@ def _show(value: Any) -> str:
     return repr(value)
 
 
-def _integer(minimum: int | None = None) -> Check:
-    """An int (a bool is not one), at least `minimum`."""
+def _integer(minimum: int | None = None, maximum: int | None = None, maximum_text: str | None = None) -> Check:
+    """An int (a bool is not one), at least `minimum` and at most `maximum`."""
     def check(value):
         if isinstance(value, bool) or not isinstance(value, int):
             raise _Invalid(f"expected an integer, got {_show(value)}")
+        if maximum is not None and value > maximum:
+            raise _Invalid(f"expected an integer from {minimum} to {maximum_text or maximum}, got {value}")
         if minimum is not None and value < minimum:
             wanted = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
             raise _Invalid(f"expected {wanted}, got {value}")
         return value
     return check
+
+
+# The deepest published transformers have about a thousand layers; the simulator prices a layer at a
+# time, so a typo like 10**9 would run for hours before reporting the plan does not fit.
+MAX_LAYERS = 100_000
+# numpy's generators (routing draws) and torch's seeding through them take seeds in [0, 2**32)
+SEED = _integer(minimum=0, maximum=2**32 - 1, maximum_text="2**32 - 1")
 
 
 def _number(*, positive: bool = False, minimum: float | None = None) -> Check:
@@ -194,7 +203,7 @@ TOP = _schema(
 # drops a third of the FFN weights.
 MODEL = _schema(
     name=Key(_string),
-    num_layers=Key(POSITIVE, required=True),
+    num_layers=Key(_integer(minimum=1, maximum=MAX_LAYERS), required=True),
     hidden_size=Key(POSITIVE, required=True),
     num_attention_heads=Key(POSITIVE, required=True),
     num_kv_heads=Key(POSITIVE),
@@ -228,7 +237,7 @@ ROUTING = _schema(
     distribution=Key(_one_of(ROUTING_DISTRIBUTIONS)),
     s=Key(_number(positive=True)),
     tokens_per_expert=Key(_anything),
-    seed=Key(_integer(minimum=0)),
+    seed=Key(SEED),
 )
 MODEL_SOURCES = ("preset", "hf_config")
 
@@ -264,7 +273,7 @@ TRAINING = _schema(
 RUN = _schema(
     steps=Key(POSITIVE),
     warmup_steps=Key(_integer(minimum=0)),
-    seed=Key(_integer(minimum=0)),
+    seed=Key(SEED),
     backend=Key(_one_of(BACKENDS)),
     timeout_s=Key(_number(positive=True)),
     num_layers=Key(_optional(POSITIVE)),
@@ -697,13 +706,21 @@ def _data_parallel(values: Mapping, cluster: ClusterSpec) -> int:
     return dp
 
 
-def _freeze(value: Any) -> Any:
-    """Mappings -> sorted tuples of (key, value) pairs, lists -> tuples, recursively: hashable."""
+def _freeze(value: Any, memo: dict | None = None) -> Any:
+    """Mappings -> sorted tuples of (key, value) pairs, lists -> tuples, recursively: hashable.
+    A node YAML aliases many times is frozen once (`memo`, by identity), so nested aliases (the
+    "billion laughs" file) cost their distinct nodes, not their expansion."""
+    memo = {} if memo is None else memo
+    if not isinstance(value, (Mapping, list, tuple)):
+        return value
+    if id(value) in memo:
+        return memo[id(value)]
     if isinstance(value, Mapping):
-        return tuple(sorted(((k, _freeze(v)) for k, v in value.items()), key=lambda kv: str(kv[0])))
-    if isinstance(value, (list, tuple)):
-        return tuple(_freeze(v) for v in value)
-    return value
+        frozen = tuple(sorted(((k, _freeze(v, memo)) for k, v in value.items()), key=lambda kv: str(kv[0])))
+    else:
+        frozen = tuple(_freeze(v, memo) for v in value)
+    memo[id(value)] = frozen
+    return frozen
 
 
 def _search(raw: Any) -> tuple:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
+import json
 import math
 import multiprocessing
 import os
@@ -157,12 +158,31 @@ def open_storage(spec: str) -> optuna.storages.BaseStorage:
         path = os.path.abspath(spec)
         if not os.path.isdir(os.path.dirname(path)):
             raise ParaplanError(f"--storage: the folder of the journal file {spec} does not exist")
+        _check_journal_file(path, spec)
         return JournalStorage(JournalFile(path))
     except ParaplanError:
         raise
     except Exception as e:  # noqa: BLE001  sqlalchemy, drivers, redis: all one line for the user
         msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ParaplanError(f"--storage {shown}: cannot open it: {msg.replace(spec, shown)}") from None
+
+
+def _check_journal_file(path: str, spec: str) -> None:
+    """An existing journal must be a regular file whose first line is one of Optuna's journal
+    operations (a JSON object with an op_code); anything else is refused before it is locked."""
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise ParaplanError(f"--storage {spec}: not a regular file")
+    if not os.path.exists(path) or os.path.getsize(path) == 0:
+        return
+    with open(path, "rb") as f:
+        first = f.readline(1 << 20)
+    try:
+        ok = isinstance(op := json.loads(first), dict) and "op_code" in op
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ParaplanError(f"--storage {spec}: not an Optuna journal file (its first line is not a journal "
+                            f"operation); give a new file name or an existing study's journal")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -218,7 +238,14 @@ def run_search(req: SearchRequest, *, progress: Callable[[int, int, Evaluation |
     fp = fingerprint(req.scenario, req.spec, req.objective, strategy_name, choice_key)
 
     storage = open_storage(req.storage)
-    study, created = _open_study(req, storage, fp)
+    try:
+        study, created = _open_study(req, storage, fp)
+    except ParaplanError:
+        raise
+    except Exception as e:  # noqa: BLE001  a file that is not a journal, a database of another schema
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise ParaplanError(f"--storage {mask_url(req.storage)}: not a usable Optuna storage "
+                            f"({type(e).__name__}{': ' + msg if msg else ''})") from None
     failed = 0 if created else _fail_dead_trials(study)
     evaluator = Evaluator(space)
     baseline_cand = space.baseline()

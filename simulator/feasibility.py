@@ -116,9 +116,15 @@ def _moe_problems(sc: Scenario) -> list[str]:
         moe_only = [mod for mod in p.recomputed_modules if mod in MOE_RECOMPUTE_MODULES]
         if moe_only:
             out.append(f"plan.recompute_modules: {', '.join(moe_only)} need an MoE model (model.moe); this model is dense")
+        if p.moe_shared_expert_overlap:
+            out.append("plan.moe_shared_expert_overlap: needs an MoE model with shared experts; this model is dense")
         return out
     e = m.moe
     out = []
+    if p.moe_shared_expert_overlap and not e.num_shared_experts:
+        # Megatron-Core TransformerConfig: "moe_shared_expert_overlap only works with shared expert model."
+        out.append("plan.moe_shared_expert_overlap: needs shared experts (model.moe.num_shared_experts > 0); "
+                   "this model has none")
     if e.num_experts % p.ep:
         out.append(f"plan.ep: {p.ep} does not divide model.moe.num_experts ({e.num_experts})")
     block = p.tp * p.cp * p.dp

@@ -68,6 +68,11 @@ BAD_INPUT = [
      "training.precision: fp16 with expert parallelism"),
     (["--set", "plan.overlap_param_gather=true", "--set", "plan.zero_stage=0"],
      "plan.overlap_param_gather: needs zero_stage >= 1"),
+    (["--set", "search.tpp=[1,2]"], "search.tpp: unknown key, did you mean 'tp'?"),
+    (["--set", "model.num_layers=1000000000"], "model.num_layers: expected an integer from 1 to 100000"),
+    (["--set", "model=mixtral-8x7b", "--set", "plan.ep=2", "--set", "plan.tp=1", "--set", "plan.pp=1",
+      "--set", "training.global_batch_size=16", "--set", "plan.moe_shared_expert_overlap=true"],
+     "plan.moe_shared_expert_overlap: needs shared experts"),
 ]
 
 
@@ -108,6 +113,35 @@ def test_unreadable_inputs_and_unusable_outputs_are_one_line(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith(message), (args, r.stderr)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a_file", "binary.yaml"]
+
+
+def test_outputs_never_overwrite_an_input_or_each_other_or_a_device(tmp_path):
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(Path(TINY).read_text())
+    before = scenario.read_text()
+    cases = [
+        (["--trace", str(scenario)], f"error: --trace: {scenario} is the same file as scenario"),
+        (["--trace", str(tmp_path / "x.png"), "--plot", str(tmp_path / "x.png")],
+         f"error: --plot: {tmp_path / 'x.png'} is the same file as --trace"),
+        (["--trace", "/dev/null"], "error: --trace: /dev/null is not a regular file"),
+        (["--trace", ""], "error: --trace: empty"),
+    ]
+    for args, message in cases:
+        r = paraplan("simulate", str(scenario), *args)
+        assert r.returncode == 2 and r.stderr.startswith(message), (args, r.stderr)
+        assert len(r.stderr.strip().splitlines()) == 1
+    assert scenario.read_text() == before and sorted(p.name for p in tmp_path.iterdir()) == ["s.yaml"]
+    r = paraplan("simulate", "/dev/zero")  # a device is refused, never read into memory
+    assert r.returncode == 2 and r.stderr.strip() == "error: scenario: /dev/zero is not a regular file (a device, FIFO or socket)"
+
+
+def test_a_symlinked_output_is_written_through(tmp_path):
+    target, link = tmp_path / "real.json", tmp_path / "link.json"
+    target.write_text("old")
+    link.symlink_to(target)
+    r = paraplan("simulate", TINY, "--trace", str(link))
+    assert r.returncode == 0, r.stderr
+    assert link.is_symlink() and json.loads(target.read_text())["traceEvents"]
 
 
 def test_an_infeasible_run_writes_no_trace_or_plot(tmp_path):

@@ -11,7 +11,7 @@ import yaml
 
 from hwmodels.curves import Curve, to_unit
 from hwmodels.profile import BUNDLED, PROFILE_DIR, GpuProfile, load_profile, write_profile
-from paraplan.errors import ConfigError
+from paraplan.errors import ConfigError, ParaplanError
 from paraplan.specs import InterNodeSpec, LinkSpec
 
 GiB = 2**30
@@ -193,7 +193,7 @@ def test_failed_write_keeps_the_old_file_and_removes_the_temporary(tmp_path, mon
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", boom)
-    with pytest.raises(OSError):
+    with pytest.raises(ParaplanError, match=r"cannot write .*a\.yaml: disk full$"):  # the target, not the temporary
         write_profile(load_profile("a100-sxm-80gb"), target)
     assert target.read_text() == "old" and os.listdir(tmp_path) == ["a.yaml"]
 

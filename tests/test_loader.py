@@ -411,6 +411,17 @@ def test_duplicate_key_rejected(tmp_path):
     assert "duplicate key 'tp'" in message and "line 3" in message
 
 
+def test_aliased_yaml_nodes_are_frozen_once(tmp_path):
+    """Nested aliases ("billion laughs": 9 levels of 9 would expand to 9**10 numbers) cost their
+    distinct nodes: an aliased node is frozen once and shared, never expanded."""
+    items = ["&c0 [1, 2, 3, 4, 5, 6, 7, 8, 9]"]
+    items += [f"&c{i} [" + ", ".join([f"*c{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    text = yaml.safe_dump(tiny(), sort_keys=False) + "search:\n  tp: [" + ", ".join(items) + "]\n"
+    sc = load_scenario(write(tmp_path, text))
+    tp = dict(sc.search)["tp"]
+    assert len(tp) == 10 and all(a is b for a, b in zip(tp[9], tp[9][1:]))  # nine references, one node
+
+
 def test_empty_file(tmp_path):
     assert "expected a mapping at the top level, got null" in str(error_of(write(tmp_path, "")))
 

@@ -147,6 +147,9 @@ BAD = [
     (["--storage", "bogus://x"], "error: --storage bogus://x: cannot open it:"),
     (["--study", "nope", "--resume", "--storage", "{tmp}/s.journal"], "error: --resume: no study named 'nope'"),
     (["--trials", "0"], "error: argument --trials: expected a positive integer, got 0"),
+    (["--seed", "4294967296"], "error: argument --seed: expected an integer from 0 to 2**32 - 1, got 4294967296"),
+    (["--workers", "100000"], "error: argument --workers: expected an integer from 1 to 256, got 100000"),
+    (["--study", ""], "error: argument --study: expected a study name, got an empty string"),
     (["--objective", "throughput-vs-gpus"], "error: search.num_nodes: --objective throughput-vs-gpus needs"),
     (["--set", "model.num_layers=64", "--set", "model.hidden_size=12288", "--set", "model.num_attention_heads=96",
       "--set", "search.tp=[8]", "--set", "search.recompute=[none]"], "error: no plan fits in memory among the"),
@@ -164,3 +167,11 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     out = tmp_path / "o"  # no result files; at most the search journal, which --resume reads
     assert not out.exists() or {p.name for p in out.iterdir()} <= {"study.journal", "study.journal.flock"}, \
         list(out.iterdir())
+
+
+def test_a_storage_file_that_is_not_a_journal_is_refused_untouched(tmp_path):
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes\n")
+    r = paraplan("plan", TINY, "--out", str(tmp_path / "o"), "--quiet", "--trials", "5", "--storage", str(notes))
+    assert r.returncode == 2 and r.stderr.strip().startswith(f"error: --storage {notes}: not an Optuna journal file")
+    assert notes.read_text() == "my notes\n" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

@@ -53,7 +53,7 @@ _RUN_FLAGS = {"backend": "backend", "steps": "steps", "warmup": "warmup_steps", 
 def prepare(args):
     """The checked, scaled scenario and the process layout; raises ParaplanError for any bad input."""
     from executor.config import launch_problems, scaled_scenario
-    from paraplan.fileio import check_output_dir, check_output_file
+    from paraplan.fileio import check_distinct_files, check_output_dir, check_output_file
     from paraplan.loader import load_scenario
 
     overrides = list(args.overrides)
@@ -78,6 +78,7 @@ def prepare(args):
     if args.rdzv_endpoint and not (endpoint and int(endpoint.group(2) or 0) <= 65535):
         raise ParaplanError(f"--rdzv-endpoint: expected HOST[:PORT] (an IPv6 host in brackets), got {args.rdzv_endpoint!r}")
     check_output_file(args.out, "--out")
+    check_distinct_files({"config": args.config, "--out": args.out})
     check_output_dir(args.run_dir, "--run-dir")
     if not 0 <= args.node_rank < args.nnodes:
         raise ParaplanError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1}")
@@ -118,7 +119,7 @@ def run(args) -> int:
         return 0
     m = add_flops(sc, results[0])
     if args.out:
-        write_atomic(args.out, json.dumps(m, indent=1) + "\n")
+        write_atomic(args.out, json.dumps(m, indent=1) + "\n", "--out")
     print(json.dumps(m, indent=1) if args.json else format_summary(m, sc.plan))
     return 0
 

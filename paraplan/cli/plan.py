@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 from paraplan.errors import ConfigError, ParaplanError
-from paraplan.fileio import check_output_dir, write_atomic
+from paraplan.fileio import check_distinct_files, check_output_dir, write_files_atomic
 
 OBJECTIVE_CHOICES = ("throughput", "cost", "throughput-vs-headroom", "throughput-vs-gpus")
 JOURNAL = "study.journal"
@@ -43,7 +43,20 @@ def _number(cast, what: str, ok):
 
 
 _positive_int = _number(int, "a positive integer", lambda v: v >= 1)
-_non_negative_int = _number(int, "an integer >= 0", lambda v: v >= 0)
+# numpy's and Optuna's samplers take seeds in [0, 2**32)
+_seed = _number(int, "an integer from 0 to 2**32 - 1", lambda v: 0 <= v < 2**32)
+# a process per worker: more than a few per core only queue, and a typo like 100000 would fork-bomb
+MAX_WORKERS = 256
+_workers = _number(int, f"an integer from 1 to {MAX_WORKERS}", lambda v: 1 <= v <= MAX_WORKERS)
+
+
+def _name(what: str):
+    """An argparse type for a name or path that must not be empty."""
+    def parse(text: str) -> str:
+        if not text.strip():
+            raise argparse.ArgumentTypeError(f"expected a {what}, got an empty string")
+        return text
+    return parse
 _positive_float = _number(float, "a positive number", lambda v: 0 < v < float("inf"))
 
 
@@ -51,7 +64,8 @@ def add_arguments(p) -> None:
     p.add_argument("scenario", help="scenario YAML file (its search: section defines the plan space)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                    help="override a scenario key, e.g. --set search.tp=[4,8] (repeatable)")
-    p.add_argument("--out", metavar="DIR", help="output folder (default: a new folder plan-<scenario>)")
+    p.add_argument("--out", type=_name("folder name"), metavar="DIR",
+                   help="output folder (default: a new folder plan-<scenario>)")
     p.add_argument("--objective", choices=OBJECTIVE_CHOICES, default="throughput",
                    help="throughput: max tokens/s (default); cost: min cost per 1M tokens; "
                         "throughput-vs-headroom / throughput-vs-gpus: a Pareto front")
@@ -60,13 +74,14 @@ def add_arguments(p) -> None:
                         "search.exhaustive_threshold plans, else Optuna TPE")
     p.add_argument("--trials", type=_positive_int, metavar="N",
                    help="TPE trial budget for the whole study (default: search.trials, 300)")
-    p.add_argument("--workers", type=_positive_int, default=1, metavar="N",
+    p.add_argument("--workers", type=_workers, default=1, metavar="N",
                    help="worker processes on this machine (default 1)")
-    p.add_argument("--seed", type=_non_negative_int, default=0, help="sampler seed (default 0)")
-    p.add_argument("--storage", metavar="URL",
+    p.add_argument("--seed", type=_seed, default=0, help="sampler seed (default 0)")
+    p.add_argument("--storage", type=_name("storage URL or journal file path"), metavar="URL",
                    help="Optuna storage URL (sqlite:///x.db, postgresql://..., mysql://..., redis://...) "
                         "or a journal file path (default: DIR/study.journal)")
-    p.add_argument("--study", metavar="NAME", help="study name (default: <scenario>-<objective>)")
+    p.add_argument("--study", type=_name("study name"), metavar="NAME",
+                   help="study name (default: <scenario>-<objective>)")
     p.add_argument("--resume", action="store_true",
                    help="continue an existing study (finished trials are kept, not recomputed)")
     p.add_argument("--gpu-hour-cost", type=_positive_float, metavar="PRICE",
@@ -190,32 +205,31 @@ def _write_outputs(scenario, result, objective, out: Path, args) -> int:
         print(text)
         raise failure
     data = report_json(rep)
-    written = ["report.txt", "top_plans.json"]
+    files: dict[str, str | bytes] = {}
     if not args.no_plots and result.records:
-        write_atomic(out / "history.png", history_png(rep))
-        written.append("history.png")
+        files["history.png"] = history_png(rep)
         imp = importances(rep)
         data["importances"] = imp
         if imp:
-            write_atomic(out / "importance.png", importance_png(rep, imp))
-            written.append("importance.png")
+            files["importance.png"] = importance_png(rep, imp)
         if objective.multi and rep.plans:
-            write_atomic(out / "pareto.png", pareto_png(rep))
-            written.append("pareto.png")
+            files["pareto.png"] = pareto_png(rep)
     best = rep.best
     if best is not None:
         sc = emit.best_scenario(scenario, best)
         config = out / "best_plan.yaml"
         launch = emit.launch_command(str(config))
         data["best_plan"] = {"config": str(config), "launch": launch}
-        write_atomic(config, emit.executor_config_yaml(sc, best, launch=launch))
-        write_atomic(out / "megatron_args.txt", emit.megatron_args_text(sc))
-        write_atomic(out / "torchtitan.toml", emit.torchtitan_toml(sc))
-        written += ["best_plan.yaml", "megatron_args.txt", "torchtitan.toml"]
+        files["best_plan.yaml"] = emit.executor_config_yaml(sc, best, launch=launch)
+        files["megatron_args.txt"] = emit.megatron_args_text(sc)
+        files["torchtitan.toml"] = emit.torchtitan_toml(sc)
         text += f"\n\n  best plan: {config}\n  launch it: {launch}"
-    write_atomic(out / "top_plans.json", json.dumps(data, indent=2) + "\n")
-    write_atomic(out / "report.txt", text + "\n")
+    files["top_plans.json"] = json.dumps(data, indent=2) + "\n"
+    files["report.txt"] = text + "\n"
+    check_distinct_files({"scenario": args.scenario, **{f"--out {name}": out / name for name in files}})
+    write_files_atomic([(out / name, content, "--out") for name, content in files.items()])  # all or none
     print(text)
+    written = ["report.txt", "top_plans.json", *(n for n in files if n not in ("report.txt", "top_plans.json"))]
     print(f"\n  wrote {', '.join(written)} to {out}/")
     return 0
 

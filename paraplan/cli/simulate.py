@@ -6,7 +6,7 @@ import sys
 
 from paraplan.errors import ParaplanError
 from paraplan.cli.tables import elided
-from paraplan.fileio import check_output_file, write_atomic
+from paraplan.fileio import check_distinct_files, check_output_file, write_files_atomic
 
 
 GiB = 1024**3
@@ -27,18 +27,25 @@ def run(args) -> int:
 
     check_output_file(args.trace, "--trace")
     check_output_file(args.plot, "--plot")
+    check_distinct_files({"scenario": args.scenario, "--trace": args.trace, "--plot": args.plot})
     if args.plot is not None and not args.plot.lower().endswith(".png"):
         raise ParaplanError(f"--plot: the timeline is a PNG image; give a file name ending in .png, got {args.plot!r}")
     scenario = load_scenario(args.scenario, args.overrides)
+    if scenario.search:  # the search section is the planner's, but a typo in it is an error here too
+        from planner.space import parse_search
+
+        parse_search(scenario)
     result = simulate(scenario)
-    if result.fits and args.trace:  # an infeasible run ends with an error and writes nothing
+    outputs = []  # written together or not at all; an infeasible run ends with an error and writes nothing
+    if result.fits and args.trace:
         from simulator.trace import chrome_trace_json
 
-        write_atomic(args.trace, chrome_trace_json(result))
+        outputs.append((args.trace, chrome_trace_json(result), "--trace"))
     if result.fits and args.plot:
         from simulator.plot import timeline_png
 
-        write_atomic(args.plot, timeline_png(result))
+        outputs.append((args.plot, timeline_png(result), "--plot"))
+    write_files_atomic(outputs)
     if args.json:
         print(json.dumps(result.to_json(), indent=2))
     else:
