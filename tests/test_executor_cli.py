@@ -60,6 +60,9 @@ BAD_INPUT = [
     (["CONFIG", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", "host:99999"], "--rdzv-endpoint: expected HOST[:PORT]"),
     (["CONFIG", "--nnodes", "2", "--nproc", "1", "--rdzv-endpoint", "a b:1"], "--rdzv-endpoint: expected HOST[:PORT]"),
     (["CONFIG", "--out", "/"], "--out: / is a directory"),
+    (["CONFIG", "--out", "CONFIG"], "is the same file as config"),
+    (["CONFIG", "--seed", "4294967296"], "run.seed: expected an integer from 0 to 2**32 - 1"),
+    (["CONFIG", "--hidden", "131072", "--set", "run.num_layers=64"], "run.backend gloo: the 2 CPU process(es) need at least"),
     (["CONFIG", "--run-dir", "CONFIG/x"], "is a file, so nothing can be written under it"),
 ]
 

@@ -4,9 +4,10 @@ What is asserted, and what is not. A 2-process gloo run of a 2-layer, hidden-128
 shared 2-core CI machine takes tens of milliseconds per step, and its step time moves by 10-30 %
 between steps and between runs (other jobs on the host, torchrun's own threads, gloo's polling,
 allocator warm-up), while the quick CPU calibration measures single GEMMs on one thread in a
-quiet process. Measured here (2-core shared host): dp -79 %, pp -74 %, tp -95 % (the simulator
-predicts 10-12 ms, the runs take 46-48 ms for dp/pp and ~230 ms for tp, whose DTensor and gloo
-per-op overhead it does not model). So on such a host the only tolerance we consider meaningful
+quiet process. Measured on a 2-core shared host: dp -72 to -80 %, pp -72 to -74 %, tp -94 to -96 %
+over several runs (the simulator predicts 9-12 ms, the runs take about 40-48 ms for dp/pp and
+180-230 ms for tp, whose DTensor and gloo per-op overhead it does not model; the README gives the
+latest figures). So on such a host the only tolerance we consider meaningful
 is a *factor* of a few for dp/pp (|error| up to ~80 %), and none for tp: the simulator's model of
 a GPU (kernels back to back, no Python or framework overhead, communication on its own links)
 does not describe a CPU where the framework overhead per op is of the order of the op itself and

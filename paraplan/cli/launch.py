@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.metadata
 import importlib.util
 import json
+import os
 import re
 
 from paraplan.cli.tables import elided
@@ -23,7 +24,8 @@ MiB = 1024**2
 
 
 def add_arguments(p) -> None:
-    p.add_argument("config", help="executor config: scenario YAML with a run: section (e.g. best_plan.yaml)")
+    p.add_argument("config", help="executor config: a scenario YAML, its optional run: section giving the run settings "
+                                  "(e.g. best_plan.yaml)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="PATH=VALUE",
                    help="override a config key, e.g. --set plan.tp=2 (repeatable)")
     run = p.add_argument_group("run settings (override the config's run: section)")
@@ -88,6 +90,8 @@ def prepare(args):
     if version < (2, 13):
         # the wrong-gradient combinations it avoids, and the pipelining API it uses, are 2.13's
         raise ParaplanError(f"the executor needs PyTorch >= 2.13, found {importlib.metadata.version('torch')}")
+    if sc.run.backend == "gloo":
+        _check_host_memory(sc, nproc)
     if sc.run.backend == "nccl":
         import torch
 
@@ -96,6 +100,20 @@ def prepare(args):
         if torch.cuda.device_count() < nproc:
             raise ParaplanError(f"{nproc} processes need {nproc} GPUs on this node, it has {torch.cuda.device_count()}")
     return sc, nproc
+
+
+def _check_host_memory(sc, nproc: int) -> None:
+    """A CPU run holds fp32 weights, gradients and Adam's two moments in host memory: 16 bytes per
+    parameter (Rajbhandari et al., "ZeRO", SC'20, Sec. 3.1, with fp32 weights), however the plan
+    shards them, so this node's processes hold at least nproc / world of the model's 16 x params.
+    A plan that cannot fit even that is refused before any process starts."""
+    need = 16 * sc.model.total_params() * nproc / sc.plan.world_size
+    have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > have:
+        raise ParaplanError(
+            f"run.backend gloo: the {nproc} CPU process(es) need at least {need / 2**30:,.1f} GiB of host memory "
+            f"for fp32 weights, gradients and Adam states ({sc.model.total_params() / 1e9:,.2f}B parameters), "
+            f"this host has {have / 2**30:,.1f} GiB; scale the model down with --layers and --hidden")
 
 
 def run(args) -> int:
