@@ -267,9 +267,13 @@ def load_records(path: str) -> list[dict]:
         raise ConfigError("", f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(data, list):
         raise ConfigError("", f"{path}: expected a list of records")
+    seen: set[str] = set()
     for i, rec in enumerate(data):
         if not isinstance(rec, dict) or not isinstance(rec.get("id"), str):
             raise ConfigError("", f"{path}: record {i + 1} is not a mapping with an 'id'")
+        if rec["id"] in seen:
+            raise ConfigError("", f"{path}: record {i + 1}: id {rec['id']!r} is used twice; ids name rows, make them unique")
+        seen.add(rec["id"])
     return data
 
 
@@ -285,8 +289,10 @@ def evaluate(records: list[dict], *, include_moe: bool = True) -> list[Row]:
             usable = target is not None and (include_moe or is_dense(rec)) \
                 and rec["batch"].get("global_batch_size") is not None
             scenario = record_to_scenario(rec) if usable else None
-        except (KeyError, TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
-            raise ConfigError(f"record {rec.get('id')}", f"malformed ({type(exc).__name__}: {exc})") from None
+        except KeyError as exc:
+            raise ConfigError(f"record {rec.get('id')}", f"malformed: missing key {exc.args[0]!r}") from None
+        except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
+            raise ConfigError(f"record {rec.get('id')}", f"malformed: a field has the wrong type or value ({exc})") from None
         if not usable:
             continue
         try:

@@ -181,11 +181,17 @@ def test_validate_published_bad_files_are_one_line(tmp_path):
     rec["parallelism"]["tp"] = "eight"
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump([rec]))
+    twice = tmp_path / "twice.yaml"
+    twice.write_text(yaml.safe_dump([records[0], records[0]]))
+    no_model = tmp_path / "no_model.yaml"
+    no_model.write_text(yaml.safe_dump([{k: v for k, v in records[0].items() if k != "model"}]))
     cases = [
         ([str(tmp_path)], f"error: published-runs file: {tmp_path} is a directory"),
         ([str(one)], f"error: {one}: no record publishes a step time"),
         ([str(numbers)], f"error: {numbers}: record 1 is not a mapping with an 'id'"),
-        ([str(bad)], "error: record megatron_sc21_t1_1.7B: malformed (ValueError"),
+        ([str(bad)], "error: record megatron_sc21_t1_1.7B: malformed: a field has the wrong type or value"),
+        ([str(twice)], f"error: {twice}: record 2: id {records[0]['id']!r} is used twice"),
+        ([str(no_model)], f"error: record {records[0]['id']}: malformed: missing key 'model'"),
         (["--json", "--markdown"], "error: argument --markdown: not allowed with argument --json"),
     ]
     for args, message in cases:
