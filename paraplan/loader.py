@@ -77,8 +77,10 @@ def _integer(minimum: int | None = None, maximum: int | None = None, maximum_tex
 # The deepest published transformers have about a thousand layers; the simulator prices a layer at a
 # time, so a typo like 10**9 would run for hours before reporting the plan does not fit.
 MAX_LAYERS = 100_000
-# numpy's generators (routing draws) and torch's seeding through them take seeds in [0, 2**32)
-SEED = _integer(minimum=0, maximum=2**32 - 1, maximum_text="2**32 - 1")
+# numpy's generators (routing draws, Optuna's samplers) and torch's seeding through them take seeds
+# in [0, 2**32)
+MAX_SEED, MAX_SEED_TEXT = 2**32 - 1, "2**32 - 1"
+SEED = _integer(minimum=0, maximum=MAX_SEED, maximum_text=MAX_SEED_TEXT)
 
 
 def _number(*, positive: bool = False, minimum: float | None = None) -> Check:

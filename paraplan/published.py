@@ -98,12 +98,17 @@ def megatron_core_moe_flops(rec: dict) -> float:
     q = (m.get("head_dim") or h // heads) * heads
     gated = 1.5 if m.get("activation") == "swiglu" else 1.0
     shared = (e.get("num_shared_experts") or 0) * e["expert_ffn_hidden_size"]
-    causal_halved = str((rec.get("source") or {}).get("date") or "") >= "2025"
+    causal_halved = _date(rec) >= "2025"
     per = ((1 + groups / heads + s / h / (2 if causal_halved else 1)) * q / h
            + e["expert_ffn_hidden_size"] / h * e["top_k"] * gated
            + shared / h * gated
            + m["vocab_size"] / (2 * layers * h))
     return 12 * b["global_batch_size"] * s * layers * h * h * per
+
+
+def _date(rec: dict) -> str:
+    """The source's date as written ('2024-08'; '' when unknown): compared as text, '2025' and later."""
+    return str((rec.get("source") or {}).get("date") or "")
 
 
 def is_dense(rec: dict) -> bool:
@@ -201,7 +206,7 @@ def launch_script_settings() -> dict[str, dict]:
 def record_to_scenario(rec: dict) -> dict:
     """A scenario mapping for the loader, with ASSUMPTIONS applied to null fields."""
     m, h, par, b = rec["model"], rec["hardware"], rec["parallelism"], rec["batch"]
-    date = str((rec.get("source") or {}).get("date") or "")
+    date = _date(rec)
     script = launch_script_settings().get(rec["id"], {})
     vpp = par.get("virtual_pipeline_stages")
     if vpp is None and "layers_per_virtual_stage" in script:

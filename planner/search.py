@@ -163,8 +163,14 @@ def open_storage(spec: str) -> optuna.storages.BaseStorage:
     except ParaplanError:
         raise
     except Exception as e:  # noqa: BLE001  sqlalchemy, drivers, redis: all one line for the user
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = _first_line(e) or type(e).__name__
         raise ParaplanError(f"--storage {shown}: cannot open it: {msg.replace(spec, shown)}") from None
+
+
+def _first_line(exc: BaseException) -> str:
+    """An exception's message, first line only (errors are one line), or '' when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def _check_journal_file(path: str, spec: str) -> None:
@@ -243,7 +249,7 @@ def run_search(req: SearchRequest, *, progress: Callable[[int, int, Evaluation |
     except ParaplanError:
         raise
     except Exception as e:  # noqa: BLE001  a file that is not a journal, a database of another schema
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        msg = _first_line(e)
         raise ParaplanError(f"--storage {mask_url(req.storage)}: not a usable Optuna storage "
                             f"({type(e).__name__}{': ' + msg if msg else ''})") from None
     failed = 0 if created else _fail_dead_trials(study)

@@ -107,12 +107,13 @@ def _check_host_memory(sc, nproc: int) -> None:
     parameter (Rajbhandari et al., "ZeRO", SC'20, Sec. 3.1, with fp32 weights), however the plan
     shards them, so this node's processes hold at least nproc / world of the model's 16 x params.
     A plan that cannot fit even that is refused before any process starts."""
-    need = 16 * sc.model.total_params() * nproc / sc.plan.world_size
+    params = sc.model.total_params()
+    need = 16 * params * nproc / sc.plan.world_size
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if need > have:
         raise ParaplanError(
             f"run.backend gloo: the {nproc} CPU process(es) need at least {need / 2**30:,.1f} GiB of host memory "
-            f"for fp32 weights, gradients and Adam states ({sc.model.total_params() / 1e9:,.2f}B parameters), "
+            f"for fp32 weights, gradients and Adam states ({params / 1e9:,.2f}B parameters), "
             f"this host has {have / 2**30:,.1f} GiB; scale the model down with --layers and --hidden")
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from paraplan.errors import ConfigError, ParaplanError
 from paraplan.fileio import check_distinct_files, check_output_dir, write_files_atomic
+from paraplan.loader import MAX_SEED, MAX_SEED_TEXT
 
 OBJECTIVE_CHOICES = ("throughput", "cost", "throughput-vs-headroom", "throughput-vs-gpus")
 JOURNAL = "study.journal"
@@ -43,11 +44,11 @@ def _number(cast, what: str, ok):
 
 
 _positive_int = _number(int, "a positive integer", lambda v: v >= 1)
-# numpy's and Optuna's samplers take seeds in [0, 2**32)
-_seed = _number(int, "an integer from 0 to 2**32 - 1", lambda v: 0 <= v < 2**32)
+_seed = _number(int, f"an integer from 0 to {MAX_SEED_TEXT}", lambda v: 0 <= v <= MAX_SEED)
 # a process per worker: more than a few per core only queue, and a typo like 100000 would fork-bomb
 MAX_WORKERS = 256
 _workers = _number(int, f"an integer from 1 to {MAX_WORKERS}", lambda v: 1 <= v <= MAX_WORKERS)
+_positive_float = _number(float, "a positive number", lambda v: 0 < v < float("inf"))
 
 
 def _name(what: str):
@@ -57,7 +58,6 @@ def _name(what: str):
             raise argparse.ArgumentTypeError(f"expected a {what}, got an empty string")
         return text
     return parse
-_positive_float = _number(float, "a positive number", lambda v: 0 < v < float("inf"))
 
 
 def add_arguments(p) -> None:
@@ -205,7 +205,7 @@ def _write_outputs(scenario, result, objective, out: Path, args) -> int:
         print(text)
         raise failure
     data = report_json(rep)
-    files: dict[str, str | bytes] = {}
+    files: dict[str, str | bytes] = {"report.txt": "", "top_plans.json": ""}  # filled last; listed first
     if not args.no_plots and result.records:
         files["history.png"] = history_png(rep)
         imp = importances(rep)
@@ -229,8 +229,7 @@ def _write_outputs(scenario, result, objective, out: Path, args) -> int:
     check_distinct_files({"scenario": args.scenario, **{f"--out {name}": out / name for name in files}})
     write_files_atomic([(out / name, content, "--out") for name, content in files.items()])  # all or none
     print(text)
-    written = ["report.txt", "top_plans.json", *(n for n in files if n not in ("report.txt", "top_plans.json"))]
-    print(f"\n  wrote {', '.join(written)} to {out}/")
+    print(f"\n  wrote {', '.join(files)} to {out}/")
     return 0
 
 
