@@ -424,7 +424,7 @@ def cross_entropy_kernels(ctx: LayerContext, backward: bool) -> list[int]:
     write 4), exp in place (8), sum (read 4), divide by the sum to keep the softmax (8). Backward:
     multiply the softmax by the incoming gradient in place (8; the target's -1 is a gather), and the
     cast's backward back to the logits' dtype (read 4, write 2)."""
-    cast = ctx.act_bytes + 4 if ctx.act_bytes < 4 else 0
+    cast = [ctx.act_bytes + 4] if ctx.act_bytes < 4 else []  # fp32 logits: no cast kernel runs
     if backward:
-        return [8, cast]
-    return [cast, 4, 8, 8, 4, 8]
+        return [8, *cast]
+    return [*cast, 4, 8, 8, 4, 8]

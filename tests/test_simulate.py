@@ -246,7 +246,7 @@ def test_cross_entropy_moves_the_bytes_of_megatrons_unfused_passes(gpt3, dtype, 
     logits = p.micro_batch_size * gpt3.training.seq_length * (m.vocab_size // p.tp)
     for backward, total in ((False, fwd), (True, bwd)):
         kernels = cross_entropy_kernels(ctx, backward)
-        assert sum(kernels) == total
+        assert sum(kernels) == total and 0 not in kernels  # no launch is charged for a cast that does not run
         ce = sum(memory_bound_time(gpu, logits * b) for b in kernels)
         rest = _linear(ctx, m.hidden_size, m.vocab_size // p.tp, backward) + memory_bound_time(
             gpu, (2 if backward else 1) * _norm_bytes(ctx))
