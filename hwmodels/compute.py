@@ -53,13 +53,16 @@ def memory_bound_time(gpu: GpuProfile, nbytes: float) -> float:
     return KERNEL_OVERHEAD + nbytes / (gpu.hbm_bandwidth * gpu.hbm_efficiency(nbytes))
 
 
-def gemm_time(gpu: GpuProfile, m: int, n: int, k: int, dtype: str, batch: int = 1) -> float:
+def gemm_time(gpu: GpuProfile, m: int, n: int, k: int, dtype: str, batch: int = 1,
+              out_bytes: float | None = None) -> float:
     """C[m,n] = A[m,k] @ B[k,n], `batch` times in one (batched) kernel.
 
     Compute: 2mnk x batch FLOPs at peak(dtype) x gemm_curve(dtype)(FLOPs); the curve is measured
     on whole GEMMs, so it already holds launch and wave-quantisation losses.
     Memory: A, B and C each cross HBM once, batch x (mk + kn + mn) x dtype bytes, at
-    hbm_bandwidth x hbm_efficiency(bytes).
+    hbm_bandwidth x hbm_efficiency(bytes). `out_bytes` replaces C's bytes per element where C is
+    not simply written in `dtype`: a GEMM that accumulates into an existing fp32 C (cuBLAS
+    beta = 1, as Megatron's fused weight-gradient GEMM does) reads and writes it, 4 + 4 bytes.
 
     Combined as sqrt(t_compute^2 + t_memory^2): a smooth roofline between perfect overlap,
     max(t_c, t_m) (Williams, Waterman, Patterson, CACM 2009), and none, t_c + t_m (Calculon's
@@ -73,7 +76,8 @@ def gemm_time(gpu: GpuProfile, m: int, n: int, k: int, dtype: str, batch: int = 
         return 0.0
     flops = 2.0 * m * n * k * batch
     t_compute = _compute_time(flops, gpu.peak(dtype), gpu.gemm_curve(dtype))
-    nbytes = batch * (m * k + k * n + m * n) * dtype_bytes(dtype)
+    c_bytes = dtype_bytes(dtype) if out_bytes is None else out_bytes
+    nbytes = batch * ((m * k + k * n) * dtype_bytes(dtype) + m * n * c_bytes)
     t_memory = nbytes / (gpu.hbm_bandwidth * gpu.hbm_efficiency(nbytes))
     return math.hypot(t_compute, t_memory)
 

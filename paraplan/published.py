@@ -38,6 +38,12 @@ ASSUMPTIONS = (
     "false for SwiGLU ones (the Llama family: Mixtral, Qwen3 untie them)",
     "attention kernel: records from before 2023 -> unfused (Megatron-LM and Megatron-DeepSpeed gained --use-flash-attn in 2023); later -> flash",
     "gradient reduction overlapped with backward from 2023 on (Megatron --overlap-grad-reduce, FSDP); earlier runs reduce after the backward",
+    "weight gradients: runs from 2022 on keep the default, accumulation into the fp32 main gradients inside the "
+    "GEMMs except under ZeRO-2/3 (Megatron --gradient-accumulation-fusion reached its tensor-parallel layers in "
+    "early 2022, as their apex.transformer port, NVIDIA/apex PR #1297 of 2022-02, shows; FSDP rows get the "
+    "separate kernel); earlier Megatron-LM runs and DeepSpeed-based ones add each microbatch's gradient in with a "
+    "kernel of its own (Megatron's main_grad hook; DeepSpeed's fp16 engine adds into .grad, 6 bytes per element "
+    "where the modelled hook moves 10)",
     "inter-node network from the record's text (NIC count x rate); unstated -> the GPU generation's typical node (8 NICs, HDR 200G for A100, NDR 400G for H100)",
     "virtual_pipeline_stages null -> 1 (1F1B); > 1 -> interleaved 1F1B",
 )
@@ -253,6 +259,8 @@ def record_to_scenario(rec: dict) -> dict:
             "overlap_grad_reduce": modern or "--overlap-grad-reduce" in flags or script.get("ddp_impl") == "torch",
             "overlap_param_gather": "--overlap-param-gather" in flags or _megatron_core_moe_defaults(rec),
             "tp_comm_overlap": "--tp-comm-overlap" in flags and sp and tp > 1,
+            **({} if date >= "2022" and "deepspeed" not in str(rec.get("framework")).lower()
+               else {"gradient_accumulation_fusion": False}),
             "ep": int(par.get("ep") or 1),
             "expert_tp": int(par.get("expert_tp") or 1),
             **({"moe_dispatcher": "deepep"} if "deepep" in str(par.get("moe_dispatcher")).lower() else {}),

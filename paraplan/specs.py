@@ -300,6 +300,11 @@ class PlanSpec:
     tp_comm_overlap: bool = False
     """Overlap TP all-gather/reduce-scatter with the adjacent GEMMs (Megatron --tp-comm-overlap,
     Transformer Engine userbuffers); needs sequence parallelism."""
+    gradient_accumulation_fusion: bool | None = None
+    """Weight-gradient GEMMs accumulate straight into the fp32 main gradients (Megatron
+    --gradient-accumulation-fusion); off (--no-gradient-accumulation-fusion), a separate kernel adds
+    each microbatch's 16-bit gradient in. None: Megatron's default for the plan, see
+    fused_grad_accumulation."""
     first_stage_layers: int | None = None
     """Layers on the first (virtual) pipeline stage when it differs (Megatron --decoder-first-pipeline-num-layers)."""
     last_stage_layers: int | None = None
@@ -308,6 +313,15 @@ class PlanSpec:
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp * self.cp
+
+    @property
+    def fused_grad_accumulation(self) -> bool:
+        """Whether weight gradients accumulate inside their GEMMs: as set, else on, except under
+        ZeRO-2/3, which Megatron runs as Megatron-FSDP, whose user guide requires
+        --no-gradient-accumulation-fusion (docs/discussions/megatron-fsdp-user-guide)."""
+        if self.gradient_accumulation_fusion is not None:
+            return self.gradient_accumulation_fusion
+        return self.zero_stage < 2
 
     @property
     def recomputed_modules(self) -> tuple[str, ...]:

@@ -74,6 +74,8 @@ def megatron_args(sc: Scenario) -> list[str]:
         a.append("--overlap-param-gather")
     if p.tp_comm_overlap:
         a.append("--tp-comm-overlap")
+    if not p.fused_grad_accumulation and p.zero_stage < 2:  # Megatron-FSDP's flags carry it already
+        a.append("--no-gradient-accumulation-fusion")
     a += _megatron_model(sc)
     a += _megatron_moe(sc)
     a += _megatron_precision(sc.training.precision)

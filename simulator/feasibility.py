@@ -44,6 +44,10 @@ def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
     if p.overlap_param_gather and not p.overlap_grad_reduce:
         # Megatron-LM validate_args: "Must use --overlap-param-gather with --overlap-grad-reduce"
         out.append("plan.overlap_param_gather: needs overlap_grad_reduce: true (Megatron-LM)")
+    if p.gradient_accumulation_fusion and p.zero_stage >= 2:
+        # ZeRO-2/3 is Megatron-FSDP, whose user guide requires --no-gradient-accumulation-fusion
+        out.append("plan.gradient_accumulation_fusion: zero_stage 2 and 3 (Megatron-FSDP) accumulate "
+                   "gradients outside the GEMMs; set it false or leave it out")
     out += _moe_problems(sc)
     if t.precision == "fp8" and gpu_arch == "ampere":
         out.append("training.precision: fp8 needs Hopper or newer; this GPU is Ampere")

@@ -18,7 +18,8 @@ from hwmodels.compute import gemm_time, memory_bound_time
 from hwmodels.network import collective_time, overlapped
 from paraplan.placement import GroupLayout
 from simulator.cost import Cost
-from simulator.workload import activation_time, ffn_norm_residual, mlp_collectives, mlp_linear_shapes, outside_fp8
+from simulator.workload import (activation_time, ffn_norm_residual, mlp_collectives, mlp_linear_shapes, outside_fp8,
+                                weight_grad_time)
 
 
 @dataclass(frozen=True)
@@ -175,8 +176,8 @@ def _gemm(ctx, m: float, k: int, n: int, backward: bool) -> float:
 
 
 def _wgrad(ctx, m: float, k: int, n: int) -> float:
-    """dW = x^T dY of that layer: a (k, m) x (m, n) GEMM."""
-    return gemm_time(ctx.gpu, k, n, _rows(m), ctx.dtype)
+    """dW = x^T dY of that layer, a (k, m) x (m, n) GEMM, with its main-gradient accumulation."""
+    return weight_grad_time(ctx, k, n, _rows(m))
 
 
 def _rows(m: float) -> int:

@@ -50,8 +50,31 @@ def _linear(ctx: LayerContext, k: int, n: int, backward: bool, tokens: float | N
 
 
 def _weight_grad_gemm(ctx: LayerContext, k: int, n: int, tokens: float | None = None) -> float:
-    """dW = x^T dY of the linear layer x (tokens, k) @ W (k, n): a (k, tokens) x (tokens, n) GEMM."""
-    return gemm_time(ctx.gpu, k, n, ctx.tokens if tokens is None else tokens, ctx.dtype)
+    """dW of the linear layer x (tokens, k) @ W (k, n) on the microbatch's tokens by default."""
+    return weight_grad_time(ctx, k, n, ctx.tokens if tokens is None else tokens)
+
+
+MAIN_GRAD_BYTES = 4
+"""Bytes per element of the main gradient every microbatch adds into: fp32 (memory.py's gradient
+bytes, Megatron's DDP grad buffer)."""
+
+
+def weight_grad_time(ctx: LayerContext, k: int, n: int, tokens: int) -> float:
+    """dW = x^T dY of the linear layer x (tokens, k) @ W (k, n), a (k, tokens) x (tokens, n) GEMM,
+    and its accumulation into the fp32 main gradient:
+    - plan.fused_grad_accumulation (Megatron --gradient-accumulation-fusion; Transformer Engine's
+      fuse_wgrad_accumulation): the GEMM accumulates into main_grad itself (beta = 1,
+      megatron/core/tensor_parallel/layers.py: fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32),
+      reading and writing its 4 bytes per element;
+    - without it: the GEMM writes the gradient in the activation dtype and the parameter's gradient
+      hook adds it into main_grad in a kernel of its own (main_grad.add_(grad): read w + 4, write 4;
+      Megatron-LM before the fusion, e.g. megatron/mpu/layers.py of its 2021-22 sequence-parallel
+      work, returns grad_weight = grad_output.t().matmul(input) to autograd)."""
+    if ctx.plan.fused_grad_accumulation:
+        return gemm_time(ctx.gpu, k, n, tokens, ctx.dtype, out_bytes=2 * MAIN_GRAD_BYTES)
+    w = ctx.act_bytes  # fp8 GEMMs write a 16-bit gradient
+    return (gemm_time(ctx.gpu, k, n, tokens, ctx.dtype, out_bytes=w)
+            + memory_bound_time(ctx.gpu, k * n * (w + 2 * MAIN_GRAD_BYTES)))
 
 
 def _attention_shapes(ctx: LayerContext) -> list[tuple[int, int, float]]:
@@ -370,7 +393,7 @@ def embedding_weight_grad_kernels(ctx: LayerContext) -> list[int]:
     gradient hook adds it into the fp32 main_grad (main_grad.add_(grad): read w + 4, write 4;
     megatron/core/distributed param hook). The scatter of the tokens' rows is tokens x h, small."""
     w = ctx.act_bytes  # the table's dtype: 16-bit, also under fp8 (it is no fp8 module); fp32 in fp32
-    return [w, w + 8]
+    return [w, w + 2 * MAIN_GRAD_BYTES]
 
 
 def mtp_projection(ctx: LayerContext, backward: bool) -> Cost:

@@ -314,3 +314,17 @@ def test_fp8_plans_convert_the_linears_and_moe_models_are_not_llama3():
 def test_multi_token_prediction_argument():
     assert flag_value(megatron_args(scenario("deepseek-v3-2048xh800")), "--mtp-num-layers") == "1"
     assert "--mtp-num-layers" not in megatron_args(scenario("deepseek-v3-2048xh800", "model.mtp_layers=0"))
+
+
+def test_gradient_accumulation_fusion_is_passed_as_simulated():
+    """On by default (Megatron's default too); off on request; ZeRO-2/3 plans run Megatron-FSDP,
+    which needs it off and gets the flag once, and refuse an explicit `true`."""
+    flag = "--no-gradient-accumulation-fusion"
+    assert flag not in megatron_args(scenario("tiny-gpt-8xa100"))
+    off = scenario("tiny-gpt-8xa100", "plan.gradient_accumulation_fusion=false")
+    assert megatron_args(off).count(flag) == 1
+    fsdp = scenario("tiny-gpt-8xa100", "plan.zero_stage=3")
+    assert not fsdp.plan.fused_grad_accumulation and megatron_args(fsdp).count(flag) == 1
+    from simulator.feasibility import structural_problems
+    sc = scenario("tiny-gpt-8xa100", "plan.zero_stage=3", "plan.gradient_accumulation_fusion=true")
+    assert any(p.startswith("plan.gradient_accumulation_fusion:") for p in structural_problems(sc))

@@ -60,6 +60,21 @@ def test_skinny_gemm_on_the_ridge_checks_how_compute_and_memory_combine():
     assert abs(flops / t / 1e12 - 157.8) / 157.8 < 0.10
 
 
+def test_accumulating_gemm_reads_and_writes_its_fp32_output():
+    """A weight-gradient GEMM that accumulates into an fp32 main_grad (beta = 1) moves C as 4 bytes
+    read + 4 written instead of 2 written: an expert's 512-token dW is then mostly HBM traffic."""
+    gpu = load_profile("h100-sxm-80gb")
+    m, n, k = 4096, 3072, 512  # dW of a 4096 -> 3072 projection over 512 tokens
+    flops = 2.0 * m * n * k
+    t_cmp = flops / (gpu.peak("bf16") * gpu.gemm_curve("bf16")(flops))
+    for out_bytes in (2, 8):
+        nbytes = (m * k + k * n) * 2 + m * n * out_bytes
+        t_mem = nbytes / (gpu.hbm_bandwidth * gpu.hbm_efficiency(nbytes))
+        assert gemm_time(gpu, m, n, k, "bf16", out_bytes=out_bytes) == pytest.approx(math.hypot(t_cmp, t_mem))
+    assert gemm_time(gpu, m, n, k, "bf16", out_bytes=2) == gemm_time(gpu, m, n, k, "bf16")
+    assert gemm_time(gpu, m, n, k, "bf16", out_bytes=8) > 1.5 * gemm_time(gpu, m, n, k, "bf16")
+
+
 @pytest.mark.parametrize("name, dtype, mamf", [
     ("a100-sxm-80gb", "bf16", 0.869), ("h100-sxm-80gb", "bf16", 0.803), ("h100-sxm-80gb", "fp8", 0.709),
     ("h200-sxm-141gb", "fp8", 0.734), ("b200-sxm-180gb", "bf16", 0.776), ("b200-sxm-180gb", "fp8", 0.763),

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from paraplan.loader import load_scenario
 from paraplan.published import launch_script_settings, published_step_time, record_to_scenario
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -68,3 +69,18 @@ def test_a_published_moe_tflops_becomes_a_step_time_with_the_sources_flop_count(
     rec["source"]["date"] = "2025-03"
     halved = 12 * 256 * 4096 * 32 * 4096 ** 2 * (per - 0.5)
     assert published_step_time(rec) == (pytest.approx(halved / (438e12 * 64)), True)
+
+
+def test_weight_gradient_accumulation_follows_the_framework_and_its_date(records):
+    """Megatron-LM fused it into the wgrad GEMMs in early 2022; SC'21 (2021) and the DeepSpeed-based
+    runs add each microbatch's gradient in with a kernel of their own; later runs keep the plan's
+    default, which is unfused only under ZeRO-2/3 (the FSDP rows)."""
+    def fused(rid):
+        sc = load_scenario(record_to_scenario(records[rid]))
+        return sc.plan.fused_grad_accumulation
+
+    assert not fused("megatron_sc21_t1_1.7B") and not fused("megatron_sc21_t1_1008.0B")
+    assert not fused("mtnlg_530b_2240gpu") and not fused("bloom_176b_384gpu")
+    assert fused("korthikanti_t5_175B_sp_selective") and fused("megatron_readme_h100_70B")
+    assert fused("moe_modelzoo_qwen3_235b_h100_crossnode_ep32")
+    assert not fused("mosaic_mpt_13b_h100_16gpu_seq2048")  # FSDP FULL_SHARD = ZeRO-3

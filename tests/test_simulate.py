@@ -137,7 +137,7 @@ def test_zero_bubble_interleaved_and_moe(gpt3):
 def test_weight_gradient_pass_is_the_wgrad_gemms(gpt3):
     from simulator.simulate import _layer_kinds  # noqa: PLC2701
     from simulator.workload import LayerContext, layer_weight_grad
-    from hwmodels.compute import gemm_time
+    from hwmodels.compute import gemm_time, memory_bound_time
     from hwmodels.network import build_network
     from hwmodels.profile import load_profile
     from paraplan.placement import group_layout
@@ -148,12 +148,19 @@ def test_weight_gradient_pass_is_the_wgrad_gemms(gpt3):
                        seq_length=gpt3.training.seq_length, dtype="bf16", attention_kernel="flash",
                        tp_layout=group_layout(("tp",), p, 8), cp_layout=group_layout(("cp",), p, 8))
     h, t, tp = m.hidden_size, p.micro_batch_size * gpt3.training.seq_length, p.tp
-    by_hand = (gemm_time(gpu, h, 3 * h // tp, t, "bf16") + gemm_time(gpu, h // tp, h, t, "bf16")
-               + gemm_time(gpu, h, 4 * h // tp, t, "bf16") + gemm_time(gpu, 4 * h // tp, h, t, "bf16"))
+    shapes = [(h, 3 * h // tp), (h // tp, h), (h, 4 * h // tp), (4 * h // tp, h)]
+    # fused gradient accumulation (the default): each GEMM reads and writes its fp32 main_grad
+    by_hand = sum(gemm_time(gpu, k, n, t, "bf16", out_bytes=8) for k, n in shapes)
+    assert p.zero_stage < 2 and p.fused_grad_accumulation
     assert layer_weight_grad(ctx) == pytest.approx(by_hand, rel=1e-12)
     # and the W pass the simulator schedules for a dense layer is that figure
     kinds, _ = _layer_kinds(ctx, None, None, None, balanced=False)
     assert kinds.wgrad["dense"] == pytest.approx(by_hand, rel=1e-12)
+    # unfused: each GEMM writes a bf16 gradient, then a kernel adds it into main_grad (read 2 + 4, write 4)
+    unfused = replace(ctx, plan=replace(p, gradient_accumulation_fusion=False))
+    by_hand = sum(gemm_time(gpu, k, n, t, "bf16") + memory_bound_time(gpu, k * n * 10) for k, n in shapes)
+    assert layer_weight_grad(unfused) == pytest.approx(by_hand, rel=1e-12)
+    assert by_hand > layer_weight_grad(ctx)
 
 
 def test_zero_bubble_with_virtual_stages_needs_microbatches_a_multiple_of_pp(gpt3):
@@ -279,7 +286,8 @@ def test_embedding_backward_writes_the_whole_tables_gradient(gpt3, dtype, table_
 
 def test_zero3_with_nothing_to_shard_costs_what_zero0_does():
     sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml")
-    one = plan_variant(sc, tp=2, pp=4, dp=1)
+    # ZeRO-3 runs as Megatron-FSDP, which accumulates gradients outside the GEMMs: compare like with like
+    one = plan_variant(sc, tp=2, pp=4, dp=1, gradient_accumulation_fusion=False)
     z0, z3 = simulate(one), simulate(plan_variant(one, zero_stage=3))
     assert z3.peak_memory_bytes == z0.peak_memory_bytes
     assert z3.step_time_s == z0.step_time_s and z3.breakdown == z0.breakdown
