@@ -259,8 +259,9 @@ def record_to_scenario(rec: dict) -> dict:
             "overlap_grad_reduce": modern or "--overlap-grad-reduce" in flags or script.get("ddp_impl") == "torch",
             "overlap_param_gather": "--overlap-param-gather" in flags or _megatron_core_moe_defaults(rec),
             "tp_comm_overlap": "--tp-comm-overlap" in flags and sp and tp > 1,
-            **({} if date >= "2022" and "deepspeed" not in str(rec.get("framework")).lower()
-               else {"gradient_accumulation_fusion": False}),
+            # null: the plan's default (fused, unfused under ZeRO-2/3)
+            "gradient_accumulation_fusion": None if date >= "2022" and "deepspeed" not in
+            str(rec.get("framework")).lower() else False,
             "ep": int(par.get("ep") or 1),
             "expert_tp": int(par.get("expert_tp") or 1),
             **({"moe_dispatcher": "deepep"} if "deepep" in str(par.get("moe_dispatcher")).lower() else {}),

@@ -23,8 +23,8 @@ from simulator.moe import (
 from simulator.result import BREAKDOWN_KEYS, MoEReport, SimResult, StageResult
 from simulator.schedules import SPLIT_BACKWARD_SCHEDULES, build_schedule, peak_in_flight
 from simulator.workload import (
-    LayerContext, embedding_cost, head_cost, head_weight_grad, layer_backward, layer_forward, layer_weight_grad,
-    mtp_projection, mtp_weight_grad,
+    MAIN_GRAD_BYTES, LayerContext, embedding_cost, head_cost, head_weight_grad, layer_backward, layer_forward,
+    layer_weight_grad, mtp_projection, mtp_weight_grad,
 )
 
 # Megatron DDP bucket size: max(40M, 1M x dp) parameters, dp the gradient-reduction group (dp x cp)
@@ -34,7 +34,8 @@ BUCKET_PARAMS = 40_000_000
 # read grad, master, m, v (16), write master, m, v (12), write the 16-bit weight copy (2), plus the
 # gradient-norm read (4) and the grad-buffer zeroing (4) (Megatron clip_grad_norm + zero_grad).
 ADAM_BYTES_PER_PARAM = 38
-GRAD_REDUCE_BYTES = 4  # fp32 gradient reduction (Megatron accumulate_allreduce_grads_in_fp32)
+# fp32 gradient reduction (Megatron accumulate_allreduce_grads_in_fp32): the main-gradient buffer is what is reduced
+GRAD_REDUCE_BYTES = MAIN_GRAD_BYTES
 
 
 def compute_dtype(precision: str) -> str:
