@@ -303,8 +303,8 @@ PLAN = _schema(
     expert_tp=Key(POSITIVE),
     moe_shared_expert_overlap=Key(_boolean),
     moe_dispatcher=Key(_one_of(MOE_DISPATCHERS)),
-    first_stage_layers=Key(_optional(POSITIVE)),
-    last_stage_layers=Key(_optional(POSITIVE)),
+    first_stage_layers=Key(_optional(_integer(minimum=0))),
+    last_stage_layers=Key(_optional(_integer(minimum=0))),
 )
 
 

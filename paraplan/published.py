@@ -16,6 +16,7 @@ from importlib import resources
 import yaml
 
 from paraplan.errors import ConfigError
+from simulator.layout import embedding_and_loss_edge
 
 ASSUMPTIONS = (
     "null fields the source set in its launch scripts are filled from them (paraplan/data/launch_scripts.yaml): "
@@ -186,9 +187,9 @@ def _flags(rec: dict) -> set[str]:
 
 def _uneven_stages(num_layers: int, pp: int, vpp: int) -> dict:
     v = pp * vpp
-    if v == 1 or num_layers % v == 0 or (num_layers + 2) % v:
+    edge = embedding_and_loss_edge(num_layers, v)
+    if num_layers % v == 0 or edge is None:
         return {}
-    edge = (num_layers + 2) // v - 1
     return {"first_stage_layers": edge, "last_stage_layers": edge}
 
 

@@ -23,6 +23,7 @@ import yaml
 from paraplan.serialize import scenario_to_mapping
 from paraplan.specs import Scenario
 from planner.objective import GiB, Evaluation
+from simulator import layout
 
 
 def launch_command(config_path: str) -> str:
@@ -47,8 +48,6 @@ def executor_config_yaml(sc: Scenario, ev: Evaluation, *, launch: str, header: s
 def layers_per_virtual_stage(sc: Scenario) -> list[int]:
     """Transformer layers of each virtual stage, in virtual-stage order (g = chunk x pp + stage,
     Megatron's interleaved order): the simulated split (simulator.layout)."""
-    from simulator import layout
-
     p = sc.plan
     return layout.layers_per_virtual_stage(sc.model.num_layers, p.pp, p.virtual_pipeline_stages,
                                            p.first_stage_layers, p.last_stage_layers)
@@ -87,20 +86,23 @@ def _megatron_pipeline_split(sc: Scenario) -> list[str]:
     """The simulated layers per virtual stage in Megatron-Core's terms (megatron/training/arguments.py,
     megatron/core/transformer/transformer_config.py):
     - one virtual stage per rank: --decoder-first/last-pipeline-num-layers, which count a pipeline
-      rank's layers;
+      rank's layers; they must be > 0 (transformer_config.py: "num_layers_in_first_pipeline_stage
+      must be larger than 0"), so a stage holding only the embedding or only the loss takes one of
+      the two forms below;
     - interleaved, even: --num-layers-per-virtual-pipeline-stage;
-    - interleaved, first and last virtual stages one layer short with (L + 2) a multiple of
-      pp x vpp: the embedding and the loss counted as layers (--account-for-embedding/loss-in-
-      pipeline-split), the vpp degree as --num-virtual-stages-per-pipeline-rank (arguments.py:
+    - first and last virtual stages one layer short with (L + 2) a multiple of pp x vpp: the
+      embedding and the loss counted as layers (--account-for-embedding/loss-in-pipeline-split),
+      under interleaving the vpp degree as --num-virtual-stages-per-pipeline-rank (arguments.py:
       "please use --num-virtual-stages-per-pipeline-rank to specify virtual pipeline parallel degree
       when enable uneven pipeline parallelism");
-    - interleaved, any other split: --pipeline-model-parallel-layout, every virtual stage spelled out.
+    - any other split: --pipeline-model-parallel-layout, every virtual stage spelled out.
     Not --decoder-first/last-pipeline-num-layers under interleaving: TransformerConfig wants those
     divisible by the vpp degree and spreads them evenly over the rank's virtual stages, so they
     cannot give the first or last virtual stage alone a different count."""
     p = sc.plan
     vpp = p.virtual_pipeline_stages
-    if vpp == 1:
+    edges = [n for n in (p.first_stage_layers, p.last_stage_layers) if n is not None]
+    if vpp == 1 and all(edges):
         a = []
         if p.first_stage_layers is not None:
             a += ["--decoder-first-pipeline-num-layers", str(p.first_stage_layers)]
@@ -111,22 +113,17 @@ def _megatron_pipeline_split(sc: Scenario) -> list[str]:
     if len(set(sizes)) == 1:
         return ["--num-layers-per-virtual-pipeline-stage", str(sizes[0])]
     if _embedding_and_loss_accounted(sizes, sc.model.num_layers):
-        return ["--num-virtual-stages-per-pipeline-rank", str(vpp),
-                "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
+        per_rank = ["--num-virtual-stages-per-pipeline-rank", str(vpp)] if vpp > 1 else []
+        return [*per_rank, "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
     return ["--pipeline-model-parallel-layout", megatron_pipeline_layout(sizes)]
 
 
 def _embedding_and_loss_accounted(sizes: list[int], num_layers: int) -> bool:
     """Whether `sizes` is the split Megatron makes when the embedding and the loss count as one
-    layer each: (L + 2) / (pp x vpp) per virtual stage, the first and last one layer short
-    (transformer_config.py: "num_layers ... after enable account_for_embedding_in_pipeline_split or
-    account_for_loss_in_pipeline_split must be divisible by pipeline_model_parallel_size", and the
-    layers per rank by the vpp degree)."""
-    stages = len(sizes)
-    if (num_layers + 2) % stages:
-        return False
-    per = (num_layers + 2) // stages
-    return [per - 1] + [per] * (stages - 2) + [per - 1] == sizes
+    layer each (simulator.layout.embedding_and_loss_edge): the first and last virtual stages one
+    layer short of the others."""
+    edge = layout.embedding_and_loss_edge(num_layers, len(sizes))
+    return edge is not None and [edge] + [edge + 1] * (len(sizes) - 2) + [edge] == sizes
 
 
 def megatron_pipeline_layout(sizes: list[int]) -> str:

@@ -102,7 +102,8 @@ def plan_label(p: PlanSpec) -> str:
     sched = p.schedule + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
     parts += [sched, "sp" if p.sequence_parallel else "no-sp", f"zero{p.zero_stage}", p.recompute_label]
     if p.first_stage_layers is not None or p.last_stage_layers is not None:
-        parts.append(f"stages {p.first_stage_layers or '-'}/{p.last_stage_layers or '-'}")
+        first, last = ("-" if n is None else n for n in (p.first_stage_layers, p.last_stage_layers))
+        parts.append(f"stages {first}/{last}")
     return " ".join(parts)
 
 

@@ -25,7 +25,7 @@ range**, so `search: {}` or no section at all means "every valid factorisation o
 | ep | 1 for a dense model; for MoE, divisors of the world size that divide num_experts |
 | micro_batch_size | divisors of training.global_batch_size up to 16 |
 | schedule | gpipe, 1f1b, interleaved-1f1b (zero-bubble only when listed: Megatron-LM cannot run it) |
-| virtual_pipeline_stages | divisors of model.num_layers (used by interleaved-1f1b only; others run 1) |
+| virtual_pipeline_stages | divisors of model.num_layers or of model.num_layers + 2 (used by interleaved-1f1b only; others run 1) |
 | sequence_parallel | false, true |
 | zero_stage | 0, 1, 2, 3 |
 | recompute | none, selective, full |
@@ -37,7 +37,10 @@ are derived, not searched: when pp does not divide the layers (and the schedule 
 interleaved), the middle stages take ceil(layers / pp) each and the first and
 last stages share the rest, the last one the lighter (they also hold the embedding and the LM
 head: Llama 3 405B's 126 layers on 16 stages are 7 + 14 x 8 + 7, Dubey et al. 2024 Sec. 3.3.2);
-the scenario's own plan, as written, is evaluated as the baseline.
+interleaved, the embedding and the loss count as a layer each where the pp x vpp virtual stages
+then split the layers evenly (Megatron --account-for-embedding/loss-in-pipeline-split: Qwen3-235B's
+94 layers on 8 x 4 virtual stages are 2 + 30 x 3 + 2, on 32 x 3 the embedding and the loss alone at
+the ends); the scenario's own plan, as written, is evaluated as the baseline.
 
 Candidates are canonicalised so that plans that run identically are one plan (and one
 simulation): virtual_pipeline_stages is 1 unless the schedule is interleaved-1f1b,
@@ -61,6 +64,7 @@ from typing import Any
 
 from paraplan.errors import ConfigError
 from paraplan.specs import RECOMPUTE, SCHEDULES, ZERO_STAGES, PlanSpec, Scenario, nodes_x_gpus
+from simulator import layout
 
 # Knobs in the order they are enumerated and shown.
 KNOBS = (
@@ -241,7 +245,7 @@ def _defaults(sc: Scenario, num_nodes: tuple[int, ...], allow_tp_across_nodes: b
         "ep": ep,
         "micro_batch_size": tuple(d for d in _divisors(t.global_batch_size) if d <= MAX_DEFAULT_MICRO_BATCH),
         "schedule": DEFAULT_SCHEDULES,
-        "virtual_pipeline_stages": tuple(_divisors(m.num_layers)),
+        "virtual_pipeline_stages": tuple(sorted(set(_divisors(m.num_layers)) | set(_divisors(m.num_layers + 2)))),
         "sequence_parallel": (False, True),
         "zero_stage": ZERO_STAGES,
         "recompute": RECOMPUTE,
@@ -288,6 +292,18 @@ def uneven_stages(num_layers: int, pp: int) -> tuple[int | None, int | None]:
     return rest - rest // 2, rest // 2
 
 
+def interleaved_edges(num_layers: int, virtual_stages: int) -> tuple[int | None, int | None]:
+    """(first, last) virtual-stage layers of an interleaved plan whose virtual stages do not divide
+    the layers: the embedding and the loss counted as a layer each (Megatron-Core
+    --account-for-embedding/loss-in-pipeline-split, the Megatron MoE Model Zoo's Qwen3-235B split:
+    94 + 2 = 96 = 8 x 4 x 3), possibly leaving a stage only the embedding or the loss. (None, None)
+    when the split is even or no such split exists (the plan is then rejected as uneven)."""
+    edge = layout.embedding_and_loss_edge(num_layers, virtual_stages)
+    if num_layers % virtual_stages == 0 or edge is None:
+        return None, None
+    return edge, edge
+
+
 def reason_key(reason: str) -> str:
     """The reason with its numbers replaced by '#': plans rejected for the same rule count together."""
     return re.sub(r"\b\d+(\.\d+)?\b", "#", reason)
@@ -326,7 +342,11 @@ class PlanSpace:
         interleaved = v["schedule"] == "interleaved-1f1b"
         sp = v["sequence_parallel"] if v["tp"] > 1 else self._cands["sequence_parallel"][0]
         zero = v["zero_stage"] if self._zero_matters(v["tp"], dp, v["cp"], v["ep"]) else self._cands["zero_stage"][0]
-        first, last = (None, None) if interleaved else uneven_stages(self.scenario.model.num_layers, v["pp"])
+        layers = self.scenario.model.num_layers
+        if interleaved:
+            first, last = interleaved_edges(layers, v["pp"] * v["virtual_pipeline_stages"])
+        else:
+            first, last = uneven_stages(layers, v["pp"])
         plan = dataclasses.replace(
             self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], ep=v["ep"],
             first_stage_layers=first, last_stage_layers=last,

@@ -26,3 +26,15 @@ def layers_per_chunk(num_layers: int, pp: int, vpp: int, first: int | None, last
     """layers[stage][chunk]: layers_per_virtual_stage by pipeline rank."""
     sizes = layers_per_virtual_stage(num_layers, pp, vpp, first, last)
     return [[sizes[c * pp + s] for c in range(vpp)] for s in range(pp)]
+
+
+def embedding_and_loss_edge(num_layers: int, stages: int) -> int | None:
+    """Layers of the first and of the last of `stages` virtual stages when the embedding and the
+    loss count as one layer each (Megatron-Core --account-for-embedding/loss-in-pipeline-split,
+    transformer_config.py: num_layers + 2 "must be divisible by pipeline_model_parallel_size", per
+    virtual stage under interleaving): (L + 2) / stages - 1, which is 0 where a stage holds only the
+    embedding or only the loss. None where L + 2 does not split evenly."""
+    if stages < 2 or (num_layers + 2) % stages:
+        return None
+    return (num_layers + 2) // stages - 1
+

@@ -73,6 +73,7 @@ def megatron_split(args, num_layers, pp):
     ranks = {0: first, pp - 1: last}
     fixed = {r: n for r, n in ranks.items() if n is not None}
     for n in fixed.values():
+        assert n > 0, "num_layers_in_first_pipeline_stage must be larger than 0"
         assert n % vpp == 0, "number of layers at first stage must be divisible by virtual pipeline degree"
     rest = (num_layers - sum(fixed.values())) // (pp - len(fixed)) if pp > len(fixed) else 0
     per_rank = [fixed.get(r, rest) for r in range(pp)]
@@ -105,6 +106,13 @@ SPLITS = [
     ("llama3-405b-16384xh100", []),                                                 # 7 + 14 x 8 + 7, vpp 1
     ("deepseek-v3-2048xh800", []),                                                  # 4 + 14 x 4 + 1, vpp 1
     ("mixtral-8x7b-64xh100", []),                                                   # even, vpp 8
+    ("qwen3-235b-256xh100", ["plan.pp=32", "plan.virtual_pipeline_stages=3", "plan.ep=8",
+                             "plan.first_stage_layers=0", "plan.last_stage_layers=0"]),   # E | 94 x 1 | L
+    ("qwen3-235b-256xh100", ["plan.first_stage_layers=0", "plan.last_stage_layers=4"]),   # E | 30 x 3 | 4 L
+    ("llama3-405b-16384xh100", ["plan.pp=128", "plan.first_stage_layers=0",
+                                "plan.last_stage_layers=0"]),                              # E | 126 x 1 | L, vpp 1
+    ("llama3-405b-16384xh100", ["plan.pp=2", "plan.first_stage_layers=0",
+                                "plan.last_stage_layers=126"]),                            # E | 126 L
 ]
 
 
@@ -124,6 +132,20 @@ def test_interleaved_embedding_and_loss_split_uses_virtual_stages_per_rank():
     for wrong in ("--num-layers-per-virtual-pipeline-stage", "--decoder-first-pipeline-num-layers",
                   "--decoder-last-pipeline-num-layers"):
         assert wrong not in args
+
+
+def test_a_stage_with_only_the_embedding_or_the_loss_is_never_a_zero_layer_count():
+    """Megatron-Core refuses --decoder-first/last-pipeline-num-layers 0 ("must be larger than 0"):
+    the embedding and loss are counted as layers, or the layout is spelled out."""
+    accounted = megatron_args(scenario("llama3-405b-16384xh100", "plan.pp=128", "plan.first_stage_layers=0",
+                                       "plan.last_stage_layers=0"))
+    assert "--account-for-embedding-in-pipeline-split" in accounted
+    assert "--num-virtual-stages-per-pipeline-rank" not in accounted      # one virtual stage per rank
+    spelled = megatron_args(scenario("llama3-405b-16384xh100", "plan.pp=2", "plan.first_stage_layers=0",
+                                     "plan.last_stage_layers=126"))
+    assert flag_value(spelled, "--pipeline-model-parallel-layout") == "E|t*126L"
+    for args in (accounted, spelled):
+        assert "--decoder-first-pipeline-num-layers" not in args and "--decoder-last-pipeline-num-layers" not in args
 
 
 def test_other_interleaved_uneven_splits_spell_out_the_layout():

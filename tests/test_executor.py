@@ -86,6 +86,7 @@ PLANS = {
         scenario("moe-tp2-sp", "moe", tp=2, micro_batch_size=4, sequence_parallel=True),
         scenario("moe-tp2-sp-ep2", "moe", tp=2, ep=2, micro_batch_size=4, sequence_parallel=True),
         scenario("tied-pp2", "tied", pp=2, micro_batch_size=2),
+        scenario("tied-pp2-embedding-stage", "tied", pp=2, micro_batch_size=2, first_stage_layers=0),
         scenario("tied-pp2-zbv-same-rank", "tied", pp=2, micro_batch_size=2, schedule="zbv", virtual_pipeline_stages=2),
     ],
     4: [
@@ -355,6 +356,8 @@ def test_stage_layout():
 
     sc = scenario("x", pp=2, dp=2, micro_batch_size=1, first_stage_layers=1)
     assert stage_layers(sc) == [range(0, 1), range(1, 4)]
+    sc = scenario("x", pp=2, micro_batch_size=1, first_stage_layers=0)      # the embedding alone
+    assert stage_layers(sc) == [range(0, 0), range(0, 4)]
     sc = scenario("x", pp=2, schedule="interleaved-1f1b", virtual_pipeline_stages=2, micro_batch_size=2)
     assert stage_layers(sc) == [range(i, i + 1) for i in range(4)]
     assert [stages_of_rank(r, sc) for r in (0, 1)] == [[0, 2], [1, 3]]

@@ -477,6 +477,13 @@ def test_override_null_value():
     assert (s.plan.first_stage_layers, s.plan.last_stage_layers) == (3, None)
 
 
+def test_an_edge_stage_may_hold_no_transformer_layer():
+    """0 layers: the first stage runs only the embedding, the last only the loss."""
+    s = load_scenario(tiny(), ["plan.first_stage_layers=0", "plan.last_stage_layers=0"])
+    assert (s.plan.first_stage_layers, s.plan.last_stage_layers) == (0, 0)
+    assert "plan.first_stage_layers: expected an integer >= 0, got -1" in str(error_of(tiny(), ["plan.first_stage_layers=-1"]))
+
+
 @pytest.mark.parametrize("item", ["plan.tp", "=4", "plan..tp=4"])
 def test_malformed_override_names_set(item):
     err = error_of(tiny(), [item])

@@ -11,7 +11,7 @@ from paraplan.specs import PlanSpec
 from planner.objective import Evaluation, Evaluator, make_objective, pareto_front
 from planner.space import (
     DEFAULT_EXHAUSTIVE_THRESHOLD, DEFAULT_TRIALS, Candidate, PlanSpace, binding_constraint, parse_search,
-    reason_key, uneven_stages,
+    interleaved_edges, reason_key, uneven_stages,
 )
 from simulator.feasibility import structural_problems
 from simulator.simulate import simulate
@@ -170,7 +170,23 @@ def test_uneven_stages_are_derived_when_pp_does_not_divide_the_layers():
     assert uneven_stages(61, 32) == (None, None)                        # 61 - 30 x 2 leaves 1 layer for two stages
     assert uneven_stages(96, 8) == (None, None)                         # even
     inter = sp.candidate({**sp.params_of(sp.baseline()), "schedule": "interleaved-1f1b", "virtual_pipeline_stages": 2})
-    assert inter.plan.first_stage_layers is None                        # not with virtual stages
+    # 126 + embedding + loss = 128 = 16 x 2 x 4: the first and last virtual stages 3, the others 4
+    assert (inter.plan.first_stage_layers, inter.plan.last_stage_layers) == (3, 3) and sp.problems(inter) == []
+
+
+def test_interleaved_uneven_splits_count_the_embedding_and_the_loss_as_layers():
+    assert interleaved_edges(94, 32) == (2, 2)          # Qwen3-235B, pp 8 x vpp 4 (Megatron MoE model zoo)
+    assert interleaved_edges(94, 96) == (0, 0)          # pp 32 x vpp 3: embedding alone, loss alone
+    assert interleaved_edges(96, 32) == (None, None)    # even
+    assert interleaved_edges(61, 16) == (None, None)    # 63 does not split into 16
+    sc = load_scenario(ROOT / "scenarios" / "qwen3-235b-256xh100.yaml")
+    sp = PlanSpace(sc, parse_search(sc, {"tp": 2}))
+    assert sp.candidate(sp.params_of(sp.baseline())).plan == sc.plan   # the scenario's own 2 + 30 x 3 + 2
+    # vpp candidates: divisors of 94 (1, 2, 47, 94) and of 96 (3, 4, 6, ...), so the model zoo's 4 is searched
+    assert {3, 4, 47} <= set(dict(sp.spec.candidates)["virtual_pipeline_stages"])
+    c = sp.candidate({**sp.params_of(sp.baseline()), "pp": 32, "virtual_pipeline_stages": 3, "ep": 8})
+    assert (c.plan.first_stage_layers, c.plan.last_stage_layers) == (0, 0)
+    assert not [r for r in sp.problems(c) if "stage" in r]
 
 
 # -- the objective ------------------------------------------------------------------------------

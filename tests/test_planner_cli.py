@@ -62,7 +62,7 @@ def test_top_plans_json_and_best_plan_agree(planned):
     assert tps == sorted(tps, reverse=True)
     for key in ("step_time_s", "mfu", "memory_headroom", "limited_by", "peak_memory_bytes"):
         assert key in plans[0]["metrics"]
-    assert data["space"]["valid_plans"] == 336 and data["space"]["rejected"]
+    assert data["space"]["valid_plans"] == 384 and data["space"]["rejected"]
     # best_plan.yaml is an executor config the loader (and so `paraplan launch`) accepts
     sc = load_scenario(out / "best_plan.yaml")
     assert sc.search == () and sc.run.backend == "nccl"

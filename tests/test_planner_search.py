@@ -22,7 +22,7 @@ from planner.space import PlanSpace, parse_search
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "scenarios" / "tiny-gpt-8xa100.yaml"
-# 336 valid plans of the tiny model: small enough to enumerate in a test, large enough to search
+# 384 valid plans of the tiny model: small enough to enumerate in a test, large enough to search
 SMALL = ["search.micro_batch_size=[1, 2]", "search.cp=[1]", "search.zero_stage=[1, 3]"]
 # a 13B-parameter model on the 8 GPUs: many plans do not fit
 BIG = ["model.num_layers=16", "model.hidden_size=8192", "model.num_attention_heads=64",
@@ -75,9 +75,9 @@ def test_strategy_contract(tmp_path, strategy, exhaustive):
 
 def test_exhaustive_simulates_every_valid_plan_once(exhaustive):
     plans = [r.evaluation.candidate for r in exhaustive.records]
-    assert len(plans) == len(set(plans)) == len(exhaustive.enumeration.valid) == 336
+    assert len(plans) == len(set(plans)) == len(exhaustive.enumeration.valid) == 384
     assert set(plans) == set(exhaustive.enumeration.valid)
-    assert exhaustive.simulations == 336
+    assert exhaustive.simulations == 384
 
 
 def test_tpe_finds_the_exhaustive_optimum_within_1_percent(tmp_path, exhaustive):

@@ -284,6 +284,33 @@ def test_embedding_backward_writes_the_whole_tables_gradient(gpt3, dtype, table_
     assert embedding_cost(ctx, False).parts["compute"] == pytest.approx(memory_bound_time(gpu, 2 * rows), rel=1e-12)
 
 
+@pytest.mark.parametrize("zero", [0, 3])
+def test_a_stage_can_hold_only_the_embedding(zero):
+    """first_stage_layers 0 (Megatron --pipeline-model-parallel-layout "E|t*4L"): stage 0 runs the
+    embedding alone, forward and backward, once per microbatch, and holds only its table."""
+    from hwmodels.network import build_network
+    from hwmodels.profile import load_profile
+    from paraplan.placement import group_layout
+    from simulator.workload import LayerContext, embedding_cost
+
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml",
+                       ["plan.first_stage_layers=0", f"plan.zero_stage={zero}"])
+    gpu, m, p = load_profile(sc.cluster.gpu), sc.model, sc.plan
+    ctx = LayerContext(model=m, plan=p, gpu=gpu, network=build_network(sc.cluster, gpu),
+                       seq_length=sc.training.seq_length, dtype=sc.training.precision, attention_kernel="flash",
+                       tp_layout=group_layout(("tp",), p, 8), cp_layout=group_layout(("cp",), p, 8))
+    r = simulate(sc)
+    assert [st.layers for st in r.stages] == [(0,), (m.num_layers,)]
+    per_microbatch = embedding_cost(ctx, False)
+    per_microbatch += embedding_cost(ctx, True)
+    for kind in ("compute", "tp_comm"):
+        assert r.stages[0].breakdown[kind] == pytest.approx(r.num_microbatches * per_microbatch.parts[kind], rel=1e-12)
+    table = m.embedding_params() / p.tp * 2   # bf16
+    held = table / p.dp + table if zero == 3 else table   # ZeRO-3: its shard plus the gathered table
+    assert r.stages[0].memory["weights"] == pytest.approx(held, rel=1e-12)
+    assert r.critical_stage == 1
+
+
 def test_zero3_with_nothing_to_shard_costs_what_zero0_does():
     sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml")
     # ZeRO-3 runs as Megatron-FSDP, which accumulates gradients outside the GEMMs: compare like with like
