@@ -12,6 +12,7 @@ import math
 
 from hwmodels.curves import Curve
 from hwmodels.profile import GpuProfile
+from paraplan.errors import ConfigError
 
 __all__ = ["KERNEL_OVERHEAD", "attention_flops", "attention_time", "dtype_bytes", "gemm_time",
            "memory_bound_time", "unfused_attention_time"]
@@ -102,16 +103,24 @@ def attention_flops(*, batch: int, heads: int, q_len: int, kv_len: int, head_dim
 
 
 def attention_time(gpu: GpuProfile, *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
-                   dtype: str, causal: bool, backward: bool) -> float:
+                   dtype: str, causal: bool, backward: bool, kernel: str = "flash") -> float:
     """One fused flash-attention call (forward, or backward). Efficiency from the profile's
-    attention curves (FLOPs of the call -> fraction of the 16-bit peak); the bundled profiles carry
-    FlashAttention-2-era figures (A100 0.50-0.73, H100 ~0.23-0.33), see their provenance.
-    Floored at one kernel's overhead."""
+    attention curves (FLOPs of the call -> fraction of the 16-bit peak): `kernel` flash reads
+    attention_efficiency, FlashAttention-2-era figures in the bundled profiles (A100 0.50-0.73,
+    H100 ~0.23-0.33); flash3 reads attention_efficiency_flash3, Hopper's FlashAttention-3-class
+    kernels (H100 up to ~0.62 forward), see the profiles' provenance. Floored at one kernel's
+    overhead."""
     flops = attention_flops(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
                             causal=causal, backward=backward)
     if flops <= 0:
         return 0.0
-    curve = gpu.attention_bwd_efficiency if backward else gpu.attention_fwd_efficiency
+    if kernel == "flash3":
+        if gpu.attention_flash3_efficiency is None:
+            raise ConfigError("training.attention", f"flash3 needs a GPU profile with attention_efficiency_flash3 "
+                                                    f"(FlashAttention-3-class kernels run on Hopper); {gpu.name} has none")
+        curve = gpu.attention_flash3_efficiency[1 if backward else 0]
+    else:
+        curve = gpu.attention_bwd_efficiency if backward else gpu.attention_fwd_efficiency
     return max(_compute_time(flops, gpu.peak(_attention_dtype(dtype)), curve), KERNEL_OVERHEAD)
 
 

@@ -57,6 +57,9 @@ class GpuProfile:
     """FLOPs of one flash-attention forward call -> fraction of the 16-bit peak."""
     attention_bwd_efficiency: Curve
     """FLOPs of one flash-attention backward call -> fraction of the 16-bit peak."""
+    attention_flash3_efficiency: tuple[Curve, Curve] | None = None
+    """(forward, backward) curves of Hopper's FlashAttention-3-class kernels (training.attention
+    flash3), like the two above; None where the GPU has none."""
     nvlink_bandwidth: float
     """bytes/s per GPU per direction, datasheet."""
     nvlink_ring_busbw: float
@@ -179,7 +182,7 @@ def _curve(raw: Any, path: str, xkey: str, xscale: float, ykey: str, yscale: flo
 
 def _from_dict(raw: Any) -> GpuProfile:
     top = _keys(raw, "", ("name", "arch", "peak_tflops", "hbm", "gemm_efficiency", "attention_efficiency",
-                          "nvlink", "network"), ("calibrated", "provenance"))
+                          "nvlink", "network"), ("calibrated", "provenance", "attention_efficiency_flash3"))
     if not isinstance(top["name"], str) or not top["name"]:
         raise ConfigError("name", "expected a non-empty string")
     if top["arch"] not in ARCHS:
@@ -204,6 +207,11 @@ def _from_dict(raw: Any) -> GpuProfile:
                 else _num(hbm["capacity_GB"], "hbm.capacity_GB", GB))
 
     attn = _keys(top["attention_efficiency"], "attention_efficiency", ("fwd", "bwd"))
+    flash3 = None
+    if top.get("attention_efficiency_flash3") is not None:
+        f3 = _keys(top["attention_efficiency_flash3"], "attention_efficiency_flash3", ("fwd", "bwd"))
+        flash3 = tuple(_curve(f3[k], f"attention_efficiency_flash3.{k}", "gflops", GFLOP, "efficiency")
+                       for k in ("fwd", "bwd"))
     nvl = _keys(top["nvlink"], "nvlink", ("bandwidth_GBps", "latency_us", "ring_busbw_GBps", "allreduce_busbw"))
     net = _keys(top["network"], "network", ("nics_per_node", "nic_bandwidth_Gbps", "nic_efficiency", "topology",
                                             "oversubscription", "latency_us", "nodes_per_leaf"))
@@ -227,6 +235,7 @@ def _from_dict(raw: Any) -> GpuProfile:
         gemm_efficiency=gemm,
         attention_fwd_efficiency=_curve(attn["fwd"], "attention_efficiency.fwd", "gflops", GFLOP, "efficiency"),
         attention_bwd_efficiency=_curve(attn["bwd"], "attention_efficiency.bwd", "gflops", GFLOP, "efficiency"),
+        attention_flash3_efficiency=flash3,
         nvlink_bandwidth=_num(nvl["bandwidth_GBps"], "nvlink.bandwidth_GBps", GBPS),
         nvlink_ring_busbw=_num(nvl["ring_busbw_GBps"], "nvlink.ring_busbw_GBps", GBPS),
         nvlink_busbw=_curve(nvl["allreduce_busbw"], "nvlink.allreduce_busbw", "bytes", 1.0, "busbw_GBps", GBPS,
@@ -270,6 +279,9 @@ def _to_dict(p: GpuProfile) -> dict:
             "fwd": _curve_dict(p.attention_fwd_efficiency, "gflops", GFLOP, "efficiency"),
             "bwd": _curve_dict(p.attention_bwd_efficiency, "gflops", GFLOP, "efficiency"),
         },
+        **({"attention_efficiency_flash3": {
+            k: _curve_dict(c, "gflops", GFLOP, "efficiency") for k, c in zip(("fwd", "bwd"), p.attention_flash3_efficiency)
+        }} if p.attention_flash3_efficiency else {}),
         "nvlink": {
             "bandwidth_GBps": to_unit(p.nvlink_bandwidth, GBPS),
             "latency_us": to_unit(p.nvlink_latency, US),

@@ -37,7 +37,10 @@ ASSUMPTIONS = (
     "so the first and last virtual stages hold (L + 2)/(pp x vpp) - 1 layers",
     "tied_embeddings null -> true for GELU models (Megatron GPT and MPT tie the input embedding and the LM head), "
     "false for SwiGLU ones (the Llama family: Mixtral, Qwen3 untie them)",
-    "attention kernel: records from before 2023 -> unfused (Megatron-LM and Megatron-DeepSpeed gained --use-flash-attn in 2023); later -> flash",
+    "attention kernel: records from before 2023 -> unfused (Megatron-LM and Megatron-DeepSpeed gained --use-flash-attn in 2023); "
+    "Megatron-Core runs on Hopper -> flash3 (Transformer Engine gives its cuDNN fused attention preference on Hopper, "
+    "transformer_engine/pytorch/attention/dot_product_attention/utils.py, priced with FlashAttention-3's figures, "
+    "which the FlashAttention-3 paper measures ahead of cuDNN from 1k tokens on); other later runs -> flash (FlashAttention-2)",
     "gradient reduction overlapped with backward from 2023 on (Megatron --overlap-grad-reduce, FSDP); earlier runs reduce after the backward",
     "weight gradients: runs from 2022 on keep the default, accumulation into the fp32 main gradients inside the "
     "GEMMs except under ZeRO-2/3 (Megatron --gradient-accumulation-fusion reached its tensor-parallel layers in "
@@ -111,6 +114,15 @@ def megatron_core_moe_flops(rec: dict) -> float:
            + shared / h * gated
            + m["vocab_size"] / (2 * layers * h))
     return 12 * b["global_batch_size"] * s * layers * h * h * per
+
+
+def _attention_kernel(rec: dict, modern: bool) -> str:
+    """ASSUMPTIONS' attention kernel: unfused before 2023; Megatron-Core (Transformer Engine) on a
+    Hopper GPU -> flash3; else flash."""
+    if not modern:
+        return "unfused"
+    hopper = _gpu_name(rec["hardware"]["gpu"]).startswith(("h100", "h200"))
+    return "flash3" if hopper and "Megatron-Core" in str(rec.get("framework")) else "flash"
 
 
 def _date(rec: dict) -> str:
@@ -248,7 +260,7 @@ def record_to_scenario(rec: dict) -> dict:
         "cluster": {"gpu": _gpu_name(h["gpu"]), "num_nodes": int(h["num_gpus"]) // gpn,
                     "gpus_per_node": gpn, "inter_node": _inter_node(h.get("inter_node"))},
         "training": {"seq_length": m["seq_length"], "global_batch_size": b["global_batch_size"],
-                     "precision": precision, "attention": "flash" if modern else "unfused"},
+                     "precision": precision, "attention": _attention_kernel(rec, modern)},
         "plan": {
             "tp": tp, "pp": int(par["pp"]), "dp": int(par["dp"]), "cp": int(par.get("cp") or 1),
             "micro_batch_size": int(b.get("micro_batch_size") or script.get("micro_batch_size") or 1),

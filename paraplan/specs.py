@@ -17,7 +17,7 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "shared_
 MOE_RECOMPUTE_MODULES = ("moe_act", "moe", "shared_experts")
 ZERO_STAGES = (0, 1, 2, 3)
 TOPOLOGIES = ("fat-tree", "rail-optimized")
-ATTENTION_KERNELS = ("flash", "unfused")
+ATTENTION_KERNELS = ("flash", "flash3", "unfused")
 
 # bytes per element of the compute dtype (weights/activations as the kernels see them)
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}

@@ -78,7 +78,8 @@ def megatron_args(sc: Scenario) -> list[str]:
     a += _megatron_model(sc)
     a += _megatron_moe(sc)
     a += _megatron_precision(sc.training.precision)
-    a += ["--attention-backend", "flash" if sc.training.attention == "flash" else "unfused"]
+    # flash3: Transformer Engine's cuDNN fused attention, its Hopper kernel of that class
+    a += ["--attention-backend", {"flash": "flash", "flash3": "fused", "unfused": "unfused"}[sc.training.attention]]
     return a
 
 

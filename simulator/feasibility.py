@@ -51,6 +51,10 @@ def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
     out += _moe_problems(sc)
     if t.precision == "fp8" and gpu_arch == "ampere":
         out.append("training.precision: fp8 needs Hopper or newer; this GPU is Ampere")
+    if t.attention == "flash3" and gpu_arch not in (None, "hopper"):
+        # FlashAttention-3 (Shah et al. 2024) is written for Hopper's wgmma and TMA
+        out.append(f"training.attention: flash3 (FlashAttention-3-class kernels) runs on Hopper; this GPU is "
+                   f"{gpu_arch.capitalize()}")
     return out
 
 

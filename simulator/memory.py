@@ -86,7 +86,7 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     tp_sharded = e * (model.q_channels + model.k_channels + model.v_channels + model.o_channels) / t + mlp
     # MLA keeps each latent twice (its norm's input and the up-projection's input), SP-sharded
     latents = 2 * e * model.latent_channels / sp
-    if attention_kernel == "flash":
+    if attention_kernel != "unfused":  # flash, flash3
         scores = 4 * a / t  # fp32 logsumexp per head
     elif "core_attn" in recomputed:
         scores = 0.0

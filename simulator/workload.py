@@ -8,6 +8,7 @@ where time went. Everything here is per microbatch, per rank of one pipeline sta
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 
 from hwmodels.compute import attention_time, gemm_time, memory_bound_time, unfused_attention_time
 from hwmodels.network import COMM_SM_SHARE, collective_time, overlapped
@@ -115,8 +116,11 @@ def _attention_core(ctx: LayerContext, backward: bool) -> float:
 def _attention_step(ctx: LayerContext, backward: bool) -> float:
     """One of those cp kernels: a causal (s/cp)^2 attention (the whole attention when cp = 1)."""
     m, p = ctx.model, ctx.plan
-    fn = attention_time if ctx.attention_kernel == "flash" else unfused_attention_time
     step_len = ctx.seq_length // p.cp
+    if ctx.attention_kernel == "unfused":
+        fn = unfused_attention_time
+    else:
+        fn = partial(attention_time, kernel=ctx.attention_kernel)
     return fn(
         ctx.gpu,
         batch=p.micro_batch_size,

@@ -148,6 +148,12 @@ def test_a_stage_with_only_the_embedding_or_the_loss_is_never_a_zero_layer_count
         assert "--decoder-first-pipeline-num-layers" not in args and "--decoder-last-pipeline-num-layers" not in args
 
 
+@pytest.mark.parametrize("kernel, backend", [("flash", "flash"), ("flash3", "fused"), ("unfused", "unfused")])
+def test_attention_kernel_becomes_megatrons_attention_backend(kernel, backend):
+    args = megatron_args(scenario("llama3-70b-1024xh100", f"training.attention={kernel}"))
+    assert flag_value(args, "--attention-backend") == backend
+
+
 def test_other_interleaved_uneven_splits_spell_out_the_layout():
     args = megatron_args(scenario("qwen3-235b-256xh100", "plan.first_stage_layers=3", "plan.last_stage_layers=1"))
     assert flag_value(args, "--pipeline-model-parallel-layout") == "Et*3|(t*3|)*30tL"

@@ -152,6 +152,30 @@ def test_flash_attention_reproduces_the_published_h100_and_h200_fa2_points():
             pytest.approx(tflops, rel=0.01)
 
 
+def test_flash3_reproduces_the_flashattention3_papers_h100_point_and_its_speedup_range():
+    """FlashAttention-3 (Shah et al. 2024, Fig. 5d): 616 TFLOP/s forward at seqlen 16k, causal, head dim
+    128, 16k tokens, on H100 SXM5; 1.5-2.0x FlashAttention-2 forward, 1.5-1.75x backward (Sec. 4.1)."""
+    gpu = load_profile("h100-sxm-80gb")
+
+    def time(seq, backward, kernel):
+        return attention_time(gpu, batch=16384 // seq, heads=16, q_len=seq, kv_len=seq, head_dim=128, dtype="bf16",
+                              causal=True, backward=backward, kernel=kernel)
+
+    flops = attention_flops(batch=1, heads=16, q_len=16384, kv_len=16384, head_dim=128, causal=True, backward=False)
+    assert flops / time(16384, False, "flash3") / 1e12 == pytest.approx(616, rel=0.001)
+    for seq in (512, 2048, 16384):
+        assert 1.5 - 1e-3 <= time(seq, False, "flash") / time(seq, False, "flash3") <= 2.0
+        assert 1.5 - 1e-3 <= time(seq, True, "flash") / time(seq, True, "flash3") <= 1.75 + 1e-3
+
+
+def test_flash3_needs_a_profile_that_has_it():
+    gpu = load_profile("a100-sxm-80gb")
+    assert gpu.attention_flash3_efficiency is None
+    with pytest.raises(ConfigError, match="training.attention"):
+        attention_time(gpu, batch=1, heads=16, q_len=2048, kv_len=2048, head_dim=128, dtype="bf16", causal=True,
+                       backward=False, kernel="flash3")
+
+
 def test_flash_attention_efficiency_range_on_a100_and_backward_ratio():
     gpu = load_profile("a100-sxm-80gb")
 

@@ -84,3 +84,16 @@ def test_weight_gradient_accumulation_follows_the_framework_and_its_date(records
     assert fused("korthikanti_t5_175B_sp_selective") and fused("megatron_readme_h100_70B")
     assert fused("moe_modelzoo_qwen3_235b_h100_crossnode_ep32")
     assert not fused("mosaic_mpt_13b_h100_16gpu_seq2048")  # FSDP FULL_SHARD = ZeRO-3
+
+
+def test_attention_kernel_follows_the_framework_the_gpu_and_the_date(records):
+    """Before 2023 Megatron materialised the scores (unfused); Megatron-Core on Hopper runs Transformer
+    Engine's Hopper kernel (flash3); other later runs FlashAttention-2 (flash)."""
+    def kernel(rid):
+        return load_scenario(record_to_scenario(records[rid])).training.attention
+
+    assert kernel("megatron_sc21_t1_1.7B") == kernel("mtnlg_530b_2240gpu") == "unfused"
+    assert kernel("megatron_readme_h100_70B") == kernel("mcore_moe_readme_mixtral_8x7b_64xh100") == "flash3"
+    assert kernel("moe_modelzoo_qwen3_235b_h100_intranode_ep8_tp4_pp8") == "flash3"
+    assert kernel("mosaic_mpt_70b_h100_512gpu_seq2048") == "flash"     # Composer + FSDP: FlashAttention-2
+    assert kernel("mosaic_mpt_70b_a100_64gpu_seq2048") == "flash"      # Ampere

@@ -108,6 +108,14 @@ def test_every_precision_simulates(gpt3, precision):
         assert r.step_time_s > simulate(gpt3).step_time_s
 
 
+def test_flash3_runs_attention_faster_in_the_same_memory_and_only_on_hopper(gpt3, llama8b):
+    fa2 = simulate(llama8b)
+    fa3 = simulate(replace(llama8b, training=replace(llama8b.training, attention="flash3")))
+    assert fa3.step_time_s < fa2.step_time_s and fa3.peak_memory_bytes == fa2.peak_memory_bytes
+    with pytest.raises(InfeasiblePlanError, match="training.attention: flash3"):
+        simulate(replace(gpt3, training=replace(gpt3.training, attention="flash3")))   # A100
+
+
 def test_fp8_is_refused_on_ampere(gpt3):
     with pytest.raises(InfeasiblePlanError, match="training.precision: fp8 needs Hopper"):
         simulate(replace(gpt3, training=replace(gpt3.training, precision="fp8")))
