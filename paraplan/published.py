@@ -15,6 +15,7 @@ from importlib import resources
 
 import yaml
 
+from hwmodels.profile import load_profile
 from paraplan.errors import ConfigError
 from simulator.layout import embedding_and_loss_edge
 
@@ -121,7 +122,7 @@ def _attention_kernel(rec: dict, modern: bool) -> str:
     Hopper GPU -> flash3; else flash."""
     if not modern:
         return "unfused"
-    hopper = _gpu_name(rec["hardware"]["gpu"]).startswith(("h100", "h200"))
+    hopper = load_profile(_gpu_name(rec["hardware"]["gpu"])).arch == "hopper"
     return "flash3" if hopper and "Megatron-Core" in str(rec.get("framework")) else "flash"
 
 
@@ -198,9 +199,8 @@ def _flags(rec: dict) -> set[str]:
 
 
 def _uneven_stages(num_layers: int, pp: int, vpp: int) -> dict:
-    v = pp * vpp
-    edge = embedding_and_loss_edge(num_layers, v)
-    if num_layers % v == 0 or edge is None:
+    edge = embedding_and_loss_edge(num_layers, pp * vpp)
+    if edge is None:
         return {}
     return {"first_stage_layers": edge, "last_stage_layers": edge}
 

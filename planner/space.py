@@ -299,9 +299,7 @@ def interleaved_edges(num_layers: int, virtual_stages: int) -> tuple[int | None,
     94 + 2 = 96 = 8 x 4 x 3), possibly leaving a stage only the embedding or the loss. (None, None)
     when the split is even or no such split exists (the plan is then rejected as uneven)."""
     edge = layout.embedding_and_loss_edge(num_layers, virtual_stages)
-    if num_layers % virtual_stages == 0 or edge is None:
-        return None, None
-    return edge, edge
+    return (None, None) if edge is None else (edge, edge)
 
 
 def reason_key(reason: str) -> str:

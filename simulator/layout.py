@@ -33,8 +33,8 @@ def embedding_and_loss_edge(num_layers: int, stages: int) -> int | None:
     loss count as one layer each (Megatron-Core --account-for-embedding/loss-in-pipeline-split,
     transformer_config.py: num_layers + 2 "must be divisible by pipeline_model_parallel_size", per
     virtual stage under interleaving): (L + 2) / stages - 1, which is 0 where a stage holds only the
-    embedding or only the loss. None where L + 2 does not split evenly."""
-    if stages < 2 or (num_layers + 2) % stages:
+    embedding or only the loss. None where the layers already split evenly or L + 2 does not."""
+    if stages < 2 or num_layers % stages == 0 or (num_layers + 2) % stages:
         return None
     return (num_layers + 2) // stages - 1
 
