@@ -22,6 +22,14 @@ delayed by the overlap (the send's arrival was settled when it left).
 SM sharing: a gradient bucket's collective holds COMM_SM_SHARE of the GPU's SMs while it runs, so
 an op that runs beside it for t seconds ends COMM_SM_SHARE x t later (booked as data-parallel
 communication); whichever of the two starts second settles it, so each overlap counts once.
+
+Overlapped weight all-gather (ZeRO-1/2 with --overlap-param-gather): the distributed optimizer
+gathers the updated weights bucket by bucket while the next forward runs, and a module's forward
+pre-hook waits for its bucket (megatron/core/distributed/distributed_data_parallel.py,
+_make_forward_pre_hook). So the first forward of each chunk ends no earlier than, for every bucket
+i of its n, bucket i's arrival plus the (n - i)/n of the op that computes on it and the buckets
+after it; the wait beyond the op's own end is exposed data-parallel communication. The gather holds
+the NIC and the SMs like a gradient bucket.
 """
 from __future__ import annotations
 
@@ -45,8 +53,12 @@ class StageWork:
     op_cost: dict  # (kind, chunk) -> workload.Cost
     grad_buckets: dict  # chunk -> list of bucket reduction times (seconds)
     optimizer_time: float
-    param_gather_time: float  # ZeRO-1/2 all-gather after the step, exposed; when overlapped, its SM share
+    param_gather_time: float  # ZeRO-1/2 all-gather after the step, exposed (not overlapped)
     grad_bucket_nic: dict = field(default_factory=dict)  # chunk -> seconds of each bucket on the NIC
+    param_gather_buckets: dict = field(default_factory=dict)
+    """chunk -> [(seconds, seconds on the NIC)] per bucket of the ZeRO-1/2 weight all-gather
+    overlapped with the forward (Megatron --overlap-param-gather): launched when the step begins,
+    bucket after bucket in the order the forward uses them."""
 
 
 @dataclass
@@ -107,6 +119,8 @@ def run_iteration(
     spans: list[Span] = []
     traces = [StageTrace() for _ in range(pp)]
     grad_ready = [{c: env.event() for c in w.grad_buckets} for w in works]
+    # per chunk with an overlapped weight gather: an event carrying its buckets' arrival times
+    gathered = [{c: env.event() for c in w.param_gather_buckets} for w in works]
     # NIC state per stage: until when the current gradient bucket holds the NIC, the current op's
     # (start, end, NIC seconds, duration), and delays one stream owes the other from sharing.
     bucket_nic_until = [0.0] * pp
@@ -220,6 +234,17 @@ def run_iteration(
 
     launches = [launch_points(s) for s in range(pp)]
 
+    def first_forwards(stage: int) -> dict[int, int]:
+        """Op index -> chunk, for the first forward of each chunk whose weights are gathered
+        during the iteration."""
+        out: dict[int, int] = {}
+        for i, op in enumerate(works[stage].ops):
+            if op.kind == "F" and op.chunk in gathered[stage] and op.chunk not in out.values():
+                out[i] = op.chunk
+        return out
+
+    gate_ops = [first_forwards(s) for s in range(pp)]
+
     def prepared(stage: int, work: StageWork):
         """Per op, everything the stream needs, computed once: its dependency, duration, NIC time,
         the event it produces for another stage, whether it starts a chunk's gradient flow."""
@@ -243,7 +268,9 @@ def run_iteration(
         timeout = env.timeout
         now = lambda: env.now  # noqa: E731
         bubble = comm = contention = slowed = 0.0
-        for dep, duration, nic, name, category, produces, grads_of, launched_after in prepared(stage, work):
+        gates = gate_ops[stage]
+        for i, (dep, duration, nic, name, category, produces, grads_of, launched_after) in enumerate(
+                prepared(stage, work)):
             recv = 0.0  # waiting for the input to arrive, folded into the op's timeout (one event)
             if dep is not None:
                 t0 = now()
@@ -277,6 +304,15 @@ def run_iteration(
                 shared += extra
                 sm += extra_sm
                 yield timeout(extra + extra_sm)
+            if i in gates:  # the first forward of a chunk computes on weights still being gathered
+                t_wait = now()
+                ev = gathered[stage][gates[i]]
+                arrivals = ev.value if ev.processed else (yield ev)
+                n = len(arrivals)
+                ready = max(t + (n - j) / n * duration for j, t in enumerate(arrivals))
+                if ready > now():
+                    yield timeout(ready - now())
+                slowed += now() - t_wait
             contention += shared
             slowed += sm
             end = now()
@@ -305,6 +341,23 @@ def run_iteration(
                 _add(bd, k, v)
         traces[stage].compute_end = env.now
 
+    def bucket_collective(stage: int, seconds: float, nic: float):
+        """One data-parallel bucket collective from now: it shares the NIC with the running op
+        and any pipeline send, and holds its SM share (occupy_sms)."""
+        t0 = env.now
+        if nic:
+            clash = min(nic, op_nic_left(stage, t0))
+            owed_compute[stage] += clash
+            seconds += clash + held(link_nic_until[stage], t0, nic)
+            bucket_nic_until[stage] = t0 + seconds
+        occupy_sms(stage, t0, seconds)
+        yield env.timeout(seconds)
+        while owed_grad[stage] > 0:  # an op that started during this bucket took NIC time
+            extra, owed_grad[stage] = owed_grad[stage], 0.0
+            bucket_nic_until[stage] = env.now + extra
+            occupy_sms(stage, env.now, extra)
+            yield env.timeout(extra)
+
     def grad_stream(stage: int):
         work = works[stage]
         during, at_end, after = launches[stage]
@@ -328,24 +381,27 @@ def run_iteration(
                 if ready > env.now:
                     yield env.timeout(ready - env.now)
                 t0 = env.now
-                if nic:
-                    clash = min(nic, op_nic_left(stage, t0))
-                    owed_compute[stage] += clash
-                    seconds += clash + held(link_nic_until[stage], t0, nic)
-                    bucket_nic_until[stage] = t0 + seconds
-                occupy_sms(stage, t0, seconds)
-                yield env.timeout(seconds)
-                while owed_grad[stage] > 0:  # an op that started during this bucket took NIC time
-                    extra, owed_grad[stage] = owed_grad[stage], 0.0
-                    bucket_nic_until[stage] = env.now + extra
-                    occupy_sms(stage, env.now, extra)
-                    yield env.timeout(extra)
+                yield from bucket_collective(stage, seconds, nic)
                 spans.append(Span(stage, "dp-comm", f"grad-reduce c{c} b{j}", "dp_comm", t0, env.now))
         traces[stage].comm_end = env.now
+
+    def gather_stream(stage: int):
+        """The overlapped weight all-gather, chunk by chunk in the order of their first forwards."""
+        work = works[stage]
+        for c in gate_ops[stage].values():
+            arrivals = []
+            for j, (seconds, nic) in enumerate(work.param_gather_buckets[c]):
+                t0 = env.now
+                yield from bucket_collective(stage, seconds, nic)
+                spans.append(Span(stage, "dp-comm", f"param all-gather c{c} b{j}", "dp_comm", t0, env.now))
+                arrivals.append(env.now)
+            gathered[stage][c].succeed(arrivals)
 
     for s in range(pp):
         env.process(compute_stream(s))
         env.process(grad_stream(s))
+        if gathered[s]:
+            env.process(gather_stream(s))
     env.run()
     stuck = [s for s in range(pp) if traces[s].ops_done != len(works[s].ops)]
     if stuck:

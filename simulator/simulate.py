@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from hwmodels.compute import memory_bound_time
-from hwmodels.network import COMM_SM_SHARE, build_network, collective_time, overlapped, tier_names_crossed
+from hwmodels.network import build_network, collective_time, overlapped, tier_names_crossed
 from hwmodels.profile import load_profile
 from paraplan.errors import InfeasiblePlanError
 from paraplan.placement import GroupLayout, expert_group_layouts, group_layout, pp_neighbour_layout
@@ -110,7 +110,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
                                                             p.last_stage_layers))]
     for s in range(p.pp):
         stage_kinds: set[str] = set()
-        op_cost, buckets, chunk_acts = {}, {}, []
+        op_cost, buckets, gathers, chunk_acts = {}, {}, {}, []
         dense_params = expert_params = 0.0
         for c in range(len(layers[s])):
             start = first_layer[c * p.pp + s]
@@ -130,20 +130,22 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
             if p.zero_stage < 2:  # ZeRO-2/3 reduce per microbatch, in the backward (per_unit)
                 buckets[c] = (_grad_buckets(net, p, c_dense, dp_layout, shard)
                               + _grad_buckets(net, p, c_expert, edp_layout, edp_layout.size))
+            if p.zero_stage in (1, 2) and p.overlap_param_gather:
+                gathers[c] = (_buckets(net, p, c_dense, dp_layout, shard, "all_gather", w_bytes)
+                              + _buckets(net, p, c_expert, edp_layout, edp_layout.size, "all_gather", w_bytes))
         local_opt = dense_params / (shard if p.zero_stage >= 1 else 1) \
             + expert_params / (edp_layout.size if p.zero_stage >= 1 else 1)
         opt_bytes = ADAM_BYTES_PER_PARAM - (2 if tr.precision == "fp32" else 0)
         param_gather = 0.0
-        if p.zero_stage in (1, 2):
+        if p.zero_stage in (1, 2) and not p.overlap_param_gather:  # gathered whole after the step
             param_gather = (collective_time(net, "all_gather", dense_params * w_bytes, dp_layout)
                             + collective_time(net, "all_gather", expert_params * w_bytes, edp_layout))
-            if p.overlap_param_gather:  # hidden behind the next forward, which runs on fewer SMs
-                param_gather *= COMM_SM_SHARE
         works.append(StageWork(
             ops=schedule[s], op_cost=op_cost,
             grad_buckets={c: [t for t, _ in bl] for c, bl in buckets.items() if bl},
             grad_bucket_nic={c: [nic for _, nic in bl] for c, bl in buckets.items() if bl},
             optimizer_time=memory_bound_time(gpu, local_opt * opt_bytes), param_gather_time=param_gather,
+            param_gather_buckets={c: bl for c, bl in gathers.items() if bl},
         ))
         working = kinds.working + working_set_bytes(m, p, tr.seq_length, tr.attention, s == p.pp - 1, ctx.act_bytes)
         holds_embedding = s == 0 or (s == p.pp - 1 and own_head)
@@ -296,11 +298,19 @@ def _grad_buckets(net, p, params: float, layout: GroupLayout, group: int) -> lis
     """(seconds, seconds of it on the NIC) per gradient bucket of `params` over `layout`:
     all-reduce without ZeRO, reduce-scatter with ZeRO-1 (Megatron distributed optimizer); ZeRO-2/3
     reduce per unit instead (_zero3_comm)."""
+    op = "all_reduce" if p.zero_stage == 0 else "reduce_scatter"
+    return _buckets(net, p, params, layout, group, op, GRAD_REDUCE_BYTES)
+
+
+def _buckets(net, p, params: float, layout: GroupLayout, group: int, op: str,
+             bytes_per_param: float) -> list[tuple[float, float]]:
+    """(seconds, seconds of it on the NIC) per DDP bucket of `params` running collective `op` over
+    `layout`, `bytes_per_param` each. The distributed optimizer gathers the updated weights in the
+    same buckets it reduces the gradients in (megatron/core/distributed/param_and_grad_buffer.py)."""
     if group <= 1 or params <= 0:
         return []
-    op = "all_reduce" if p.zero_stage == 0 else "reduce_scatter"
     n = max(1, math.ceil(params / max(BUCKET_PARAMS, 1_000_000 * p.dp * p.cp)))
-    t = collective_time(net, op, params / n * GRAD_REDUCE_BYTES, layout)
+    t = collective_time(net, op, params / n * bytes_per_param, layout)
     return [(t, t if layout.num_nodes > 1 else 0.0)] * n
 
 

@@ -116,6 +116,37 @@ def test_overlapped_grad_reduce_hides_behind_backward():
     assert exposed.step_time == pytest.approx(7.0)
 
 
+def _gathered_works(buckets):
+    ops = build_schedule("1f1b", 1, 1)[0]
+    return [StageWork(ops=ops, op_cost={("F", 0): Cost().add("compute", 1.0), ("B", 0): Cost().add("compute", 2.0)},
+                      grad_buckets={}, optimizer_time=0.0, param_gather_time=0.0,
+                      param_gather_buckets={0: [(t, 0.0) for t in buckets]})]
+
+
+def test_an_overlapped_weight_gather_gates_only_the_first_forward():
+    # F = 1 s on 4 buckets of 0.5 s each, arriving at 0.5, 1.0, 1.5, 2.0: the forward's last
+    # quarter needs the last bucket, so F ends at 2.0 + 0.25; B then runs 2.25 -> 4.25 untouched.
+    res = run_iteration(_gathered_works([0.5] * 4), num_chunks=1, p2p_time=0, overlap_grad_reduce=True,
+                        sync_time=0)
+    assert compute_log(res, 0) == [(0.0, "F0"), (2.25, "B0"), (4.25, "optimizer")]
+    assert res.step_time == pytest.approx(4.25)
+    assert res.stages[0].breakdown["dp_comm"] == pytest.approx(1.25)
+    gathers = [sp for sp in res.spans if sp.name.startswith("param all-gather")]
+    assert [(sp.start, sp.end) for sp in gathers] == [(0.0, 0.5), (0.5, 1.0), (1.0, 1.5), (1.5, 2.0)]
+    assert sum(res.stages[0].breakdown.values()) == pytest.approx(res.stages[0].end)
+
+
+def test_a_short_overlapped_weight_gather_costs_its_sm_share_and_one_bucket():
+    # 4 buckets of 0.1 s: the forward waits for none but the first, ready = 0.1 + 1.0; the
+    # gather's SM share (0.4 s x COMM_SM_SHARE) is below that 0.1 s, so F ends at 1.1.
+    from hwmodels.network import COMM_SM_SHARE
+
+    assert 0.4 * COMM_SM_SHARE < 0.1
+    res = run_iteration(_gathered_works([0.1] * 4), num_chunks=1, p2p_time=0, overlap_grad_reduce=True,
+                        sync_time=0)
+    assert res.step_time == pytest.approx(3.1)
+
+
 def test_exact_zero_bubble_timeline_two_stages():
     # F = B = W = 1 s, no p2p: stage 1 defers W0 so B1 reaches stage 0 one second earlier than
     # if it ran W0 first (Qi et al. 2024, Fig. 3)
