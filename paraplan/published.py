@@ -304,6 +304,24 @@ def load_records(path: str) -> list[dict]:
     return data
 
 
+def not_compared(records: list[dict], *, include_moe: bool = True) -> list[tuple[str, str]]:
+    """(id, why) for each record `evaluate` leaves out: it gives neither a step time nor a metric
+    one can be derived from, or it leaves the global batch size open (the step time depends on
+    it through the pipeline's microbatch count)."""
+    out = []
+    for rec in records:
+        if not include_moe and not is_dense(rec):
+            continue
+        no_batch = (rec.get("batch") or {}).get("global_batch_size") is None
+        if published_step_time(rec) is None:
+            metrics = ", ".join(sorted(k for k, v in (rec.get("metrics") or {}).items() if v is not None))
+            missing = "no step time and no global batch size" if no_batch else "no step time"
+            out.append((rec["id"], f"{missing} to derive one from its metrics ({metrics or 'none'})"))
+        elif no_batch:
+            out.append((rec["id"], "global batch size not published"))
+    return out
+
+
 def evaluate(records: list[dict], *, include_moe: bool = True) -> list[Row]:
     from paraplan.errors import ParaplanError
     from paraplan.loader import load_scenario

@@ -162,11 +162,20 @@ def test_no_torch_import_on_simulate():
 
 
 def test_validate_published_bundled():
+    import yaml
+
     r = paraplan("validate-published", "--json")
     assert r.returncode == 0, r.stderr
     out = json.loads(r.stdout)
     assert out["summary"]["dense"]["simulated"] >= 35 and out["summary"]["moe"]["simulated"] == 3
     assert out["summary"]["dense"]["mape_pct"] is not None
+    # records that cannot give a step time are named, with the reason, not dropped silently
+    left_out = {r["id"]: r["reason"] for r in out["not_compared"]}
+    assert sorted(left_out) == ["korthikanti_abstract_530B_2240gpu_full_recompute",
+                                "korthikanti_abstract_530B_2240gpu_sp_selective"]
+    assert all("no global batch size" in why and "mfu_pct" in why for why in left_out.values())
+    records = yaml.safe_load((ROOT / "paraplan" / "data" / "public_runs.yaml").read_text())
+    assert len(out["rows"]) + len(left_out) == len(records)
 
 
 def test_validate_published_bad_files_are_one_line(tmp_path):

@@ -28,10 +28,12 @@ def summarise(rows) -> dict:
 
 
 def run(args) -> int:
-    from paraplan.published import ASSUMPTIONS, evaluate, load_records
+    from paraplan.published import ASSUMPTIONS, evaluate, load_records, not_compared
 
     path = args.file or BUNDLED
-    rows = evaluate(load_records(path))
+    records = load_records(path)
+    rows = evaluate(records)
+    left_out = not_compared(records)
     if not rows:
         raise ParaplanError(f"{path}: no record publishes a step time (or enough to derive one) with a global batch size")
     groups = {"dense": [r for r in rows if not r.moe], "moe": [r for r in rows if r.moe]}
@@ -40,13 +42,17 @@ def run(args) -> int:
         print(json.dumps({"rows": [
             {"id": r.id, "moe": r.moe, "published_step_time_s": r.published_s, "published_is_derived": r.derived,
              "predicted_step_time_s": r.predicted_s, "error_pct": r.error_pct, "fits": r.fits,
-             "error": r.error} for r in rows], "summary": summary, "assumptions": list(ASSUMPTIONS)}, indent=2))
+             "error": r.error} for r in rows], "summary": summary,
+            "not_compared": [{"id": i, "reason": why} for i, why in left_out],
+            "assumptions": list(ASSUMPTIONS)}, indent=2))
         return 0
     if args.markdown:
         for name, g in groups.items():
             if g:
                 print(_markdown(g, summary[name], name))
                 print()
+        for i, why in left_out:
+            print(f"Not compared: {i} ({why}).")
         return 0
     for name, g in groups.items():
         if not g:
@@ -63,6 +69,11 @@ def run(args) -> int:
         if sm["simulated"]:
             print(f"{name}: MAPE {sm['mape_pct']:.1f}% over {sm['simulated']} rows; "
                   f"worst |error| {sm['worst_abs_error_pct']:.1f}%\n")
+    if left_out:
+        print("not compared:")
+        for i, why in left_out:
+            print(f"  {i}: {why}")
+        print()
     print("* published step time derived from the source's own FLOP formula and TFLOP/s")
     print("assumptions for fields a record leaves null:")
     for a in ASSUMPTIONS:
