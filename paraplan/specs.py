@@ -296,7 +296,8 @@ class PlanSpec:
     overlap_grad_reduce: bool = True
     """Bucketed gradient reduction overlapped with backward (Megatron --overlap-grad-reduce, DDP, FSDP)."""
     overlap_param_gather: bool = False
-    """ZeRO-1/2: the post-optimizer parameter all-gather overlaps the next forward (Megatron --overlap-param-gather)."""
+    """ZeRO-1/2: the post-optimizer parameter all-gather runs bucket by bucket during the next
+    forward, whose first pass over each chunk waits for the bucket it needs (Megatron --overlap-param-gather)."""
     tp_comm_overlap: bool = False
     """Overlap TP all-gather/reduce-scatter with the adjacent GEMMs (Megatron --tp-comm-overlap,
     Transformer Engine userbuffers); needs sequence parallelism."""

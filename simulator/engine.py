@@ -160,9 +160,9 @@ def run_iteration(
         return 0.0 if busy <= 0 else busy if busy < window else window
 
     def occupy_sms(stage: int, t: float, seconds: float) -> None:
-        """A gradient bucket holds its SM share over [t, t + seconds]: the op running then owes
-        COMM_SM_SHARE of the overlap (paid when it ends), and ops starting before t + seconds
-        see the bucket through bucket_until."""
+        """A data-parallel bucket (gradients or weights) holds its SM share over [t, t + seconds]:
+        the op running then owes COMM_SM_SHARE of the overlap (paid when it ends), and ops starting
+        before t + seconds see the bucket through bucket_until."""
         slowdown = COMM_SM_SHARE * held(op_until[stage], t, seconds)
         owed_sm[stage] += slowdown
         op_until[stage] += slowdown
