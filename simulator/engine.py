@@ -26,10 +26,11 @@ communication); whichever of the two starts second settles it, so each overlap c
 Overlapped weight all-gather (ZeRO-1/2 with --overlap-param-gather): the distributed optimizer
 gathers the updated weights bucket by bucket while the next forward runs, and a module's forward
 pre-hook waits for its bucket (megatron/core/distributed/distributed_data_parallel.py,
-_make_forward_pre_hook). So the first forward of each chunk ends no earlier than, for every bucket
-i of its n, bucket i's arrival plus the (n - i)/n of the op that computes on it and the buckets
-after it; the wait beyond the op's own end is exposed data-parallel communication. The gather holds
-the NIC and the SMs like a gradient bucket.
+_make_forward_pre_hook). So the first forward of each chunk ends no earlier than, for every bucket,
+its arrival plus the part of the op from where that bucket is needed; the wait beyond the op's own
+end is exposed data-parallel communication. The gather holds the NIC and the SMs like a gradient
+bucket; while bucket k is in flight the gated forward can only move the traffic of the compute
+that bucket k's predecessor made possible, so that is all the two share.
 """
 from __future__ import annotations
 
@@ -56,9 +57,10 @@ class StageWork:
     param_gather_time: float  # ZeRO-1/2 all-gather after the step, exposed (not overlapped)
     grad_bucket_nic: dict = field(default_factory=dict)  # chunk -> seconds of each bucket on the NIC
     param_gather_buckets: dict = field(default_factory=dict)
-    """chunk -> [(seconds, seconds on the NIC)] per bucket of the ZeRO-1/2 weight all-gather
-    overlapped with the forward (Megatron --overlap-param-gather): launched when the step begins,
-    bucket after bucket in the order the forward uses them."""
+    """chunk -> [(seconds, seconds on the NIC, needed_from)] per bucket of the ZeRO-1/2 weight
+    all-gather overlapped with the forward (Megatron --overlap-param-gather), launched when the step
+    begins, bucket after bucket in dispatch order; needed_from is the fraction of the chunk's first
+    forward that can run before that bucket's weights are needed."""
 
 
 @dataclass
@@ -121,6 +123,7 @@ def run_iteration(
     grad_ready = [{c: env.event() for c in w.grad_buckets} for w in works]
     # per chunk with an overlapped weight gather: an event carrying its buckets' arrival times
     gathered = [{c: env.event() for c in w.param_gather_buckets} for w in works]
+    gated_chunk: list[int | None] = [None] * pp  # the chunk whose gated first forward is running
     # NIC state per stage: until when the current gradient bucket holds the NIC, the current op's
     # (start, end, NIC seconds, duration), and delays one stream owes the other from sharing.
     bucket_nic_until = [0.0] * pp
@@ -290,8 +293,12 @@ def run_iteration(
             shared = owed_next[stage]
             if shared:
                 owed_next[stage] = 0.0
+            gate = gates.get(i)
+            gated_chunk[stage] = gate
             if nic:  # the op's traffic (spread evenly) that falls while a bucket or a send holds the NIC
-                with_bucket = nic * held(bucket_nic_until[stage], start, duration) / duration
+                # (a gated forward's traffic waits for its weights: the gather charges that overlap)
+                with_bucket = 0.0 if gate is not None and not gathered[stage][gate].triggered \
+                    else nic * held(bucket_nic_until[stage], start, duration) / duration
                 owed_grad[stage] += with_bucket
                 shared += with_bucket + nic * held(link_nic_until[stage], start, duration) / duration
                 op_nic[stage] = (start, start + duration + shared, nic, duration)
@@ -304,15 +311,15 @@ def run_iteration(
                 shared += extra
                 sm += extra_sm
                 yield timeout(extra + extra_sm)
-            if i in gates:  # the first forward of a chunk computes on weights still being gathered
+            if gate is not None:  # the first forward of a chunk computes on weights still being gathered
                 t_wait = now()
-                ev = gathered[stage][gates[i]]
+                ev = gathered[stage][gate]
                 arrivals = ev.value if ev.processed else (yield ev)
-                n = len(arrivals)
-                ready = max(t + (n - j) / n * duration for j, t in enumerate(arrivals))
+                ready = max(t + (1.0 - needed_from) * duration for t, needed_from in arrivals)
                 if ready > now():
                     yield timeout(ready - now())
                 slowed += now() - t_wait
+                gated_chunk[stage] = None
             contention += shared
             slowed += sm
             end = now()
@@ -341,12 +348,13 @@ def run_iteration(
                 _add(bd, k, v)
         traces[stage].compute_end = env.now
 
-    def bucket_collective(stage: int, seconds: float, nic: float):
+    def bucket_collective(stage: int, seconds: float, nic: float, op_cap: float = float("inf")):
         """One data-parallel bucket collective from now: it shares the NIC with the running op
-        and any pipeline send, and holds its SM share (occupy_sms)."""
+        (the op's traffic while the bucket is on the NIC, at most `op_cap` NIC seconds) and any
+        pipeline send, and holds its SM share (occupy_sms)."""
         t0 = env.now
         if nic:
-            clash = min(nic, op_nic_left(stage, t0))
+            clash = min(nic, op_cap, op_nic_left(stage, t0, nic))
             owed_compute[stage] += clash
             seconds += clash + held(link_nic_until[stage], t0, nic)
             bucket_nic_until[stage] = t0 + seconds
@@ -389,12 +397,19 @@ def run_iteration(
         """The overlapped weight all-gather, chunk by chunk in the order of their first forwards."""
         work = works[stage]
         for c in gate_ops[stage].values():
+            buckets = work.param_gather_buckets[c]
+            # how far the gated forward can run while bucket j is in flight: up to the first
+            # point a bucket not yet here is needed
+            limit = [min(b[2] for b in buckets[j:]) for j in range(len(buckets))]
             arrivals = []
-            for j, (seconds, nic) in enumerate(work.param_gather_buckets[c]):
+            for j, (seconds, nic, needed_from) in enumerate(buckets):
                 t0 = env.now
-                yield from bucket_collective(stage, seconds, nic)
+                cap = float("inf")
+                if gated_chunk[stage] == c:  # it moves only what the newly possible compute moves
+                    cap = op_nic[stage][2] * max(0.0, limit[j] - (limit[j - 1] if j else 0.0))
+                yield from bucket_collective(stage, seconds, nic, cap)
                 spans.append(Span(stage, "dp-comm", f"param all-gather c{c} b{j}", "dp_comm", t0, env.now))
-                arrivals.append(env.now)
+                arrivals.append((env.now, needed_from))
             gathered[stage][c].succeed(arrivals)
 
     for s in range(pp):

@@ -131,8 +131,15 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
                 buckets[c] = (_grad_buckets(net, p, c_dense, dp_layout, shard)
                               + _grad_buckets(net, p, c_expert, edp_layout, edp_layout.size))
             if p.zero_stage in (1, 2) and p.overlap_param_gather:
-                gathers[c] = (_buckets(net, p, c_dense, dp_layout, shard, "all_gather", w_bytes)
-                              + _buckets(net, p, c_expert, edp_layout, edp_layout.size, "all_gather", w_bytes))
+                # Megatron buckets only the first stage's first chunk (DistributedDataParallel:
+                # bucket_size None on pipeline ranks > 0; training.py get_model: disable_bucketing
+                # for model chunks > 0). Dense and expert weights are separate buffers, each gathered
+                # bucket after bucket as the forward's pre-hooks reach them: in order of need
+                whole = s > 0 or c > 0
+                gathers[c] = sorted(((t, nic, j / len(bl)) for bl in (
+                    _buckets(net, p, c_dense, dp_layout, shard, "all_gather", w_bytes, whole=whole),
+                    _buckets(net, p, c_expert, edp_layout, edp_layout.size, "all_gather", w_bytes, whole=whole))
+                    for j, (t, nic) in enumerate(bl)), key=lambda b: b[2])
         local_opt = dense_params / (shard if p.zero_stage >= 1 else 1) \
             + expert_params / (edp_layout.size if p.zero_stage >= 1 else 1)
         opt_bytes = ADAM_BYTES_PER_PARAM - (2 if tr.precision == "fp32" else 0)
@@ -303,13 +310,14 @@ def _grad_buckets(net, p, params: float, layout: GroupLayout, group: int) -> lis
 
 
 def _buckets(net, p, params: float, layout: GroupLayout, group: int, op: str,
-             bytes_per_param: float) -> list[tuple[float, float]]:
+             bytes_per_param: float, *, whole: bool = False) -> list[tuple[float, float]]:
     """(seconds, seconds of it on the NIC) per DDP bucket of `params` running collective `op` over
-    `layout`, `bytes_per_param` each. The distributed optimizer gathers the updated weights in the
-    same buckets it reduces the gradients in (megatron/core/distributed/param_and_grad_buffer.py)."""
+    `layout`, `bytes_per_param` each (`whole`: one bucket). The distributed optimizer gathers the
+    updated weights in the same buckets it reduces the gradients in
+    (megatron/core/distributed/param_and_grad_buffer.py)."""
     if group <= 1 or params <= 0:
         return []
-    n = max(1, math.ceil(params / max(BUCKET_PARAMS, 1_000_000 * p.dp * p.cp)))
+    n = 1 if whole else max(1, math.ceil(params / max(BUCKET_PARAMS, 1_000_000 * p.dp * p.cp)))
     t = collective_time(net, op, params / n * bytes_per_param, layout)
     return [(t, t if layout.num_nodes > 1 else 0.0)] * n
 

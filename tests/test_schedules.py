@@ -116,11 +116,13 @@ def test_overlapped_grad_reduce_hides_behind_backward():
     assert exposed.step_time == pytest.approx(7.0)
 
 
-def _gathered_works(buckets):
+def _gathered_works(buckets, f_nic=0.0, bucket_nic=False):
     ops = build_schedule("1f1b", 1, 1)[0]
-    return [StageWork(ops=ops, op_cost={("F", 0): Cost().add("compute", 1.0), ("B", 0): Cost().add("compute", 2.0)},
+    forward = Cost(nic=f_nic).add("compute", 1.0)
+    return [StageWork(ops=ops, op_cost={("F", 0): forward, ("B", 0): Cost().add("compute", 2.0)},
                       grad_buckets={}, optimizer_time=0.0, param_gather_time=0.0,
-                      param_gather_buckets={0: [(t, 0.0) for t in buckets]})]
+                      param_gather_buckets={0: [(t, t if bucket_nic else 0.0, j / len(buckets))
+                                                for j, t in enumerate(buckets)]})]
 
 
 def test_an_overlapped_weight_gather_gates_only_the_first_forward():
@@ -145,6 +147,22 @@ def test_a_short_overlapped_weight_gather_costs_its_sm_share_and_one_bucket():
     res = run_iteration(_gathered_works([0.1] * 4), num_chunks=1, p2p_time=0, overlap_grad_reduce=True,
                         sync_time=0)
     assert res.step_time == pytest.approx(3.1)
+
+
+def test_a_gated_forward_shares_the_nic_only_with_buckets_it_can_compute_beside():
+    # One 1 s bucket on the NIC; F = 1 s with 0.5 s of its own network traffic (an all-to-all).
+    # F cannot compute, so cannot send, before the bucket is here: no sharing, F runs 1 -> 2.
+    res = run_iteration(_gathered_works([1.0], f_nic=0.5, bucket_nic=True), num_chunks=1, p2p_time=0,
+                        overlap_grad_reduce=True, sync_time=0)
+    assert res.step_time == pytest.approx(4.0)
+    assert "ep_comm" not in res.stages[0].breakdown
+    # Two 0.5 s buckets: the second is in flight while F computes on the first half, whose 0.25 s
+    # of traffic it shares; both are delayed by that: bucket 1 lands at 1.25, F ends 1.25 + 0.5.
+    res = run_iteration(_gathered_works([0.5, 0.5], f_nic=0.5, bucket_nic=True), num_chunks=1, p2p_time=0,
+                        overlap_grad_reduce=True, sync_time=0)
+    gathers = [(sp.start, sp.end) for sp in res.spans if sp.name.startswith("param all-gather")]
+    assert gathers == [(0.0, 0.5), (0.5, pytest.approx(1.25))]
+    assert res.step_time == pytest.approx(1.75 + 2.0)
 
 
 def test_exact_zero_bubble_timeline_two_stages():

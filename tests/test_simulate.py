@@ -458,6 +458,12 @@ def test_an_overlapped_param_gather_is_exposed_beyond_the_first_forward():
     assert first_forward.end >= max(s.end for s in buckets if s.stage == 0)
     assert overlapped.step_time_s < after.step_time_s
     assert after.step_time_s - overlapped.step_time_s < whole
+    # Megatron buckets only the first stage's first chunk; every other chunk is gathered whole
+    names = {(s.stage, s.name) for s in overlapped.spans if s.name.startswith("param all-gather ")}
+    assert (0, "param all-gather c0 b1") in names
+    assert {n for st, n in names if st > 0} == {f"param all-gather c{c} b0" for c in range(5)}
+    assert {n for st, n in names if st == 0 and not n.startswith("param all-gather c0 ")} == \
+        {f"param all-gather c{c} b0" for c in range(1, 5)}
 
 
 def _mla_context(tp: int, sp: bool, cp: int = 1):
