@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import simpy
 
@@ -400,7 +401,7 @@ def run_iteration(
             buckets = work.param_gather_buckets[c]
             # how far the gated forward can run while bucket j is in flight: up to the first
             # point a bucket not yet here is needed
-            limit = [min(b[2] for b in buckets[j:]) for j in range(len(buckets))]
+            limit = list(accumulate((b[2] for b in reversed(buckets)), min))[::-1]
             arrivals = []
             for j, (seconds, nic, needed_from) in enumerate(buckets):
                 t0 = env.now
