@@ -305,21 +305,21 @@ def load_records(path: str) -> list[dict]:
 
 
 def not_compared(records: list[dict], *, include_moe: bool = True) -> list[tuple[str, str]]:
-    """(id, why) for each record `evaluate` leaves out: it gives neither a step time nor a metric
-    one can be derived from, or it leaves the global batch size open (the step time depends on
-    it through the pipeline's microbatch count)."""
-    out = []
-    for rec in records:
-        if not include_moe and not is_dense(rec):
-            continue
+    """(id, why) for each record `evaluate` leaves out as incomparable (_incomparable)."""
+    return [(rec["id"], why) for rec in records
+            if (include_moe or is_dense(rec)) and (why := _incomparable(rec)) is not None]
+
+
+def _incomparable(rec: dict) -> str | None:
+    """Why the record cannot be compared, or None: it gives neither a step time nor a metric one can
+    be derived from, or it leaves the global batch size open (the step time depends on it through
+    the pipeline's microbatch count)."""
+    if published_step_time(rec) is None:
+        metrics = ", ".join(sorted(k for k, v in (rec.get("metrics") or {}).items() if v is not None))
         no_batch = (rec.get("batch") or {}).get("global_batch_size") is None
-        if published_step_time(rec) is None:
-            metrics = ", ".join(sorted(k for k, v in (rec.get("metrics") or {}).items() if v is not None))
-            missing = "no step time and no global batch size" if no_batch else "no step time"
-            out.append((rec["id"], f"{missing} to derive one from its metrics ({metrics or 'none'})"))
-        elif no_batch:
-            out.append((rec["id"], "global batch size not published"))
-    return out
+        missing = "no step time and no global batch size" if no_batch else "no step time"
+        return f"{missing} to derive one from its metrics ({metrics or 'none'})"
+    return "global batch size not published" if rec["batch"].get("global_batch_size") is None else None
 
 
 def evaluate(records: list[dict], *, include_moe: bool = True) -> list[Row]:
@@ -330,9 +330,8 @@ def evaluate(records: list[dict], *, include_moe: bool = True) -> list[Row]:
     rows = []
     for rec in records:
         try:
+            usable = (include_moe or is_dense(rec)) and _incomparable(rec) is None
             target = published_step_time(rec)
-            usable = target is not None and (include_moe or is_dense(rec)) \
-                and rec["batch"].get("global_batch_size") is not None
             scenario = record_to_scenario(rec) if usable else None
         except KeyError as exc:
             raise ConfigError(f"record {rec.get('id')}", f"malformed: missing key {exc.args[0]!r}") from None
