@@ -60,6 +60,12 @@ MAIN_GRAD_BYTES = 4
 bytes, Megatron's DDP grad buffer)."""
 
 
+def main_grad_add_bytes(grad_bytes: int) -> int:
+    """Bytes per element of the hook that adds a gradient of `grad_bytes` per element into the fp32
+    main gradient (main_grad.add_(grad): read grad_bytes + 4, write 4)."""
+    return grad_bytes + 2 * MAIN_GRAD_BYTES
+
+
 def weight_grad_time(ctx: LayerContext, k: int, n: int, tokens: int) -> float:
     """dW = x^T dY of the linear layer x (tokens, k) @ W (k, n), a (k, tokens) x (tokens, n) GEMM,
     and its accumulation into the fp32 main gradient:
@@ -75,7 +81,7 @@ def weight_grad_time(ctx: LayerContext, k: int, n: int, tokens: int) -> float:
         return gemm_time(ctx.gpu, k, n, tokens, ctx.dtype, out_bytes=2 * MAIN_GRAD_BYTES)
     w = ctx.act_bytes  # fp8 GEMMs write a 16-bit gradient
     return (gemm_time(ctx.gpu, k, n, tokens, ctx.dtype, out_bytes=w)
-            + memory_bound_time(ctx.gpu, k * n * (w + 2 * MAIN_GRAD_BYTES)))
+            + memory_bound_time(ctx.gpu, k * n * main_grad_add_bytes(w)))
 
 
 def _attention_shapes(ctx: LayerContext) -> list[tuple[int, int, float]]:
@@ -397,7 +403,7 @@ def embedding_weight_grad_kernels(ctx: LayerContext) -> list[int]:
     gradient hook adds it into the fp32 main_grad (main_grad.add_(grad): read w + 4, write 4;
     megatron/core/distributed param hook). The scatter of the tokens' rows is tokens x h, small."""
     w = ctx.act_bytes  # the table's dtype: 16-bit, also under fp8 (it is no fp8 module); fp32 in fp32
-    return [w, w + 2 * MAIN_GRAD_BYTES]
+    return [w, main_grad_add_bytes(w)]
 
 
 def mtp_projection(ctx: LayerContext, backward: bool) -> Cost:
