@@ -114,7 +114,8 @@ def run_iteration(
     during its last backward, the others once their backward is over, in the pipeline's closing
     bubble; under interleaved 1F1B stage s launches a chunk's whole reduction when it finishes the
     backward s steps after the chunk's last one (all stages launch together), or after its last
-    backward when fewer remain."""
+    backward when fewer remain. Under a split backward (zero-bubble) the W passes, which produce
+    the weight gradients, are the ones counted."""
     env = simpy.Environment()
     pp = len(works)
     last_vstage = pp * num_chunks - 1
@@ -225,7 +226,10 @@ def run_iteration(
             return {i: c for c, i in chunks.items()}, {}, []
         if num_chunks == 1:
             return ({i: c for c, i in chunks.items()}, {}, []) if stage == 0 else ({}, {}, sorted(chunks))
-        backwards = [i for i, o in enumerate(works[stage].ops) if o.kind == "B"]
+        # the passes that produce weight gradients: W when the backward is split, else B
+        ops = works[stage].ops
+        grad_kind = "W" if any(o.kind == "W" for o in ops) else "B"
+        backwards = [i for i, o in enumerate(ops) if o.kind == grad_kind]
         at_end: dict[int, list[int]] = {}
         after: list[int] = []
         for c, i in sorted(chunks.items(), key=lambda kv: kv[1]):

@@ -272,3 +272,25 @@ def test_aligned_grad_reduce_interleaved_launches_s_backwards_later():
         assert [name for name, _, _ in comm] == ["grad-reduce c1 b0", "grad-reduce c0 b0"]
         assert comm[0][1] == ends[chunk1_after]
         assert comm[1][1] == max(ends[chunk0_after], comm[0][2])
+
+
+def test_aligned_grad_reduce_under_zero_bubble_counts_weight_passes():
+    """Zero-bubble interleaved (p 2, M 4, v 2) with aligned launch points: the W passes produce the
+    weight gradients, so stage s launches a chunk's reduction when the W pass s steps after the
+    chunk's last W ends (or after its last op when fewer remain)."""
+    ops = build_schedule("zero-bubble", 2, 4, 2)
+    costs = {(k, c): Cost().add("compute", 1.0) for k in "FBW" for c in range(2)}
+    works = [StageWork(ops=o, op_cost=costs, grad_buckets={0: [0.5], 1: [0.5]}, optimizer_time=0.0,
+                       param_gather_time=0.0) for o in ops]
+    res = run_iteration(works, num_chunks=2, p2p_time=0, overlap_grad_reduce=True, sync_time=0,
+                        align_grad_reduce=True)
+    for stage in range(2):
+        w_ends = [t1 for name, _, t1 in _span_times(res, stage, "compute") if name.startswith("W")]
+        last_w = {c: max(i for i, op in enumerate(o for o in ops[stage] if o.kind == "W") if op.chunk == c)
+                  for c in range(2)}
+        comm = {name: t0 for name, t0, _ in _span_times(res, stage, "dp-comm")}
+        for c, i in last_w.items():
+            launch = w_ends[i + stage] if i + stage < len(w_ends) else w_ends[-1]
+            assert comm[f"grad-reduce c{c} b0"] >= launch
+        stage_trace = res.stages[stage]
+        assert sum(stage_trace.breakdown.values()) == pytest.approx(stage_trace.end)
