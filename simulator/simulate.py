@@ -186,9 +186,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
         )
         for s in range(p.pp)
     )
-    # every stage ends at the closing sync: the slowest stage is the one with the most work in its
-    # breakdown (the least pipeline idle), the pipeline's bottleneck
-    critical = max(range(p.pp), key=lambda s: (eng.stages[s].end - eng.stages[s].breakdown.get("pp_bubble", 0.0), -s))
+    critical = _critical_stage(eng)
     peak_mem = max(mm.total for mm in mems)
     moe = None
     if draw is not None:
@@ -213,6 +211,16 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
         spans=eng.spans,
         moe=moe,
     )
+
+
+def _critical_stage(eng) -> int:
+    """The stage the report breaks down: one that ends last (its breakdown sums to the step time)
+    and, of those, the one with the most work in its breakdown (the least pipeline idle), the
+    pipeline's bottleneck. Every stage leaves the closing sync together, but their optimizer steps
+    and weight gathers after it differ (the embedding's stages own more parameters)."""
+    step = eng.step_time
+    last = [s for s, t in enumerate(eng.stages) if t.end >= step * (1 - 1e-12)]
+    return max(last, key=lambda s: (eng.stages[s].end - eng.stages[s].breakdown.get("pp_bubble", 0.0), -s))
 
 
 def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):

@@ -61,27 +61,29 @@ def run(args) -> int:
 
 def format_result(sc, r) -> str:
     p = sc.plan
+    unit, scale = _time_unit(r.step_time_s)
     lines = [
         f"{sc.name}",
-        f"  {sc.model.name} on {sc.cluster.world_size} x {sc.cluster.gpu}, seq {sc.training.seq_length}, "
+        f"  {sc.model.name} on {sc.cluster.world_size} x {_gpu_label(sc.cluster.gpu)}, seq {sc.training.seq_length}, "
         f"global batch {sc.training.global_batch_size}, {sc.training.precision}",
         f"  plan: tp {p.tp}  pp {p.pp}  dp {p.dp}  cp {p.cp}  mbs {p.micro_batch_size}  "
         f"{p.schedule}" + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
-        + f"  sp {'on' if p.sequence_parallel else 'off'}  zero {p.zero_stage}  recompute {p.recompute_label}"
-        f"  ({r.num_microbatches} microbatches)",
+        + (f"  sp {'on' if p.sequence_parallel else 'off'}" if p.tp > 1 else "")
+        + f"  zero {p.zero_stage}  recompute {p.recompute_label}"
+        f"  ({r.num_microbatches} microbatch{'' if r.num_microbatches == 1 else 'es'})",
         "",
-        f"  step time        {r.step_time_s:10.3f} s",
+        f"  step time        {r.step_time_s * scale:10.3f} {unit}",
         f"  tokens/s         {r.tokens_per_s:10.0f}",
-        f"  TFLOP/s per GPU  {r.tflops_per_gpu:10.1f}   (model FLOPs, see below)",
-        f"  MFU              {r.mfu * 100:9.1f} %  of {r.peak_flops_per_gpu / 1e12:.0f} TFLOP/s   (HFU {r.hfu * 100:.1f} %)",
+        f"  TFLOP/s per GPU  {_figure(r.tflops_per_gpu):>10}   (model FLOPs, see below)",
+        f"  MFU              {r.mfu * 100:9.1f} %  of {r.peak_flops_per_gpu / 1e12:.4g} TFLOP/s   (HFU {r.hfu * 100:.1f} %)",
         f"  peak memory      {r.peak_memory_bytes / GiB:10.1f} GiB of {r.memory_capacity_bytes / GiB:.1f} GiB"
         f"  -> {'fits' if r.fits else 'DOES NOT FIT'}",
         "",
-        f"  breakdown (stage {r.critical_stage}, the slowest):",
+        f"  breakdown (stage {r.critical_stage}, the one that ends last; the pipeline's bottleneck):",
     ]
     for k, v in r.breakdown.items():
         if v > 0:
-            lines.append(f"    {k:<12} {v:10.3f} s  {100 * v / r.step_time_s:5.1f} %")
+            lines.append(f"    {k:<12} {v * scale:10.3f} {unit:<2} {100 * v / r.step_time_s:5.1f} %")
     if r.moe is not None:
         lines += ["", *_moe_lines(sc, r.moe)]
     lines.append("")
@@ -116,3 +118,26 @@ def _moe_lines(sc, moe) -> list[str]:
         "    FLOPs and MFU count the router and only the active experts (top-k routed + shared)",
     ]
     return out
+
+
+def _time_unit(step_time_s: float) -> tuple[str, float]:
+    """The unit every time in the report is printed in: seconds from 1 s up, else ms, else us, so
+    a small model's step does not read 0.000 s."""
+    if step_time_s >= 1.0:
+        return "s", 1.0
+    if step_time_s >= 1e-3:
+        return "ms", 1e3
+    return "us", 1e6
+
+
+def _figure(x: float) -> str:
+    """One decimal from 10 up, else three significant digits (a CPU's 0.52 TFLOP/s is not 1)."""
+    return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
+
+
+def _gpu_label(gpu: str) -> str:
+    """The bundled profile's name, or a profile file's own name with the file it came from."""
+    from hwmodels.profile import load_profile
+
+    name = load_profile(gpu).name
+    return gpu if name == gpu else f"{name} ({gpu})"
