@@ -256,18 +256,18 @@ def run_iteration(
     def prepared(stage: int, work: StageWork):
         """Per op, everything the stream needs, computed once: its dependency, duration, NIC time,
         the event it produces for another stage, whether it starts a chunk's gradient flow."""
-        totals = {key: (cost.total, cost.nic) for key, cost in work.op_cost.items()}
+        totals = {key: (cost.total, cost.nic, cost.dp_spans) for key, cost in work.op_cost.items()}
         final_b, launch_after, _ = launches[stage]
         out = []
         for i, op in enumerate(work.ops):
-            duration, nic = totals[(op.kind, op.chunk)]
+            duration, nic, dp_spans = totals[(op.kind, op.chunk)]
             name = f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "")
             produces = None
             if consumed_elsewhere(stage, op):  # (key, the consuming stage)
                 produces = ((op.kind, op.microbatch, op.chunk * pp + stage),
                             (stage + (1 if op.kind == "F" else -1)) % pp)
             out.append((producer_of(stage, op), duration, nic, name, SPAN_CATEGORY[op.kind], produces, final_b.get(i),
-                        launch_after.get(i, ())))
+                        launch_after.get(i, ()), dp_spans))
         return out
 
     def compute_stream(stage: int):
@@ -277,7 +277,7 @@ def run_iteration(
         now = lambda: env.now  # noqa: E731
         bubble = comm = contention = slowed = 0.0
         gates = gate_ops[stage]
-        for i, (dep, duration, nic, name, category, produces, grads_of, launched_after) in enumerate(
+        for i, (dep, duration, nic, name, category, produces, grads_of, launched_after, dp_spans) in enumerate(
                 prepared(stage, work)):
             recv = 0.0  # waiting for the input to arrive, folded into the op's timeout (one event)
             if dep is not None:
@@ -329,6 +329,9 @@ def run_iteration(
             slowed += sm
             end = now()
             spans.append(Span(stage, "compute", name, category, start, end))
+            for a, b, what in dp_spans:  # transfers inside the op (ZeRO-2/3), placed on its span
+                spans.append(Span(stage, "dp-comm", f"{what} {name}", "dp_comm",
+                                  start + a * (end - start), start + b * (end - start)))
             if produces is not None:
                 key, to = produces
                 produce(key, send(stage, to, end) if p2p_nic else end + p2p_time)

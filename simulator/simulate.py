@@ -304,8 +304,10 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
             # working set, like the head's (memory.working_set_bytes)
             sp = p.tp if p.sequence_parallel else 1
             acts += m.mtp_layers * (kinds.acts[kind] + ctx.tokens * 2 * m.hidden_size * ctx.act_bytes / sp)
-    f = _zero3_chain([(fwd, gather) for fwd, _, (gather, _) in pieces])
-    b = _zero3_chain([(bwd, gather + scatter) for _, bwd, (gather, scatter) in reversed(pieces)])
+    f = _zero3_chain([(fwd, gather) for fwd, _, (gather, _) in pieces], "param all-gather")
+    b = _zero3_chain([(bwd, gather + scatter) for _, bwd, (gather, scatter) in reversed(pieces)],
+                     "param all-gather + grad reduce-scatter" if any(g for _, _, (g, _) in pieces)
+                     else "grad reduce-scatter")
     return f, b, wgrad, dense, expert, acts
 
 
@@ -341,21 +343,29 @@ def _zero3_comm(net, parts: list[tuple[float, GroupLayout]], w_bytes: float) -> 
     return gather, scatter
 
 
-def _zero3_chain(pieces: list[tuple[Cost, float]]) -> Cost:
+def _zero3_chain(pieces: list[tuple[Cost, float]], name: str) -> Cost:
     """Pieces run in order, each (cost, ZeRO-3 communication: its weights' all-gather, in backward
     also its gradients' reduce-scatter) on a separate stream, prefetched one piece ahead (FSDP
     forward/backward prefetch, Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3.3): time =
     comm_1 + sum_i max(compute_i, comm_(i+1)) + compute_n. The part above the compute is exposed
     data-parallel communication. For n identical layers: comm + (n-1) x max(compute, comm) + compute,
-    with each compute slowed by the SMs its overlapping gather takes (network.overlapped)."""
+    with each compute slowed by the SMs its overlapping gather takes (network.overlapped). The
+    transfers' places on that timeline (comm_(i+1) starts with compute_i) go to the trace as
+    `dp_spans`, named `name`."""
     total = Cost()
     for cost, _ in pieces:
         total += cost
     if not any(comm for _, comm in pieces):
         return total
     span = pieces[0][1] + pieces[-1][0].total
-    for (cost, _), (_, nxt) in zip(pieces, pieces[1:]):
-        span += overlapped(cost.total, nxt)
+    t = pieces[0][1]  # when piece i's compute, and piece i+1's transfer, starts
+    transfers = [(0.0, t, 0)]
+    for i, ((cost, _), (_, nxt)) in enumerate(zip(pieces, pieces[1:])):
+        transfers.append((t, t + nxt, i + 1))
+        step = overlapped(cost.total, nxt)
+        t += step
+        span += step
+    total.dp_spans = tuple((a / span, b / span, f"{name} (unit {k})") for a, b, k in transfers if b > a)
     return total.add("dp_comm", span - sum(cost.total for cost, _ in pieces))
 
 

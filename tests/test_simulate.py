@@ -335,10 +335,15 @@ def test_zero3_chain_by_hand():
     from simulator.simulate import _zero3_chain  # noqa: PLC2701
 
     pieces = [(Cost().add("compute", c), g) for c, g in [(1.0, 0.5), (2.0, 3.0), (1.0, 0.5), (4.0, 2.0)]]
-    out = _zero3_chain(pieces)
+    out = _zero3_chain(pieces, "gather")
     assert out.parts["compute"] == 8.0
     # 0.5 + max(1 + 0.15, 3) + max(2 + 0.075, 0.5) + max(1 + 0.15, 2) + 4 = 11.575 -> 3.575 s
     assert out.parts["dp_comm"] == pytest.approx(3.575)
+    # for the trace: transfer i+1 starts with compute i (at 0, 0.5, 3.5, 5.575 s of 11.575 s)
+    starts_ends = [(a * 11.575, b * 11.575) for a, b, _ in out.dp_spans]
+    expected = [(0, 0.5), (0.5, 3.5), (3.5, 4.0), (5.575, 7.575)]
+    assert [x for pair in starts_ends for x in pair] == pytest.approx([x for pair in expected for x in pair])
+    assert [name for _, _, name in out.dp_spans] == [f"gather (unit {k})" for k in range(4)]
 
 
 def test_zero3_gathers_experts_over_the_expert_data_parallel_group():
@@ -582,3 +587,19 @@ def test_multi_token_prediction_on_the_last_stage_by_hand():
     per_token = 2 * 2 * h * h + layer_gemm_flops_per_token(m, 60) + 2 * s * (m.q_channels + m.o_channels) \
         + 2 * h * m.vocab_size
     assert model_flops(m, s, tokens) - model_flops(without.model, s, tokens) == pytest.approx(3 * tokens * per_token)
+
+
+@pytest.mark.parametrize("zero,kinds", [(3, {"F", "B"}), (2, {"B"})])
+def test_zero_per_unit_transfers_are_on_the_dp_comm_track(zero, kinds):
+    """ZeRO-2/3 move each unit's gradients (and ZeRO-3 its weights) inside the forward and backward
+    ops: the trace shows them on the dp-comm stream, inside their op's span, every op of those
+    kinds with its own."""
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml", [f"plan.zero_stage={zero}"])
+    r = simulate(sc)
+    s = r.critical_stage
+    ops = {sp.name: sp for sp in r.spans if sp.stage == s and sp.stream == "compute"}
+    moved = [sp for sp in r.spans if sp.stage == s and sp.stream == "dp-comm" and "(unit" in sp.name]
+    assert {sp.name.split()[-1] for sp in moved} == {name for name in ops if name[0] in kinds}
+    for sp in moved:
+        op = ops[sp.name.split()[-1]]
+        assert op.start - 1e-12 <= sp.start < sp.end <= op.end + 1e-12
