@@ -659,9 +659,14 @@ def _cluster(raw: Any, base_dir: Path) -> ClusterSpec:
     )
 
 
+def _is_profile_path(gpu: str) -> bool:
+    """A `cluster.gpu` value naming a file rather than a bundled profile."""
+    return "/" in gpu or os.sep in gpu or gpu.endswith((".yaml", ".yml", ".json"))
+
+
 def _gpu_name_or_path(gpu: str, base_dir: Path) -> str:
     """A bundled profile name as is; a profile file path resolved against the scenario's folder."""
-    if not ("/" in gpu or os.sep in gpu or gpu.endswith((".yaml", ".yml", ".json"))):
+    if not _is_profile_path(gpu):
         return gpu
     path = _resolve_path(gpu, base_dir)
     if not path.is_file():
@@ -757,7 +762,7 @@ def apply_overrides(raw: Mapping, overrides: Iterable[str]) -> dict:
     touched = set()
     for item in overrides:
         keys, value = _parse_override(item)
-        _set_path(out, keys, value)
+        _set_path(out, keys, _paths_from_the_working_directory(keys, value))
         touched.add(".".join(keys))
     plan = out.get("plan")
     if isinstance(plan, dict) and "dp" in plan:
@@ -766,6 +771,26 @@ def apply_overrides(raw: Mapping, overrides: Iterable[str]) -> dict:
         if plan["dp"] is None or ("plan.dp" not in touched and touched & REDERIVE_DP):
             del plan["dp"]
     return out
+
+
+def _paths_from_the_working_directory(keys: list[str], value: Any) -> Any:
+    """A relative file path typed on the command line (`--set cluster.gpu=my.yaml`, `--set
+    model.hf_config=config.json`, or either inside a mapping) is the user's, relative to the
+    working directory, where the shell completed it; made absolute here, it is not read against
+    the scenario's folder as the file's own paths are."""
+    def anchored(path: Any, gpu: bool) -> Any:
+        if not isinstance(path, str) or Path(path).is_absolute() or (gpu and not _is_profile_path(path)):
+            return path
+        return str(Path.cwd() / path)
+
+    dotted = ".".join(keys)
+    if dotted in ("cluster.gpu", "model.hf_config"):
+        return anchored(value, dotted == "cluster.gpu")
+    if dotted in ("cluster", "model") and isinstance(value, dict):
+        key = "gpu" if dotted == "cluster" else "hf_config"
+        if key in value:
+            return {**value, key: anchored(value[key], key == "gpu")}
+    return value
 
 
 def _parse_override(item: Any) -> tuple[list[str], Any]:
@@ -801,7 +826,8 @@ def load_scenario(source: str | os.PathLike | Mapping, overrides: Iterable[str] 
     """Load and validate a scenario from a YAML file path or an already-parsed mapping.
 
     Relative paths inside it (`model.hf_config`, a `cluster.gpu` profile file) are resolved
-    against the scenario file's folder, or the working directory for a mapping. The name defaults
+    against the scenario file's folder, or the working directory for a mapping; those given in
+    `overrides` against the working directory. The name defaults
     to the file's stem ("scenario" for a mapping). Raises ConfigError for anything malformed.
     """
     if isinstance(source, Mapping):

@@ -555,6 +555,24 @@ def test_hf_config_relative_to_scenario_folder(tmp_path):
     assert load_scenario(write(tmp_path, yaml.safe_dump(raw))).model.num_layers == 2
 
 
+def test_paths_given_with_set_are_relative_to_the_working_directory(tmp_path, monkeypatch):
+    """The scenario's own paths are read against its folder, paths typed after --set against the
+    directory the command runs in (where the shell completed them), whichever way they are set."""
+    scenario_dir, work = tmp_path / "scenarios", tmp_path / "work"
+    scenario_dir.mkdir()
+    work.mkdir()
+    (work / "config.json").write_text((FIXTURES / "hf-gpt2" / "config.json").read_text())
+    (work / "gpu.yaml").write_text((ROOT / "hwmodels" / "profiles" / "a100-sxm-80gb.yaml").read_text())
+    path = write(scenario_dir, yaml.safe_dump(tiny()))
+    monkeypatch.chdir(work)
+    for overrides in (["model.hf_config=config.json", "cluster.gpu=gpu.yaml"],
+                      ["model={hf_config: config.json}", "cluster={gpu: gpu.yaml, num_nodes: 2, gpus_per_node: 8}"]):
+        sc = load_scenario(path, overrides)
+        assert sc.model.name == "work" and sc.cluster.gpu == str(work / "gpu.yaml")
+    with pytest.raises(ConfigError, match="cluster.gpu: GPU profile file not found: " + str(work / "none.yaml")):
+        load_scenario(path, ["cluster.gpu=none.yaml"])
+
+
 def test_hf_config_beside_a_scenario_run_from_its_folder(tmp_path, monkeypatch):
     """`cd folder && paraplan simulate sc.yaml` with hf_config: config.json: the model is named
     after the folder, not left empty (which best_plan.yaml could not load back)."""
