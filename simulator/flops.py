@@ -11,53 +11,58 @@ MODEL_FLOPS_FORMULA = (
     "its 2h x h projection and the head again; "
     "= 72*B*s*L*h^2*(1 + s/6h + V/12hL) for GPT (Korthikanti et al. 2022, Appendix A), "
     "generalised to GQA/SwiGLU; recompute not counted (that is HFU). MoE layers count the router "
-    "and only the active experts (top_k routed + shared), not all experts"
+    "and only the active experts (top_k routed + shared), not all experts; with a capacity_factor, "
+    "not the routed copies dropped at capacity"
 )
 
 
-def layer_gemm_flops_per_token(model, index: int) -> float:
+def layer_gemm_flops_per_token(model, index: int, kept: float = 1.0) -> float:
     """Forward GEMM FLOPs per token of layer `index`: attention projections plus the dense MLP, or
-    for an MoE layer the router and only the experts a token activates (top_k routed + shared)."""
+    for an MoE layer the router and only the experts a token activates (top_k routed + shared;
+    `kept`: the share of routed copies an expert computes, below 1 when some are dropped at
+    capacity)."""
     attention = sum(k * n for k, n, _ in model.attention_linears())
-    return 2 * attention + _ffn_flops_per_token(model, index)
+    return 2 * attention + _ffn_flops_per_token(model, index, kept=kept)
 
 
-def _ffn_flops_per_token(model, index: int, *, shared_only: bool = False) -> float:
+def _ffn_flops_per_token(model, index: int, *, shared_only: bool = False, kept: float = 1.0) -> float:
     """Forward GEMM FLOPs per token of layer `index`'s FFN (dense MLP, or router + active experts;
     `shared_only`: just an MoE layer's shared experts)."""
     h = model.hidden_size
     if not model.is_moe_layer(index):
         return 0.0 if shared_only else 2 * model.ffn_matrices * h * model.ffn_hidden_size
     e = model.moe
-    experts = e.num_shared_experts + (0 if shared_only else e.top_k)
+    experts = e.num_shared_experts + (0 if shared_only else e.top_k * kept)
     router = 0 if shared_only else h * e.num_experts
     return 2 * (router + experts * model.ffn_matrices * h * e.expert_ffn_hidden_size)
 
 
-def forward_flops_per_token(model, seq_length: int) -> tuple[float, float, float]:
-    """(GEMMs of all layers, attention score/value products of all layers, LM head) per token."""
+def forward_flops_per_token(model, seq_length: int, kept: float = 1.0) -> tuple[float, float, float]:
+    """(GEMMs of all layers, attention score/value products of all layers, LM head) per token;
+    `kept` as in layer_gemm_flops_per_token."""
     h, mtp = model.hidden_size, model.mtp_layers
-    gemm = sum(layer_gemm_flops_per_token(model, i) for i in range(model.num_layers))
+    gemm = sum(layer_gemm_flops_per_token(model, i, kept) for i in range(model.num_layers))
     # a multi-token prediction module: its 2h -> h projection, a layer like the last, the LM head
-    gemm += mtp * (2 * 2 * h * h + layer_gemm_flops_per_token(model, model.num_layers - 1))
+    gemm += mtp * (2 * 2 * h * h + layer_gemm_flops_per_token(model, model.num_layers - 1, kept))
     # QK^T over q_channels and AV over o_channels: 4*s*q when they are equal (MLA: 192 vs 128 per head)
     attention = (model.num_layers + mtp) * 2 * seq_length * (model.q_channels + model.o_channels)
     head = (1 + mtp) * 2 * h * model.vocab_size
     return gemm, attention, head
 
 
-def model_flops(model, seq_length: int, tokens: int) -> float:
-    gemm, attention, head = forward_flops_per_token(model, seq_length)
+def model_flops(model, seq_length: int, tokens: int, kept: float = 1.0) -> float:
+    """`kept`: the share of routed expert copies computed (1 - the share dropped at capacity)."""
+    gemm, attention, head = forward_flops_per_token(model, seq_length, kept)
     return 3 * tokens * (gemm + attention + head)
 
 
 def hardware_flops(model, seq_length: int, tokens: int, recompute: str,
-                   recompute_modules: tuple[str, ...] = ("core_attn",)) -> float:
+                   recompute_modules: tuple[str, ...] = ("core_attn",), kept: float = 1.0) -> float:
     """Model FLOPs plus what recomputation re-runs, as in Korthikanti et al. 2022's HFU: full =
     every layer's forward; selective = its modules' GEMMs (core_attn the attention products, mlp
     the dense MLPs, moe the router and active experts, shared_experts the shared experts; the norm
     and activation modules are elementwise)."""
-    gemm, attention, _ = forward_flops_per_token(model, seq_length)
+    gemm, attention, _ = forward_flops_per_token(model, seq_length, kept)
     extra = 0.0
     if recompute == "full":
         extra = gemm + attention
@@ -67,7 +72,7 @@ def hardware_flops(model, seq_length: int, tokens: int, recompute: str,
         for i in range(model.num_layers):
             moe_layer = model.is_moe_layer(i)
             if ("mlp" in mods and not moe_layer) or ("moe" in mods and moe_layer):
-                extra += _ffn_flops_per_token(model, i)
+                extra += _ffn_flops_per_token(model, i, kept=kept)
             elif "shared_experts" in mods and moe_layer:
                 extra += _ffn_flops_per_token(model, i, shared_only=True)
-    return model_flops(model, seq_length, tokens) + tokens * extra
+    return model_flops(model, seq_length, tokens, kept) + tokens * extra

@@ -175,8 +175,9 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
 
     tokens = tr.global_batch_size * tr.seq_length
     peak = gpu.peak(ctx.dtype)
-    flops = model_flops(m, tr.seq_length, tokens)
-    hw_flops = hardware_flops(m, tr.seq_length, tokens, p.recompute, p.recompute_modules)
+    kept = 1.0 - _dropped_fraction(draw) if draw is not None else 1.0  # copies the experts compute
+    flops = model_flops(m, tr.seq_length, tokens, kept)
+    hw_flops = hardware_flops(m, tr.seq_length, tokens, p.recompute, p.recompute_modules, kept)
     world = p.world_size
     stages = tuple(
         StageResult(
@@ -211,6 +212,11 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
         spans=eng.spans,
         moe=moe,
     )
+
+
+def _dropped_fraction(draw) -> float:
+    """Share of the routed token copies dropped at expert capacity."""
+    return draw.dropped / max(1.0, draw.expert_tokens.sum() + draw.dropped)
 
 
 def _critical_stage(eng) -> int:
@@ -401,7 +407,7 @@ def _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, step_ti
     return MoEReport(
         routing=m.moe.routing.distribution,
         imbalance=draw.imbalance,
-        dropped_fraction=draw.dropped / max(1.0, draw.expert_tokens.sum() + draw.dropped),
+        dropped_fraction=_dropped_fraction(draw),
         moe_layer_time_s=layer,
         balanced_moe_layer_time_s=ref_layer,
         balanced_step_time_s=uniform_step,

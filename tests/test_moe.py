@@ -289,3 +289,18 @@ def test_shared_expert_overlap_hides_the_dispatch_minus_its_sm_share(h100_net, s
         assert hidden.parts["ep_comm"] == pytest.approx(a2a + overlapped(shared, a2a) - shared)
         assert hidden.parts["ep_comm"] == pytest.approx(1.15 * a2a)
         assert hidden.parts["compute"] == pytest.approx(plain.parts["compute"])
+
+
+def test_copies_dropped_at_capacity_are_not_counted_as_model_flops():
+    """With a capacity factor the experts skip the copies over capacity: TFLOP/s and MFU count
+    the routed experts' work times the share kept."""
+    from simulator.flops import model_flops
+
+    over = ["model.moe.routing.distribution=zipf", "model.moe.capacity_factor=1.0"]
+    sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml", over)
+    r = simulate(sc, imbalance_reference=False)
+    tokens, world = sc.training.global_batch_size * sc.training.seq_length, sc.plan.world_size
+    assert r.moe.dropped_fraction > 0.05
+    done = r.tflops_per_gpu * 1e12 * r.step_time_s * world
+    assert done == pytest.approx(model_flops(sc.model, sc.training.seq_length, tokens, 1 - r.moe.dropped_fraction))
+    assert done < model_flops(sc.model, sc.training.seq_length, tokens)

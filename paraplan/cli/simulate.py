@@ -115,7 +115,8 @@ def _moe_lines(sc, moe) -> list[str]:
         f"    vs a perfectly balanced router: MoE layer {moe.moe_layer_time_s * 1e3:.2f} ms vs "
         f"{moe.balanced_moe_layer_time_s * 1e3:.2f} ms (x{moe.moe_layer_time_s / moe.balanced_moe_layer_time_s:.2f}); "
         f"step {moe.balanced_step_time_s:.3f} s balanced",
-        "    FLOPs and MFU count the router and only the active experts (top-k routed + shared)",
+        "    FLOPs and MFU count the router and only the active experts (top-k routed + shared)"
+        + (", not the copies dropped at capacity" if moe.dropped_fraction else ""),
     ]
     return out
 
