@@ -32,8 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--nproc", type=int, help="processes (default: the plan's world size)")
     p.add_argument("--timeout", type=float, metavar="SECONDS", help="process-group timeout")
     p.add_argument("--tolerance", type=float, default=DEFAULT_TOLERANCE_PCT, metavar="PCT",
-                   help=f"|error| in percent counted as a match (default {DEFAULT_TOLERANCE_PCT:g}; "
-                        "CPU timings need far more)")
+                   help=f"|error| in percent counted as a match; the exit status is 1 outside it "
+                        f"(default {DEFAULT_TOLERANCE_PCT:g}; CPU timings need far more)")
     p.add_argument("--refit", metavar="OUT.yaml", help="write a profile whose compute efficiency is refit to this run")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
 
@@ -67,7 +67,7 @@ def run(args) -> int:
         report["refit"] = {"out": args.refit, "profile": r.profile.name, "factor": r.factor,
                            "predicted_step_time_s": r.predicted_after_s, "error_pct": r.error_after_pct}
     print(json.dumps(report, indent=1) if args.json else format_report(report))
-    return 0
+    return 0 if report["within_tolerance"] else 1  # a check that failed, as diff and pytest report it
 
 
 def format_report(r: dict) -> str:
