@@ -103,6 +103,8 @@ def check_output_file(path: str | os.PathLike | None, what: str) -> None:
         return
     if str(path) == "":
         raise ConfigError(what, "empty; expected a file name")
+    if str(path) == "-":  # the Unix spelling of standard output, which carries the report
+        raise ConfigError(what, "'-' (standard output) is not supported; give a file name, e.g. ./-")
     target = Path(os.path.realpath(path))
     _check_target(target, what)
     _check_parent(target.parent, what)

@@ -73,6 +73,7 @@ BAD_INPUT = [
     (["--set", "model=mixtral-8x7b", "--set", "plan.ep=2", "--set", "plan.tp=1", "--set", "plan.pp=1",
       "--set", "training.global_batch_size=16", "--set", "plan.moe_shared_expert_overlap=true"],
      "plan.moe_shared_expert_overlap: needs shared experts"),
+    (["--trace", "-"], "--trace: '-' (standard output) is not supported"),
 ]
 
 
