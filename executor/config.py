@@ -81,9 +81,10 @@ def scaled_model(model: ModelSpec, run: RunSpec) -> ModelSpec:
         h0, h1 = model.hidden_size, run.hidden_size
         heads = model.num_attention_heads * h1 / h0
         if heads != int(heads) or heads < 1:
-            raise ConfigError("run.hidden_size", f"{h1} gives {heads:g} attention heads (model: {model.num_attention_heads} "
-                                                 f"heads at hidden {h0}, head_dim {model.head_dim} kept); use a multiple "
-                                                 f"of {h0 // _gcd(h0, model.num_attention_heads)}")
+            raise ConfigError("run.hidden_size", f"{h1} gives {heads:g} attention heads: heads scale with the hidden size "
+                                                 f"(model: {model.num_attention_heads} heads at hidden {h0}, one per "
+                                                 f"{h0 / model.num_attention_heads:g}; head_dim {model.head_dim} kept); "
+                                                 f"use a multiple of {h0 // _gcd(h0, model.num_attention_heads)}")
         heads = int(heads)
         kv = model.num_kv_heads * heads / model.num_attention_heads
         if kv != int(kv) or kv < 1:

@@ -123,8 +123,9 @@ def run(args) -> int:
     sc, nproc = prepare(args)
     rdzv = Rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, endpoint=args.rdzv_endpoint) if args.nnodes > 1 else None
     if args.dry_run:
+        shape = f"{sc.model.num_layers} layers, hidden {sc.model.hidden_size}"
         print(f"{sc.name}: plan OK; would start {nproc} process(es) x {args.nnodes} node(s), backend {sc.run.backend}, "
-              f"model {sc.model.name} ({sc.model.num_layers} layers, hidden {sc.model.hidden_size})")
+              f"model {sc.model.name}" + ("" if shape in sc.model.name else f" ({shape})"))
         return 0
     try:
         results = launch([sc], nproc=nproc, backend=sc.run.backend, timeout_s=sc.run.timeout_s, run_dir=args.run_dir,
