@@ -9,6 +9,13 @@ shape sits at efficiency 0.9 rather than at the 1.0 bound of the profile format,
 room on both sides. A CPU profile's arch is "ampere": of the three the loader knows, the one
 without NVLink SHARP (NVLS, which hwmodels.network applies to hopper and blackwell all-reduces)
 and without fp8 tensor cores, both of which a CPU lacks.
+
+A CPU run with --base keeps the base's fields it did not measure. When the base describes another
+device (a GPU's bundled profile), the result is a hybrid, and it says so: it is named
+cpu-<model>-with-<base> (never the base's own name, nor BASE-calibrated, which would claim a
+calibrated GPU), the measured memory is the machine's (capacity with bandwidth and curve), the
+base's fp8 peak goes when the GEMMs are the CPU's (a CPU has no fp8 GEMM to set beside them), and
+every provenance entry kept from the base is marked as inherited.
 """
 from __future__ import annotations
 
@@ -104,6 +111,7 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
     """The calibrated profile. `measurements` are bench.Measurement, `collectives`
     collectives.CollectiveSample; what was not measured comes from `base` (required for it)."""
     cpu = info.kind == "cpu"
+    foreign_base = cpu and base is not None and not _describes_this_cpu(base, info)
     by_kind: dict[str, list] = {}
     for m in measurements:
         by_kind.setdefault(m.kind, []).append(m)
@@ -138,15 +146,25 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
     if cpu and gemm_by_dtype:
         for d, ms in gemm_by_dtype.items():
             peaks[d] = max(m.work / m.seconds for m in ms) / CPU_HEADROOM
-        peaks["fp32"] = peaks.get("tf32", peaks.get("fp32"))
-        prov["peak_tflops"] = (f"derived: the best measured GEMM throughput of each dtype / {CPU_HEADROOM} (a CPU has "
-                               "no datasheet peak here; its best shape then sits at efficiency 0.9); "
-                               "tf32 and fp32 are the CPU's fp32 GEMM (no TF32 on a CPU)")
+        if "tf32" in gemm_by_dtype:
+            peaks["fp32"] = peaks["tf32"]
+        dropped = [d for d in ("fp8",) if d in peaks and d not in gemm_by_dtype]
+        for d in dropped:  # the base's fp8 beside this CPU's 16-bit peaks: a CPU has no fp8 GEMM
+            del peaks[d]
+        kept = [d for d in ("tf32", "fp16", "bf16") if d in peaks and d not in gemm_by_dtype]
+        prov["peak_tflops"] = (f"derived: the best measured GEMM throughput of {', '.join(sorted(gemm_by_dtype))} / "
+                               f"{CPU_HEADROOM} (a CPU has no datasheet peak here; its best shape then sits at "
+                               "efficiency 0.9)"
+                               + ("; tf32 and fp32 are the CPU's fp32 GEMM (no TF32 on a CPU)"
+                                  if "tf32" in gemm_by_dtype else "")
+                               + (f"; {', '.join(kept)} kept from the base {base_label} (not measured)" if kept else "")
+                               + ("; no fp8 (a CPU has no fp8 GEMM; the base's fp8 peak dropped)" if dropped else ""))
     for d in GEMM_DTYPES:
         if d in gemm_by_dtype and d not in peaks:
             raise CalibrationError(f"measured {d} GEMMs but the base profile {base_label} has no {d} peak")
 
     # ---- HBM
+    capacity = start.hbm_capacity
     bandwidth = start.hbm_bandwidth
     hbm_curve = start.hbm_efficiency
     copies = sorted(by_kind.get("copy", []), key=lambda m: m.work)
@@ -160,7 +178,8 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
                                      f"({max(m.work / m.seconds for m in copies) / 1e9:.2f} GB/s; small copies run "
                                      f"from cache, the largest ({_mb(copies[-1].work)}) at "
                                      f"{copies[-1].work / copies[-1].seconds / 1e9:.2f} GB/s from RAM)")
-            prov["hbm.capacity"] = "measured: the machine's RAM (sysconf)"
+            capacity = float(info.memory_bytes)  # the memory whose copies were measured
+            prov["hbm.capacity"] = f"measured: the machine's RAM (sysconf), {capacity / 2**30:.1f} GiB"
         fit = F.fit_hbm([m.work for m in copies], [m.seconds for m in copies], bandwidth=bandwidth)
         hbm_curve = fit.curve
         built.fits["hbm.copy"] = _fit_json(fit)
@@ -175,10 +194,11 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
         hbm_curve = _clamped(hbm_curve, start.hbm_bandwidth / bandwidth)
 
     profile = dataclasses.replace(start, peak_flops=tuple((d, peaks[d]) for d in ("fp32",) + GEMM_DTYPES if d in peaks),
-                                  hbm_bandwidth=bandwidth, hbm_efficiency=hbm_curve, calibrated=True)
+                                  hbm_capacity=capacity, hbm_bandwidth=bandwidth, hbm_efficiency=hbm_curve,
+                                  calibrated=True)
 
     # ---- GEMM
-    curves = dict(start.gemm_efficiency)
+    curves = {d: c for d, c in start.gemm_efficiency if d in peaks}  # a dropped peak takes its curve along
     for d in list(curves):  # kept curves re-expressed against the new peaks (same times)
         if d not in gemm_by_dtype and d in old_peaks and old_peaks[d] != peaks[d]:
             curves[d] = _clamped(curves[d], old_peaks[d] / peaks[d])
@@ -261,11 +281,52 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
     if collectives:
         profile = _collectives(profile, collectives, built, prov, cpu=cpu)
 
-    final_name = name or (f"{base.name}-calibrated" if base is not None and not cpu else profile.name)
+    if foreign_base:
+        _mark_inherited(prov, base, base_label)
+    final_name = name or _default_name(info, base)
     prov["calibration"] += f"; wall time {wall_s:.1f} s"
     built.profile = _rounded(dataclasses.replace(profile, name=final_name, provenance=tuple(prov.items()),
                                                  calibrated=True), base)
     return built
+
+
+def _default_name(info: DeviceInfo, base: GpuProfile | None) -> str:
+    """A GPU: BASE-calibrated (the base is that GPU's datasheet profile). A CPU: cpu-<model>, or
+    the base's name where the base is a profile of this CPU already (it may say what it mixes),
+    or cpu-<model>-with-BASE where the fields not measured are another device's. Never the base's
+    name or BASE-calibrated for a CPU: a profile measured on a CPU is no calibrated GPU."""
+    if info.kind != "cpu" and base is not None:
+        return f"{base.name}-calibrated"
+    own = _cpu_name(info)
+    if base is None:
+        return own
+    return base.name if _describes_this_cpu(base, info) else f"{own}-with-{base.name}"
+
+
+def _cpu_name(info: DeviceInfo) -> str:
+    return f"cpu-{slug(info.name)}"
+
+
+def _describes_this_cpu(base: GpuProfile, info: DeviceInfo) -> bool:
+    """Whether `base` is a calibration of this CPU (named as _default_name names one)."""
+    own = _cpu_name(info)
+    return base.name == own or base.name.startswith(f"{own}-with-")
+
+
+INHERITED = "inherited from the base"
+
+
+def _mark_inherited(prov: dict, base: GpuProfile, base_label: str) -> None:
+    """A CPU run on another device's profile: every provenance entry still the base's says it is
+    the base's device's, not this machine's, and the base entry lists what this run measured."""
+    theirs = dict(base.provenance)
+    measured = [k for k, v in prov.items() if k not in ("calibration", "base") and theirs.get(k) != v]
+    for key, text in theirs.items():
+        if key not in ("calibration", "base") and prov.get(key) == text:
+            prov[key] = f"{INHERITED} {base_label}, not measured on this CPU: {text}"
+    prov["base"] = (f"{base_label}, a profile of another device: this CPU measured {', '.join(measured) or 'nothing'}; "
+                    f"every other field (arch {base.arch} included) keeps the base's value, marked '{INHERITED}' "
+                    "where the base gives a source")
 
 
 SIGNIFICANT = 5

@@ -48,7 +48,8 @@ class Options:
     base: str | None = None
     """bundled profile name or file: peaks and unmeasured fields; None: matched by GPU name (none for a CPU)."""
     name: str | None = None
-    """the profile's name; None: '<base>-calibrated', or 'cpu-<model>'."""
+    """the profile's name; None: '<base>-calibrated' on a GPU; 'cpu-<model>' on a CPU, or
+    'cpu-<model>-with-<base>' with a base of another device (calibrate.build._default_name)."""
     dtypes: tuple[str, ...] | None = None
     """GEMM dtypes; None: every dtype the device (and its base profile) supports."""
     skip: frozenset[str] = frozenset()

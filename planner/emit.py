@@ -9,8 +9,12 @@
   and notes on what Megatron-LM runs differently from the simulation.
 - `torchtitan.toml`: the [model], [training], [parallelism] and [activation_checkpoint] sections
   of a torchtitan job config (field names from torchtitan/config/job_config.py); the model itself
-  is chosen there by name and flavour, which paraplan cannot know, so they are left to fill in
-  (the name too for MoE models, which are not torchtitan's llama3).
+  is chosen there by name and flavour: filled in where a torchtitan flavour builds exactly the
+  model (planner.model_families), otherwise left to fill in, with the architecture to match.
+
+The architecture beyond the model schema (normalization, position embedding, biases, QK norm, the
+router) comes from the model's preset family (planner.model_families); a model of no known family
+gets a comment line naming the flags the user must set.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import yaml
 
 from paraplan.serialize import scenario_to_mapping
 from paraplan.specs import Scenario
+from planner.model_families import megatron_architecture_args, megatron_architecture_comments, torchtitan_model
 from planner.objective import GiB, Evaluation
 from simulator import layout
 
@@ -202,7 +207,19 @@ def _megatron_model(sc: Scenario) -> list[str]:
         a.append("--swiglu")
     if not m.tied_embeddings:
         a.append("--untie-embeddings-and-output-weights")
+    a += _megatron_vocabulary(m.vocab_size, p.tp)
+    a += megatron_architecture_args(m)
     return a
+
+
+def _megatron_vocabulary(vocab_size: int, tp: int) -> list[str]:
+    """Megatron pads the tokenizer's vocabulary up to a multiple of --make-vocab-size-divisible-by
+    x tp (megatron/training/tokenizer/tokenizer.py _vocab_size_with_padding; default 128), which
+    would grow e.g. Llama 3's 128256 to 129024 at tp 8. With vocab_size / tp as the divisor the
+    multiple is vocab_size itself, so any tokenizer of up to vocab_size entries gives the simulated
+    vocabulary exactly. A vocabulary tp does not divide cannot be kept (the embedding is split over
+    tp): divisor 1 pads it to the next multiple of tp, and megatron_notes says so."""
+    return ["--make-vocab-size-divisible-by", str(vocab_size // tp if vocab_size % tp == 0 else 1)]
 
 
 def _megatron_moe(sc: Scenario) -> list[str]:
@@ -287,6 +304,9 @@ def megatron_notes(sc: Scenario) -> list[str]:
     """Where Megatron-LM runs something other than what was simulated."""
     m, t, p = sc.model, sc.training, sc.plan
     notes = []
+    if m.vocab_size % p.tp:
+        notes.append(f"Megatron-LM splits the vocabulary over tp {p.tp}, so it pads the simulated {m.vocab_size} "
+                     f"entries to {-(-m.vocab_size // p.tp) * p.tp}.")
     if p.schedule == "gpipe" and p.pp > 1:
         notes.append("Megatron-LM has no GPipe schedule; it runs 1F1B (same bubble, less activation memory).")
     if p.schedule == "zero-bubble" and p.pp > 1:
@@ -322,6 +342,7 @@ def megatron_args_text(sc: Scenario) -> str:
     head = [f"Megatron-LM pretrain_gpt.py arguments for {sc.name} on {world} GPUs ({sc.cluster.shape}); "
             "add data, tokenizer, optimizer.",
             f"Launch: {megatron_launch_command(sc)}",
+            *megatron_architecture_comments(sc.model),
             *[f"Note: {n}" for n in megatron_notes(sc)]]
     return "".join(f"# {h}\n" for h in head) + "\n".join(lines) + "\n"
 
@@ -348,18 +369,21 @@ def torchtitan_toml(sc: Scenario) -> str:
     if p.recomputed_modules not in ((), ("core_attn",)):
         notes.append(f"the plan recomputes {', '.join(p.recompute_modules)}; torchtitan's selective "
                      "checkpointing chooses by op, not by module, so its memory and recompute time differ")
-    name = _torchtitan_model_name(m)
+    name, flavor, architecture = torchtitan_model(m)
+    chosen = name != "CHANGE-ME" and flavor != "CHANGE-ME"
     lines = [
         f"# torchtitan job config for {sc.name}: {p.tp * p.pp * p.cp * p.dp} GPUs "
         f"({sc.cluster.shape}), written by `paraplan plan`; keys follow {TORCHTITAN_KEYS_VERSION}.",
-        f"# Model: {m.name} ({m.num_layers} layers, hidden {m.hidden_size}); set [model] name/flavor to it"
+        f"# Model: {_torchtitan_shape(m)}"
+        + ("" if chosen else "; set [model] name/flavor to it")
         + (" (an MoE model: one of torchtitan's MoE models such as deepseek_v3 or llama4, not llama3)."
            if m.moe is not None else "."),
+        *[f"# {line}" for line in architecture],
         *[f"# Note: {n}" for n in notes],
         "",
         "[model]",
         f'name = "{name}"',
-        'flavor = "CHANGE-ME"',
+        f'flavor = "{flavor}"',
     ]
     if t.precision == "fp8":
         # torchtitan/components/quantization/float8.py registers the converter as "quantize.linear.float8"
@@ -461,10 +485,17 @@ def _torchtitan_accepts_experts(p) -> bool:
     return False
 
 
-def _torchtitan_model_name(m) -> str:
-    """torchtitan's "llama3" is a dense SwiGLU model (torchtitan/models/llama3); an MoE model is
-    another torchtitan model (torchtitan/models/deepseek_v3, llama4, ...), chosen by hand."""
-    return "llama3" if m.activation == "swiglu" and m.moe is None else "CHANGE-ME"
+def _torchtitan_shape(m) -> str:
+    """What a torchtitan flavor must build: the simulated layers, widths, heads and vocabulary
+    (which torchtitan takes from the tokenizer)."""
+    attention = (f"{m.num_attention_heads} MLA heads" if m.mla is not None else
+                 f"{m.num_attention_heads} heads / {m.num_kv_heads} KV heads of {m.head_dim}")
+    experts = (f", {m.moe.num_experts} experts of {m.moe.expert_ffn_hidden_size} (top {m.moe.top_k})"
+               if m.moe is not None else "")
+    mtp = f", {m.mtp_layers} MTP module(s)" if m.mtp_layers else ""
+    return (f"{m.name} ({m.num_layers} layers, hidden {m.hidden_size}, {attention}, FFN {m.ffn_hidden_size}"
+            f"{experts}{mtp}, vocabulary {m.vocab_size} from the tokenizer, "
+            f"{'tied' if m.tied_embeddings else 'untied'} embeddings)")
 
 
 def _torchtitan_stage_split(sc: Scenario) -> list[str]:

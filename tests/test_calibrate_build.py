@@ -120,3 +120,59 @@ def test_cpu_profile_must_have_every_16_bit_gemm():
     plan = build_plan(device="cpu", quick=True, dtypes=("bf16",), rates=rates)
     with pytest.raises(Exception, match="tf32, fp16"):
         _build(CPU, None, _measure(H100, plan, ("bf16",)))
+
+
+def _cpu_rates(slow):
+    return Rates(gemm={d: slow.peak(d) * 0.7 for d in ("tf32", "fp16", "bf16")}, memory=slow.hbm_bandwidth * 0.8,
+                 attention=slow.peak("bf16") * 0.3, memory_budget=2**30)
+
+
+def test_cpu_profile_on_a_gpu_base_says_what_it_measured_and_what_it_inherited(tmp_path):
+    """`--device cpu --base h100-sxm-80gb --skip gemm,attention,elementwise`: the memory is this
+    machine's (RAM capacity with the measured bandwidth), everything else the H100's, and the
+    profile says so: not named like the GPU, its kept provenance marked as inherited."""
+    slow = dataclasses.replace(H100, hbm_bandwidth=H100.hbm_bandwidth / 100)
+    plan = build_plan(device="cpu", quick=True, dtypes=("tf32", "fp16", "bf16"), rates=_cpu_rates(slow))
+    copies = [m for m in _measure(slow, plan, ()) if m.kind in ("copy", "triad")]
+    p = _build(CPU, H100, copies).profile
+    assert p.name == "cpu-some-cpu-8-core-with-h100-sxm-80gb"
+    assert p.hbm_capacity == 64 * 2**30 and p.hbm_bandwidth < H100.hbm_bandwidth / 50
+    assert p.peak_flops == H100.peak_flops and p.gemm_efficiency == H100.gemm_efficiency  # not measured: kept
+    prov, theirs = dict(p.provenance), dict(H100.provenance)
+    assert prov["hbm.capacity"].startswith("measured: the machine's RAM")
+    assert prov["peak_tflops"] == f"inherited from the base h100-sxm-80gb (bundled), not measured on this CPU: " \
+                                  f"{theirs['peak_tflops']}"
+    assert all(prov[k].startswith("inherited from the base") for k in theirs if not k.startswith("hbm"))
+    assert "this CPU measured hbm.capacity, hbm.bandwidth, hbm.efficiency" in prov["base"]
+    write_profile(p, tmp_path / "p.yaml")
+    q = load_profile(str(tmp_path / "p.yaml"))
+    assert (q.name, q.hbm_capacity) == (p.name, p.hbm_capacity)
+
+
+def test_cpu_gemms_on_a_gpu_base_drop_its_fp8():
+    """The CPU's measured 16-bit peaks do not sit beside the GPU's fp8 peak (a CPU has no fp8)."""
+    slow = dataclasses.replace(H100, peak_flops=tuple((d, v / 5000) for d, v in H100.peak_flops),
+                               hbm_bandwidth=H100.hbm_bandwidth / 100)
+    plan = build_plan(device="cpu", quick=True, dtypes=("tf32", "fp16", "bf16"), rates=_cpu_rates(slow))
+    p = _build(CPU, H100, _measure(slow, plan, ("tf32", "fp16", "bf16"))).profile
+    assert "fp8" not in dict(p.peak_flops) and "fp8" not in dict(p.gemm_efficiency)
+    assert p.peak("bf16") < H100.peak("bf16") / 1000
+    assert "fp8 peak dropped" in dict(p.provenance)["peak_tflops"]
+
+
+def test_cpu_profile_names_say_whose_fields_they_hold():
+    """cpu-<model> for this CPU alone, also when the base is a profile of this CPU already (a later
+    --collectives run on it); cpu-<model>-with-BASE where the unmeasured fields are another
+    device's, and that stays the name of runs on the hybrid. Never the GPU's name or
+    BASE-calibrated: nothing of the GPU was measured."""
+    slow = dataclasses.replace(H100, peak_flops=tuple((d, v / 5000) for d, v in H100.peak_flops),
+                               hbm_bandwidth=H100.hbm_bandwidth / 100)
+    plan = build_plan(device="cpu", quick=True, dtypes=("tf32", "fp16", "bf16"), rates=_cpu_rates(slow))
+    copies = [m for m in _measure(slow, plan, ()) if m.kind == "copy"]
+    alone = _build(CPU, None, _measure(slow, plan, ("tf32", "fp16", "bf16"))).profile
+    again = _build(CPU, alone, copies).profile
+    hybrid = _build(CPU, H100, copies).profile
+    on_hybrid = _build(CPU, hybrid, copies).profile
+    assert (alone.name, again.name) == ("cpu-some-cpu-8-core", "cpu-some-cpu-8-core")
+    assert hybrid.name == on_hybrid.name == "cpu-some-cpu-8-core-with-h100-sxm-80gb"
+    assert not any(v.startswith("inherited") for v in dict(again.provenance).values())

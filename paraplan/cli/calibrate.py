@@ -31,7 +31,7 @@ def add_arguments(p) -> None:
     p.add_argument("--base", metavar="NAME|FILE",
                    help="profile whose peaks and unmeasured fields to keep (default: the bundled profile matching "
                         "the GPU's name; none for a CPU)")
-    p.add_argument("--name", help="the profile's name (default: BASE-calibrated, or cpu-<model>)")
+    p.add_argument("--name", help="the profile's name (default: BASE-calibrated on a GPU; cpu-<model> on a CPU, cpu-<model>-with-BASE when --base is another device's profile)")
     p.add_argument("--dtypes", type=_list, metavar="LIST",
                    help="GEMM dtypes, comma-separated from tf32,fp16,bf16,fp8 (default: all the device supports)")
     p.add_argument("--skip", type=_list, action="extend", default=[], metavar="LIST",

@@ -1,0 +1,186 @@
+"""The model architecture that megatron_args.txt and torchtitan.toml build: the emitted arguments
+parsed the way Megatron-LM's pretrain_gpt.py parses them must give the preset's normalization,
+position embedding, biases, attention, router and vocabulary, not Megatron's GPT-2 defaults."""
+import argparse
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+
+from paraplan.loader import load_scenario
+from planner.emit import megatron_args, megatron_args_text, torchtitan_toml
+from planner.model_families import FAMILIES, LLAMA3, family_of, megatron_architecture_args
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "scenarios" / "tiny-gpt-8xa100.yaml"
+SCENARIOS = sorted(p.stem for p in (ROOT / "scenarios").glob("*.yaml"))
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+
+
+def scenario(name, *overrides):
+    return load_scenario(ROOT / "scenarios" / f"{name}.yaml", list(overrides))
+
+
+def megatron_parse(args, *, defaults=True):
+    """`args` as pretrain_gpt.py reads the architecture from them: flag names, actions and defaults
+    restated from megatron/training/arguments.py (_add_network_size_args, _add_training_args for
+    --disable-bias-linear / --add-qkv-bias / --rope-type, _add_vision_args for --qk-layernorm,
+    _add_moe_args, _add_mla_args). defaults=False leaves the choice-valued defaults unset, to see
+    what the file states itself rather than what today's Megatron would assume."""
+    d = (lambda value: value) if defaults else (lambda value: None)
+    p = argparse.ArgumentParser(allow_abbrev=False)
+    p.add_argument("--normalization", default=d("LayerNorm"), choices=["LayerNorm", "RMSNorm"])
+    p.add_argument("--norm-epsilon", type=float, default=d(1e-5))
+    p.add_argument("--position-embedding-type", default=d("learned_absolute"),
+                   choices=["learned_absolute", "rope", "mrope", "relative", "none"])
+    p.add_argument("--rotary-base", type=int, default=10000)
+    p.add_argument("--use-rope-scaling", action="store_true")
+    p.add_argument("--rope-type", default=None, choices=["rope", "yarn"])
+    p.add_argument("--rotary-scaling-factor", type=float, default=1.0)
+    p.add_argument("--mscale", type=float, default=1.0)
+    p.add_argument("--mscale-all-dim", type=float, default=0.0)
+    p.add_argument("--disable-bias-linear", action="store_false", dest="add_bias_linear")
+    p.add_argument("--add-qkv-bias", action="store_true")
+    p.add_argument("--qk-layernorm", action="store_true")
+    p.add_argument("--swiglu", action="store_true")
+    p.add_argument("--untie-embeddings-and-output-weights", action="store_true")
+    p.add_argument("--group-query-attention", action="store_true")
+    p.add_argument("--num-query-groups", type=int, default=1)
+    p.add_argument("--num-attention-heads", type=int)
+    p.add_argument("--kv-channels", type=int)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--num-experts", type=int)
+    p.add_argument("--moe-router-score-function", default="softmax", choices=["softmax", "sigmoid"])
+    p.add_argument("--moe-router-enable-expert-bias", action="store_true")
+    p.add_argument("--moe-router-pre-softmax", action="store_true")
+    p.add_argument("--moe-router-topk-scaling-factor", type=float)
+    p.add_argument("--moe-router-num-groups", type=int)
+    p.add_argument("--moe-router-group-topk", type=int)
+    ns, _ = p.parse_known_args(args)
+    return ns
+
+
+def padded_vocabulary(ns, tokenizer_size):
+    """megatron/training/tokenizer/tokenizer.py _vocab_size_with_padding."""
+    multiple = ns.make_vocab_size_divisible_by * ns.tensor_model_parallel_size
+    return math.ceil(tokenizer_size / multiple) * multiple
+
+
+@pytest.mark.parametrize("name", ["llama3-8b-64xh100", "llama3-70b-512xh100", "llama3-405b-16384xh100"])
+def test_llama_arguments_build_llama(name):
+    """meta-llama/Llama-3.1-*/config.json: RMSNorm 1e-5, RoPE 500000 with llama3 scaling, no
+    biases, 8 KV heads of 128, SwiGLU, untied; the 128256-entry vocabulary kept at any tp."""
+    sc = scenario(name)
+    ns = megatron_parse(megatron_args(sc))
+    assert (ns.normalization, ns.norm_epsilon) == ("RMSNorm", 1e-5)
+    assert (ns.position_embedding_type, ns.rotary_base, ns.use_rope_scaling) == ("rope", 500000, True)
+    assert not ns.add_bias_linear and not ns.add_qkv_bias and not ns.qk_layernorm
+    assert ns.swiglu and ns.untie_embeddings_and_output_weights
+    assert (ns.group_query_attention, ns.num_query_groups, ns.kv_channels) == (True, 8, 128)
+    assert padded_vocabulary(ns, 128256) == 128256
+
+
+def test_gpt3_arguments_state_gpt3_and_nothing_of_llama():
+    """Brown et al. 2020: GPT-2's architecture (LayerNorm, learned positions, biases, GELU, tied
+    embeddings, full multi-head attention), stated in the file rather than left to Megatron's
+    defaults; GPT-2's 50257-token tokenizer padded to the simulated 51200."""
+    sc = scenario("gpt3-175b-1024xa100")
+    args = megatron_args(sc)
+    ns = megatron_parse(args, defaults=False)
+    assert (ns.normalization, ns.norm_epsilon, ns.position_embedding_type) == ("LayerNorm", 1e-5, "learned_absolute")
+    assert ns.add_bias_linear and not ns.swiglu and not ns.untie_embeddings_and_output_weights
+    assert not ns.group_query_attention and not ns.qk_layernorm and not ns.use_rope_scaling
+    assert padded_vocabulary(ns, 50257) == 51200
+    assert "Architecture: GPT-3: LayerNorm" in megatron_args_text(sc)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_megatron_keeps_the_simulated_vocabulary(name):
+    """A tokenizer of vocab_size entries comes out at vocab_size, not padded to 128 x tp."""
+    sc = scenario(name)
+    assert padded_vocabulary(megatron_parse(megatron_args(sc)), sc.model.vocab_size) == sc.model.vocab_size
+
+
+def test_deepseek_v3_arguments_build_its_attention_and_router():
+    """deepseek-ai/DeepSeek-V3 config.json: RMSNorm 1e-6 (also on the MLA latents), YaRN factor
+    40 with mscale = mscale_all_dim = 1, no biases; sigmoid router with expert bias, top-8 of 4 of
+    8 groups, scaled by 2.5 (transformer_config.py: experts divisible by the groups)."""
+    ns = megatron_parse(megatron_args(scenario("deepseek-v3-2048xh800")))
+    assert (ns.normalization, ns.norm_epsilon, ns.position_embedding_type) == ("RMSNorm", 1e-6, "rope")
+    assert (ns.rope_type, ns.rotary_base, ns.rotary_scaling_factor, ns.mscale, ns.mscale_all_dim) == \
+        ("yarn", 10000, 40.0, 1.0, 1.0)
+    assert ns.qk_layernorm and not ns.add_bias_linear and ns.swiglu and ns.untie_embeddings_and_output_weights
+    assert (ns.moe_router_score_function, ns.moe_router_enable_expert_bias) == ("sigmoid", True)
+    assert (ns.moe_router_num_groups, ns.moe_router_group_topk, ns.moe_router_topk_scaling_factor) == (8, 4, 2.5)
+    assert ns.num_experts % ns.moe_router_num_groups == 0
+
+
+def test_group_limited_routing_left_out_where_the_experts_do_not_split():
+    m = scenario("deepseek-v3-2048xh800").model
+    odd = dataclasses.replace(m, moe=dataclasses.replace(m.moe, num_experts=100))
+    assert "--moe-router-num-groups" not in megatron_architecture_args(odd)
+    assert "--moe-router-score-function" in megatron_architecture_args(odd)
+
+
+@pytest.mark.parametrize("name, groups, base, eps", [("qwen3-235b-256xh100", 4, 1000000, 1e-6),
+                                                      ("mixtral-8x7b-64xh100", 8, 1000000, 1e-5)])
+def test_moe_presets_build_their_attention(name, groups, base, eps):
+    """Qwen/Qwen3-235B-A22B (QK norm) and mistralai/Mixtral-8x7B-v0.1 config.json; both routers
+    are Megatron's default (top-k, then softmax)."""
+    ns = megatron_parse(megatron_args(scenario(name)))
+    assert (ns.normalization, ns.norm_epsilon, ns.position_embedding_type, ns.rotary_base) == \
+        ("RMSNorm", eps, "rope", base)
+    assert ns.qk_layernorm == name.startswith("qwen3")
+    assert (ns.num_query_groups, ns.add_bias_linear, ns.moe_router_score_function) == (groups, False, "softmax")
+
+
+def test_families_agree_with_the_bundled_presets():
+    """Every preset a family names loads into that family; MPT (ALiBi) belongs to none."""
+    for fam in FAMILIES:
+        for preset in fam.presets:
+            assert family_of(load_scenario(TINY, [f"model={preset}"]).model) is fam, preset
+    for preset in ("mpt-7b", "mpt-30b"):
+        assert family_of(load_scenario(TINY, [f"model={preset}"]).model) is None
+
+
+def test_a_model_that_left_its_family_gets_no_guessed_flags():
+    """Sizes may change (the family holds); an activation, tying or attention kind unlike the
+    family's drops it, and the file names the flags to set instead. So does a model of no family."""
+    bigger = load_scenario(TINY, ["model=llama3-8b", "model.num_layers=8"])
+    assert megatron_parse(megatron_args(bigger)).normalization == "RMSNorm"
+    for sc in (load_scenario(TINY, ["model=llama3-8b", "model.tied_embeddings=true"]), scenario("tiny-gpt-8xa100")):
+        args, text = megatron_args(sc), megatron_args_text(sc)
+        assert "--normalization" not in args and "--disable-bias-linear" not in args
+        assert "leave Megatron-LM's defaults" in text and "--position-embedding-type (rope with --rotary-base)" in text
+
+
+def llama3_ffn(dim, multiple_of, multiplier):
+    """torchtitan compute_ffn_hidden_dim (models/llama3): 2/3 of 4 x dim, times the multiplier,
+    rounded up to a multiple."""
+    hidden = int(multiplier * int(2 * 4 * dim / 3))
+    return multiple_of * ((hidden + multiple_of - 1) // multiple_of)
+
+
+def test_torchtitan_llama3_flavors_are_the_ones_torchtitan_defines():
+    """torchtitan/models/llama3/__init__.py: 8B (4096, 32 layers, 32/8 heads, multiple_of 1024,
+    x1.3), 70B (8192, 80, 64/8, 4096, x1.3), 405B (16384, 126, 128/8, 4096, x1.2)."""
+    defined = {"8B": (32, 4096, 32, 8, llama3_ffn(4096, 1024, 1.3)),
+               "70B": (80, 8192, 64, 8, llama3_ffn(8192, 4096, 1.3)),
+               "405B": (126, 16384, 128, 8, llama3_ffn(16384, 4096, 1.2))}
+    assert dict(LLAMA3.torchtitan_flavors) == defined
+
+
+@pytest.mark.parametrize("overrides, name, flavor", [
+    (["model=llama3-70b"], "llama3", "70B"),
+    (["model=llama3-70b", "model.num_layers=40"], "llama3", "CHANGE-ME"),  # no torchtitan flavor of that depth
+    (["model=llama2-7b"], "llama3", "CHANGE-ME"),  # Llama's architecture, RoPE base 10000: a flavor to define
+    (["model=mixtral-8x7b"], "CHANGE-ME", "CHANGE-ME"),
+    (["model.activation=swiglu"], "CHANGE-ME", "CHANGE-ME"),  # a SwiGLU model of no known family
+])
+def test_torchtitan_names_a_model_only_where_it_is_that_model(overrides, name, flavor):
+    text = torchtitan_toml(load_scenario(TINY, overrides))
+    model = tomllib.loads(text)["model"]
+    assert (model["name"], model["flavor"]) == (name, flavor)
+    assert "# Architecture: " in text
