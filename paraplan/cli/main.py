@@ -52,7 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if "--debug" in argv:  # accepted after the subcommand too
         argv = ["--debug", *(a for a in argv if a != "--debug")]
-    args = build_parser(_chosen(argv)).parse_args(argv)
+    command = _chosen(argv)
+    parser = build_parser(command)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # point at the subcommand's help, which lists what it takes
+        prog = f"paraplan {command}" if command in SUBCOMMANDS else parser.prog
+        parser.exit(2, f"error: unrecognized arguments: {' '.join(extra)} (see '{prog} --help')\n")
     try:
         return args.run(args) or 0
     except ParaplanError as e:
