@@ -1,5 +1,6 @@
 """The planner: search the plan space of a scenario with the simulator as the objective.
 
+    scenario.py    loading the scenario: its own plan may not fit the cluster (the baseline is then invalid)
     space.py       the `search:` section, canonical candidate plans, validity, enumeration
     objective.py   memoised evaluation (structural check, then simulate) and the objectives
     strategies.py  exhaustive and TPE (+ local refinement) behind one small interface

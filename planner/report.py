@@ -101,13 +101,21 @@ def plan_label(p: PlanSpec) -> str:
     parts.append(f"mbs{p.micro_batch_size}")
     sched = p.schedule + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
     parts += [sched, "sp" if p.sequence_parallel else "no-sp", f"zero{p.zero_stage}", p.recompute_label]
-    if p.first_stage_layers is not None or p.last_stage_layers is not None:
-        first, last = ("-" if n is None else n for n in (p.first_stage_layers, p.last_stage_layers))
-        parts.append(f"stages {first}/{last}")
+    if stage_layers(p):
+        parts.append(f"stages {stage_layers(p)}")
     return " ".join(parts)
 
 
-def _row(r: Ranked, objective: Objective, show_nodes: bool) -> str:
+def stage_layers(p: PlanSpec) -> str:
+    """`4/1`: layers on the first / last (virtual) pipeline stage where they differ from the
+    others (plan.first_stage_layers / last_stage_layers, '-' for one not set); '' when neither is."""
+    if p.first_stage_layers is None and p.last_stage_layers is None:
+        return ""
+    first, last = ("-" if n is None else n for n in (p.first_stage_layers, p.last_stage_layers))
+    return f"{first}/{last}"
+
+
+def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool) -> str:
     e = r.evaluation
     p = e.candidate.plan
     sched = {"interleaved-1f1b": "inter", "1f1b": "1f1b", "gpipe": "gpipe", "zero-bubble": "zb"}[p.schedule]
@@ -117,7 +125,10 @@ def _row(r: Ranked, objective: Objective, show_nodes: bool) -> str:
     if show_nodes:
         cols.append(f"{e.world_size:>5}")
     cols += [f"{p.tp:>2}", f"{p.pp:>3}", f"{p.dp:>4}", f"{p.cp:>2}"]
-    cols += [f"{p.ep:>2}", f"{p.micro_batch_size:>3}", f"{sched:<8}", f"{'on' if p.sequence_parallel else 'off':<3}",
+    cols += [f"{p.ep:>2}", f"{p.micro_batch_size:>3}", f"{sched:<8}"]
+    if show_stages:
+        cols.append(f"{stage_layers(p) or '-':<6}")
+    cols += [f"{'on' if p.sequence_parallel else 'off':<3}",
              f"{p.zero_stage:>4}", f"{p.recompute_label:<9}", f"{e.step_time_s:8.3f}", f"{e.tokens_per_s:>11,.0f}",
              f"{e.mfu * 100:5.1f}%", f"{e.peak_memory_bytes / GiB:5.1f}/{e.memory_capacity_bytes / GiB:<5.1f}",
              f"{e.headroom * 100:4.0f}%"]
@@ -147,16 +158,22 @@ def format_report(rep: Report) -> str:
         lines.append("  no evaluated plan fits in memory")
     else:
         show_nodes = len({r.evaluation.world_size for r in rep.plans}) > 1
+        # the stage split is derived from pp (and the virtual stages), not searched: a column only
+        # when some plan in the table has an uneven one
+        show_stages = any(stage_layers(r.evaluation.candidate.plan) for r in rep.plans)
         head = ["  #"] + (["  GPUs"] if show_nodes else []) + [
-            "tp", " pp", "  dp", "cp", "ep", "mbs", "schedule", "sp ", "zero", "recompute", "  step s",
-            "   tokens/s", "   MFU", "mem GiB    ", "free"]
+            "tp", " pp", "  dp", "cp", "ep", "mbs", "schedule"] + (["stages"] if show_stages else []) + [
+            "sp ", "zero", "recompute", "  step s", "   tokens/s", "   MFU", "mem GiB    ", "free"]
         if obj.name == "cost":
             head.append("cost/1M tok")
         title = "Pareto front (tokens/s vs " + obj.labels[1] + ")" if obj.multi else "top plans"
         lines.append(f"  {title}:")
         lines.append("  " + "  ".join(head) + "  limited by")
         for r in rep.plans:
-            lines.append("  " + _row(r, obj, show_nodes))
+            lines.append("  " + _row(r, obj, show_nodes, show_stages))
+        if show_stages:
+            lines.append("  (stages: layers on the first/last pipeline stage, or virtual stage when interleaved, "
+                         "where they differ from the rest; - even)")
         if obj.name == "cost":
             lines.append(f"  (cost {obj.cost_unit})")
     lines.append("")
@@ -178,18 +195,23 @@ def format_report(rep: Report) -> str:
     lines.append("  rejected:")
     if rep.oom:
         c = rep.closest_oom
-        lines.append(f"    {rep.oom:>6} out of memory (closest: {plan_label(c.candidate.plan)} needs "
+        lines.append(f"    {rep.oom:>6,} out of memory (closest: {plan_label(c.candidate.plan)} needs "
                      f"{c.peak_memory_bytes / GiB:.1f} of {c.memory_capacity_bytes / GiB:.1f} GiB)")
     for _, count, example in rep.trial_rejections[:6]:
-        lines.append(f"    {count:>6} trials: {example}")
+        lines.append(f"    {count:>6,} {_plural(count, 'trial')}, e.g. {example}")
     if enum is not None and enum.rejections:
         lines.append(f"    in the space, {res.combinations - len(enum.valid):,} of {res.combinations:,} "
-                     f"candidate plans fail the structural rules (a plan can fail several):")
+                     f"candidate plans fail the structural rules (a plan can fail several); per rule, "
+                     f"how many fail it and one of them:")
         for rj in enum.rejections[:6]:
-            lines.append(f"    {rj.count:>6} {rj.example}")
+            lines.append(f"    {rj.count:>6,} {_plural(rj.count, 'plan')}, e.g. {rj.example}")
     if not rep.oom and not rep.trial_rejections and not (enum and enum.rejections):
         lines.append("    none")
     return "\n".join(lines)
+
+
+def _plural(count: int, noun: str) -> str:
+    return noun if count == 1 else noun + "s"
 
 
 def objective_gain(obj: Objective, best: Evaluation, other: Evaluation) -> float:

@@ -44,8 +44,11 @@ the ends); the scenario's own plan, as written, is evaluated as the baseline.
 
 Candidates are canonicalised so that plans that run identically are one plan (and one
 simulation): virtual_pipeline_stages is 1 unless the schedule is interleaved-1f1b,
-sequence_parallel takes its first candidate when tp = 1 (there is nothing to split), and zero_stage
-its first candidate when dp x cp = 1 and, for an MoE model, expert-dp = 1 (nothing to shard over).
+sequence_parallel takes its first candidate when tp = 1 (there is nothing to split), zero_stage
+its first candidate when dp x cp = 1 and, for an MoE model, expert-dp = 1 (nothing to shard over),
+and gpipe and 1f1b are one schedule when pp = 1, 1f1b (gpipe when 1f1b is not listed; see
+`one_stage_schedule`: one stage has no pipeline to schedule, and GPipe's order there only holds more
+activations). interleaved-1f1b and zero-bubble need pp >= 2: with pp = 1 they stay invalid plans.
 
 Validity: the planner's own rules (the derived dp, tp inside a node) and then
 `simulator.feasibility.structural_problems`, the simulator's, on the candidate scenario; both give
@@ -78,6 +81,8 @@ ENUM_KNOBS = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "recompute": REC
 # writes, has no zero-bubble schedule (torchtitan and `paraplan launch` run it).
 DEFAULT_SCHEDULES = tuple(s for s in SCHEDULES if s != "zero-bubble")
 SETTINGS = ("allow_tp_across_nodes", "trials", "exhaustive_threshold", "gpu_hour_cost")
+# The schedules that run on one stage: with pp = 1 they are one, the first the search lists (one_stage_schedule).
+ONE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 
 DEFAULT_TRIALS = 300
 # simulate() costs 1-150 ms per plan on the big scenarios (about 30 ms on average over a GPT-3
@@ -302,6 +307,18 @@ def interleaved_edges(num_layers: int, virtual_stages: int) -> tuple[int | None,
     return (None, None) if edge is None else (edge, edge)
 
 
+def one_stage_schedule(schedules: tuple[str, ...]) -> str | None:
+    """The schedule a pp = 1 plan of gpipe or 1f1b takes, of the candidate `schedules`: 1f1b, else
+    gpipe; None when neither is listed (interleaved-1f1b and zero-bubble need pp >= 2, so with pp = 1
+    they stay invalid plans). With one stage there is no pipeline: Megatron-LM runs any pp = 1 plan with
+    forward_backward_no_pipelining, each microbatch's forward then its backward
+    (megatron/core/pipeline_parallel/schedules.py, get_forward_backward_func), which is 1F1B's order
+    on one stage. GPipe's order (every forward, then every backward) does the same work with no
+    pipeline to wait for, so the same step time, but holds every microbatch's activations instead
+    of one: never better, so the space keeps one plan there, not two."""
+    return next((s for s in ONE_STAGE_SCHEDULES if s in schedules), None)
+
+
 def reason_key(reason: str) -> str:
     """The reason with its numbers replaced by '#': plans rejected for the same rule count together."""
     return re.sub(r"\b\d+(\.\d+)?\b", "#", reason)
@@ -319,6 +336,7 @@ class PlanSpace:
         # every plan field the search does not set keeps the scenario's (stages are derived in _make)
         self._template = scenario.plan
         self._cands = dict(spec.candidates)
+        self._one_stage_schedule = one_stage_schedule(self._cands["schedule"])
         self._valid: dict[Candidate, bool] = {}
 
     # -- points ---------------------------------------------------------------------------------
@@ -337,7 +355,8 @@ class PlanSpace:
         return self._make(v, dp)
 
     def _make(self, v: Mapping[str, Any], dp: int) -> Candidate:
-        interleaved = v["schedule"] == "interleaved-1f1b"
+        schedule = self._schedule(v["pp"], v["schedule"])
+        interleaved = schedule == "interleaved-1f1b"
         sp = v["sequence_parallel"] if v["tp"] > 1 else self._cands["sequence_parallel"][0]
         zero = v["zero_stage"] if self._zero_matters(v["tp"], dp, v["cp"], v["ep"]) else self._cands["zero_stage"][0]
         layers = self.scenario.model.num_layers
@@ -348,13 +367,23 @@ class PlanSpace:
         plan = dataclasses.replace(
             self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], ep=v["ep"],
             first_stage_layers=first, last_stage_layers=last,
-            micro_batch_size=v["micro_batch_size"], schedule=v["schedule"],
+            micro_batch_size=v["micro_batch_size"], schedule=schedule,
             virtual_pipeline_stages=v["virtual_pipeline_stages"] if interleaved else 1,
             sequence_parallel=sp, zero_stage=zero, recompute=v["recompute"],
             tp_comm_overlap=self._template.tp_comm_overlap and sp and v["tp"] > 1,
             overlap_param_gather=self._template.overlap_param_gather and zero >= 1 and self._template.overlap_grad_reduce,
         )
         return Candidate(num_nodes=v["num_nodes"], plan=plan)
+
+    def _schedule(self, pp: int, schedule: str) -> str:
+        """The canonical schedule: with pp = 1, gpipe and 1f1b are the one-stage schedule."""
+        if pp == 1 and self._one_stage_schedule and schedule in ONE_STAGE_SCHEDULES:
+            return self._one_stage_schedule
+        return schedule
+
+    def _schedules(self, pp: int) -> tuple[str, ...]:
+        """The candidate schedules, canonical for plans with `pp` stages (each once)."""
+        return tuple(dict.fromkeys(self._schedule(pp, s) for s in self._cands["schedule"]))
 
     def baseline(self) -> Candidate:
         """The scenario's own plan, exactly as written."""
@@ -402,14 +431,23 @@ class PlanSpace:
 
     # -- validity -------------------------------------------------------------------------------
 
+    def _world_problem(self, num_nodes: int, tp: int, pp: int, cp: int) -> str | None:
+        """Why no dp completes the layout, or None when world / (tp x pp x cp) does."""
+        gpn = self.scenario.cluster.gpus_per_node
+        world = num_nodes * gpn
+        if world % (tp * pp * cp) == 0:
+            return None
+        return (f"plan: tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide the "
+                f"{world} GPUs ({nodes_x_gpus(num_nodes, gpn)}), so no dp completes the plan")
+
     def _layout_problems(self, num_nodes: int, tp: int, pp: int, cp: int) -> list[str]:
         """The planner's own rules, which depend only on the layout: dp derivable, tp in a node."""
         out = []
         gpn = self.scenario.cluster.gpus_per_node
         world = num_nodes * gpn
-        if world % (tp * pp * cp):
-            out.append(f"plan: tp*pp*cp = {tp}*{pp}*{cp} = {tp * pp * cp} does not divide the "
-                       f"{world} GPUs ({nodes_x_gpus(num_nodes, gpn)}), so no dp completes the plan")
+        no_dp = self._world_problem(num_nodes, tp, pp, cp)
+        if no_dp:
+            out.append(no_dp)
         elif self.spec.dp_filter is not None and world // (tp * pp * cp) not in self.spec.dp_filter:
             out.append(f"search.dp: the derived dp = {world // (tp * pp * cp)} is not among the "
                        f"candidates {', '.join(map(str, self.spec.dp_filter))}")
@@ -420,18 +458,25 @@ class PlanSpace:
 
     def problems(self, cand: Candidate, *, planner_rules: bool = True) -> list[str]:
         """Every reason the candidate cannot run; empty when it can (then simulate it).
-        `planner_rules=False` applies only the simulator's (for the scenario's own plan)."""
+        `planner_rules=False` applies only the simulator's (for the scenario's own plan), and says
+        why dp is 0 when it is (a plan planner/scenario.py let load although no dp completes it)."""
         from simulator.feasibility import structural_problems
 
         p = cand.plan
-        out = self._layout_problems(cand.num_nodes, p.tp, p.pp, p.cp) if planner_rules else []
+        if planner_rules:
+            out = self._layout_problems(cand.num_nodes, p.tp, p.pp, p.cp)
+        elif p.dp == 0:
+            no_dp = self._world_problem(cand.num_nodes, p.tp, p.pp, p.cp)
+            out = [no_dp or "plan.dp: expected a positive integer, got 0"]
+        else:
+            out = []
         if p.dp == 0:
             return out
         return out + structural_problems(self.scenario_for(cand), self._arch)
 
     # -- enumeration ----------------------------------------------------------------------------
 
-    def _inner(self, tp: int, dp: int | None, cp: int) -> Iterator[dict[str, Any]]:
+    def _inner(self, tp: int, pp: int, dp: int | None, cp: int) -> Iterator[dict[str, Any]]:
         """Canonical combinations of the knobs below the layout."""
         c = self._cands
         sps = c["sequence_parallel"] if tp > 1 else c["sequence_parallel"][:1]
@@ -439,7 +484,7 @@ class PlanSpace:
         for ep in c["ep"]:
             zeros = c["zero_stage"] if self._zero_matters(tp, dp, cp, ep) else c["zero_stage"][:1]
             for mbs in c["micro_batch_size"]:
-                for schedule in c["schedule"]:
+                for schedule in self._schedules(pp):
                     for vpp in (vpps if schedule == "interleaved-1f1b" else [1]):
                         for sp in sps:
                             for zero in zeros:
@@ -455,10 +500,11 @@ class PlanSpace:
             return True
         return self.scenario.model.moe is not None and tp * cp * dp > ep * self.scenario.plan.expert_tp
 
-    def _inner_count(self, tp: int, dp: int | None, cp: int) -> int:
+    def _inner_count(self, tp: int, pp: int, dp: int | None, cp: int) -> int:
         c = self._cands
-        n_sched = sum(1 for s in c["schedule"] if s != "interleaved-1f1b")
-        if "interleaved-1f1b" in c["schedule"]:
+        schedules = self._schedules(pp)
+        n_sched = sum(1 for s in schedules if s != "interleaved-1f1b")
+        if "interleaved-1f1b" in schedules:
             n_sched += sum(1 for v in c["virtual_pipeline_stages"] if v >= 2)
         n_sp = len(c["sequence_parallel"]) if tp > 1 else 1
         per_ep = len(c["micro_batch_size"]) * n_sched * n_sp * len(c["recompute"])
@@ -478,7 +524,7 @@ class PlanSpace:
         total = 0
         for n, tp, pp, cp in self._layouts():
             if not self._layout_problems(n, tp, pp, cp):
-                total += self._inner_count(tp, n * gpn // (tp * pp * cp), cp)
+                total += self._inner_count(tp, pp, n * gpn // (tp * pp * cp), cp)
         return total
 
     def enumerate(self) -> Enumeration:
@@ -503,12 +549,12 @@ class PlanSpace:
             dp = world // (tp * pp * cp) if world % (tp * pp * cp) == 0 else None
             bad = self._layout_problems(n, tp, pp, cp)
             if bad:
-                weight = self._inner_count(tp, dp, cp)
+                weight = self._inner_count(tp, pp, dp, cp)
                 combos += weight
                 reject(bad, weight)
                 continue
             sc = self.scenario_for(Candidate(num_nodes=n, plan=self._template))
-            for inner in self._inner(tp, dp, cp):
+            for inner in self._inner(tp, pp, dp, cp):
                 combos += 1
                 cand = self._make({"num_nodes": n, "tp": tp, "pp": pp, "cp": cp, **inner}, dp)
                 problems = structural_problems(dataclasses.replace(sc, plan=cand.plan), self._arch)
@@ -525,12 +571,12 @@ class PlanSpace:
 
 def binding_constraint(enum: Enumeration) -> str:
     """One line on why a space has no valid plan: the rule every candidate breaks if there is
-    one, else the most frequent."""
+    one, else the most frequent; each with one plan's reason as the example (`Rejection`)."""
     if not enum.rejections:
         return "the search section leaves no candidate plan"
     top = enum.rejections[0]
     if top.count >= enum.combinations:
-        return f"every one of the {enum.combinations} candidate plans fails: {top.example}"
-    rest = "; ".join(f"{r.example} ({r.count})" for r in enum.rejections[1:3])
-    return (f"none of the {enum.combinations} candidate plans is valid; most fail {top.example} "
-            f"({top.count})" + (f"; also {rest}" if rest else ""))
+        return f"every one of the {enum.combinations} candidate plans fails the same rule, e.g. {top.example}"
+    rest = "; ".join(f"{r.count} another, e.g. {r.example}" for r in enum.rejections[1:3])
+    return (f"none of the {enum.combinations} candidate plans is valid; {top.count} fail one rule, "
+            f"e.g. {top.example}" + (f"; {rest}" if rest else ""))

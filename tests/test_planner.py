@@ -1,5 +1,6 @@
 """The plan space (search section, canonical plans, validity, enumeration) and the objective."""
 import dataclasses
+import itertools
 import math
 from pathlib import Path
 
@@ -9,6 +10,7 @@ from paraplan.errors import ConfigError
 from paraplan.loader import load_scenario
 from paraplan.specs import PlanSpec
 from planner.objective import Evaluation, Evaluator, make_objective, pareto_front
+from planner.scenario import load_for_planning
 from planner.space import (
     DEFAULT_EXHAUSTIVE_THRESHOLD, DEFAULT_TRIALS, Candidate, PlanSpace, binding_constraint, parse_search,
     interleaved_edges, reason_key, uneven_stages,
@@ -150,7 +152,7 @@ def test_no_valid_plan_names_the_binding_constraint():
     enum = sp.enumerate()
     assert enum.valid == ()
     text = binding_constraint(enum)
-    assert text.startswith(f"every one of the {enum.combinations} candidate plans fails: ")
+    assert text.startswith(f"every one of the {enum.combinations} candidate plans fails the same rule, e.g. ")
     assert "plan: tp*pp*cp = 16*" in text or "tp = 16 would span nodes" in text
 
 
@@ -187,6 +189,77 @@ def test_interleaved_uneven_splits_count_the_embedding_and_the_loss_as_layers():
     c = sp.candidate({**sp.params_of(sp.baseline()), "pp": 32, "virtual_pipeline_stages": 3, "ep": 8})
     assert (c.plan.first_stage_layers, c.plan.last_stage_layers) == (0, 0)
     assert not [r for r in sp.problems(c) if "stage" in r]
+
+
+def test_one_pipeline_stage_is_one_plan_whatever_the_schedule():
+    """With pp = 1 there is no pipeline to schedule: the sampler's view (any schedule, any virtual
+    stages, canonicalised by `candidate`) and the enumeration's both hold one valid plan there, 1f1b."""
+    sp = space(*SMALL)
+    base = {"tp": 2, "pp": 1, "cp": 1, "micro_batch_size": 1, "recompute": "none", "zero_stage": 1}
+    one = {sp.candidate({**base, "schedule": s, "virtual_pipeline_stages": 2}) for s in ("gpipe", "1f1b")}
+    assert len(one) == 1 and next(iter(one)).plan.schedule == "1f1b"
+    inter = sp.candidate({**base, "schedule": "interleaved-1f1b", "virtual_pipeline_stages": 2})
+    assert not sp.valid(inter)                                    # needs pp >= 2: stays an invalid plan
+    assert sp.candidate({**base, "pp": 2, "schedule": "gpipe"}).plan.schedule == "gpipe"  # a pipeline: kept
+    valid = sp.enumerate().valid
+    assert {c.plan.schedule for c in valid if c.plan.pp == 1} == {"1f1b"}
+    assert {c.plan.schedule for c in valid if c.plan.pp > 1} == {"gpipe", "1f1b", "interleaved-1f1b"}
+    knobs = sp.free_knobs()
+    sampled = {sp.candidate(dict(zip(knobs, values)))
+               for values in itertools.product(*(sp.spec.values(k) for k in knobs))}
+    assert {c for c in sampled if sp.valid(c)} == set(valid)
+    # without 1f1b among the candidates the one-stage plans run the other one that can
+    gpipe = space(*SMALL, "search.schedule=[gpipe, interleaved-1f1b]")
+    assert {c.plan.schedule for c in gpipe.enumerate().valid if c.plan.pp == 1} == {"gpipe"}
+    # and the one kept loses nothing: GPipe's order on one stage (every forward, then every
+    # backward) takes as long and holds every microbatch's activations instead of one
+    sc = tiny("plan.pp=1", "plan.micro_batch_size=1")            # dp 4: 16 / 4 = 4 microbatches
+    runs = {s: simulate(dataclasses.replace(sc, plan=dataclasses.replace(sc.plan, schedule=s)))
+            for s in ("gpipe", "1f1b")}
+    assert runs["1f1b"].num_microbatches == 4
+    assert runs["gpipe"].step_time_s == pytest.approx(runs["1f1b"].step_time_s, rel=1e-9)
+    assert runs["gpipe"].peak_memory_bytes > runs["1f1b"].peak_memory_bytes
+
+
+# -- the scenario's own plan on another cluster ---------------------------------------------------
+
+
+def test_a_plan_that_does_not_fit_the_cluster_is_an_invalid_baseline_for_the_planner():
+    over = ["plan.tp=8", "plan.pp=2"]                            # 16 GPUs' worth on 8
+    with pytest.raises(ConfigError, match="so dp cannot be derived"):
+        load_scenario(TINY, over)                                # simulate still refuses it
+    sc = load_for_planning(TINY, over)
+    assert (sc.plan.tp, sc.plan.pp, sc.plan.cp, sc.plan.dp) == (8, 2, 1, 0)
+    assert dataclasses.replace(sc.plan, tp=2, pp=2, dp=2) == load_scenario(TINY).plan  # the rest as written
+    sp = PlanSpace(sc, parse_search(sc))
+    base = Evaluator(sp).evaluate_baseline(sp.baseline())
+    assert base.status == "invalid"
+    assert base.reasons == ("plan: tp*pp*cp = 8*2*1 = 16 does not divide the 8 GPUs (1 node x 8), "
+                            "so no dp completes the plan",)
+    # a dp given that does not multiply out stays as written, and the simulator's rule says why
+    given = load_for_planning(TINY, ["plan.dp=3"])
+    assert given.plan.dp == 3
+    reasons = Evaluator(sp).evaluate_baseline(Candidate(num_nodes=1, plan=given.plan)).reasons
+    assert reasons[0] == "plan: tp*pp*cp*dp = 2*2*1*3 = 12 but the cluster has 8 GPUs (1 node x 8)"
+    assert load_for_planning(TINY) == load_scenario(TINY)
+
+
+FATAL_FOR_THE_PLANNER_TOO = [
+    (["plan.tp=8", "plan.pp=2", "plan.tpp=2"], "plan.tpp: unknown key, did you mean 'tp'?"),
+    (["plan.tp=8", "plan.pp=two"], "plan.pp: "),
+    (["plan=3"], "plan: expected a mapping, got 3"),
+    (["plan.tp=8", "plan.pp=2", "run.steps=0"], "run.steps: "),
+    (["plan.tp=8", "plan.pp=2", "search=3"], "search: expected a mapping, got 3"),
+    (["cluster.num_nodes=0"], "cluster.num_nodes: "),
+]
+
+
+@pytest.mark.parametrize("overrides,message", FATAL_FOR_THE_PLANNER_TOO, ids=[m.split(":")[0] for _, m in
+                                                                           FATAL_FOR_THE_PLANNER_TOO])
+def test_bad_input_stays_fatal_for_the_planner(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_for_planning(TINY, overrides)
+    assert str(e.value).startswith(message) and "\n" not in str(e.value)
 
 
 # -- the objective ------------------------------------------------------------------------------

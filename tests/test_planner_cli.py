@@ -62,7 +62,7 @@ def test_top_plans_json_and_best_plan_agree(planned):
     assert tps == sorted(tps, reverse=True)
     for key in ("step_time_s", "mfu", "memory_headroom", "limited_by", "peak_memory_bytes"):
         assert key in plans[0]["metrics"]
-    assert data["space"]["valid_plans"] == 384 and data["space"]["rejected"]
+    assert data["space"]["valid_plans"] == 312 and data["space"]["rejected"]
     # best_plan.yaml is an executor config the loader (and so `paraplan launch`) accepts
     sc = load_scenario(out / "best_plan.yaml")
     assert sc.search == () and sc.run.backend == "nccl"
@@ -175,3 +175,19 @@ def test_a_storage_file_that_is_not_a_journal_is_refused_untouched(tmp_path):
     r = paraplan("plan", TINY, "--out", str(tmp_path / "o"), "--quiet", "--trials", "5", "--storage", str(notes))
     assert r.returncode == 2 and r.stderr.strip().startswith(f"error: --storage {notes}: not an Optuna journal file")
     assert notes.read_text() == "my notes\n" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def test_a_scenario_plan_that_does_not_fit_the_cluster_still_gets_a_search(tmp_path):
+    """"What is best on this cluster?" without rewriting the plan: the search runs, the scenario's
+    plan is reported invalid with the reason, and `simulate` still refuses it."""
+    over = ["--set", "plan.tp=8", "--set", "plan.pp=2"]     # 16 GPUs' worth on 8
+    r = paraplan("plan", TINY, "--out", str(tmp_path / "o"), "--quiet", "--no-plots", *SMALL, *over)
+    assert r.returncode == 0, r.stderr
+    assert ("scenario's plan: invalid (plan: tp*pp*cp = 8*2*1 = 16 does not divide the 8 GPUs (1 node x 8), "
+            "so no dp completes the plan)") in r.stdout
+    assert "top plans:" in r.stdout and (tmp_path / "o" / "best_plan.yaml").is_file()
+    base = json.loads((tmp_path / "o" / "top_plans.json").read_text())["baseline"]
+    assert base["status"] == "invalid" and base["reasons"][0].startswith("plan: tp*pp*cp = 8*2*1 = 16")
+    s = paraplan("simulate", TINY, *over)
+    assert s.returncode == 2 and s.stderr.strip() == ("error: plan: tp*pp*cp = 8*2*1 = 16 does not divide the "
+                                                      "cluster's 8 GPUs (1 node x 8), so dp cannot be derived")

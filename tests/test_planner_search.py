@@ -16,13 +16,14 @@ from optuna.trial import TrialState
 from paraplan.errors import ConfigError, ParaplanError
 from paraplan.loader import load_scenario
 from planner.objective import Evaluator, make_objective, pareto_front
-from planner.report import build_report
+from planner.report import build_report, format_report
 from planner.search import SearchRequest, open_storage, run_search
 from planner.space import PlanSpace, parse_search
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "scenarios" / "tiny-gpt-8xa100.yaml"
-# 384 valid plans of the tiny model: small enough to enumerate in a test, large enough to search
+# 312 valid plans of the tiny model: small enough to enumerate in a test, large enough to search
+# (384 while pp = 1 plans ran gpipe and 1f1b as two: 72 of them, 12 + 24 + 24 + 12 over tp 1, 2, 4, 8)
 SMALL = ["search.micro_batch_size=[1, 2]", "search.cp=[1]", "search.zero_stage=[1, 3]"]
 # a 13B-parameter model on the 8 GPUs: many plans do not fit
 BIG = ["model.num_layers=16", "model.hidden_size=8192", "model.num_attention_heads=64",
@@ -75,9 +76,9 @@ def test_strategy_contract(tmp_path, strategy, exhaustive):
 
 def test_exhaustive_simulates_every_valid_plan_once(exhaustive):
     plans = [r.evaluation.candidate for r in exhaustive.records]
-    assert len(plans) == len(set(plans)) == len(exhaustive.enumeration.valid) == 384
+    assert len(plans) == len(set(plans)) == len(exhaustive.enumeration.valid) == 312
     assert set(plans) == set(exhaustive.enumeration.valid)
-    assert exhaustive.simulations == 384
+    assert exhaustive.simulations == 312
 
 
 def test_tpe_finds_the_exhaustive_optimum_within_1_percent(tmp_path, exhaustive):
@@ -246,3 +247,41 @@ def test_cluster_size_as_a_knob_gives_a_gpu_count_front(tmp_path):
     rep = build_report("tiny", res, make_objective("throughput-vs-gpus"))
     front = [(r.evaluation.world_size, r.evaluation.tokens_per_s) for r in rep.plans]
     assert front[0][0] == 16 and front[-1][0] == 8 and front[0][1] > front[-1][1]
+
+
+def test_optuna_proposes_one_schedule_for_one_pipeline_stage(tmp_path):
+    """TPE samples gpipe and 1f1b at pp = 1; both land on the exhaustive search's one plan there."""
+    res = run_search(request(tmp_path, *SMALL, strategy="tpe", trials=60))
+    one_stage = [r.evaluation for r in res.records if r.evaluation.candidate.plan.pp == 1]
+    assert {e.candidate.plan.schedule for e in one_stage if e.simulated} == {"1f1b"}
+    trials = res.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
+    assert "gpipe" in {t.params.get("schedule") for t in trials if t.params.get("pp") == 1}  # it did sample it
+
+
+def test_the_table_shows_the_stage_split_when_a_plan_has_one(tmp_path):
+    """Plans that differ only in their first / last stage layers do not look alike in the table."""
+    fixed = ["search.tp=[1]", "search.cp=[1]", "search.micro_batch_size=[1]", "search.zero_stage=[1]",
+             "search.recompute=[none]", "search.sequence_parallel=[false]", "search.schedule=[1f1b]"]
+    uneven = run_search(request(tmp_path / "u", "model.num_layers=6", "search.pp=[2, 4]", *fixed,
+                                strategy="exhaustive"))
+    text = format_report(build_report("tiny", uneven, make_objective("throughput")))
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.rstrip().endswith("limited by"))
+    assert "schedule  stages  sp" in lines[head]
+    rows = {int(line.split()[2]): line.split()[8] for line in lines[head + 1:head + 3]}
+    assert rows == {4: "1/1", 2: "-"}                         # 6 layers on 4 stages: 1 + 2 + 2 + 1
+    even = run_search(request(tmp_path / "e", "search.pp=[2, 4]", *fixed, strategy="exhaustive"))
+    assert "stages" not in format_report(build_report("tiny", even, make_objective("throughput")))
+
+
+def test_rejections_are_counts_with_one_example(tmp_path):
+    """A rejection line is a count of plans (or trials) and one of them as an example, and says so."""
+    res = run_search(request(tmp_path, *SMALL, "search.schedule=[1f1b, gpipe, interleaved-1f1b]", strategy="tpe",
+                             trials=60))
+    rep = build_report("tiny", res, make_objective("throughput"))
+    text = format_report(rep)
+    assert res.enumeration.rejections and rep.trial_rejections
+    for r in res.enumeration.rejections[:6]:
+        assert f"{r.count:>6,} plan{'s' if r.count > 1 else ''}, e.g. {r.example}" in text
+    for _, count, example in rep.trial_rejections[:6]:
+        assert f"{count:>6,} trial{'s' if count > 1 else ''}, e.g. {example}" in text

@@ -146,13 +146,13 @@ class _Progress:
 def run(args) -> int:
     import optuna
 
-    from paraplan.loader import load_scenario
     from planner.objective import make_objective
+    from planner.scenario import load_for_planning
     from planner.search import SearchRequest, run_search
     from planner.space import parse_search
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)  # no line per trial: the progress bar says it
-    scenario = load_scenario(args.scenario, args.overrides)
+    scenario = load_for_planning(args.scenario, args.overrides)  # the scenario's plan may not fit the cluster
     spec = parse_search(scenario)
     price = args.gpu_hour_cost if args.gpu_hour_cost is not None else spec.gpu_hour_cost
     objective = make_objective(args.objective, gpu_hour_cost=price)
@@ -239,7 +239,8 @@ def _failure(rep, result) -> ParaplanError | None:
         return None
     if rep.fits == 0 and rep.oom == 0 and rep.trial_rejections:
         _, count, example = rep.trial_rejections[0]
-        return ConfigError("search", f"no valid plan among the {len(result.records)} trials; {count} fail {example}")
+        return ConfigError("search", f"no valid plan among the {len(result.records)} trials; {count} fail one rule, "
+                                     f"e.g. {example}")
     c = rep.closest_oom
     detail = ""
     if c is not None:
