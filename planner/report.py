@@ -186,9 +186,13 @@ def format_report(rep: Report) -> str:
                          f"{obj.cost_per_mtokens(base):.3f} {obj.cost_unit}"
                          f"{'' if base.fits else ', does not fit'}; best is {gain:+.1f}% cheaper")
         else:
+            gpus, base_gpus = b.candidate.plan.world_size, base.candidate.plan.world_size
+            per_gpu = "" if gpus == base_gpus else (
+                f" on {gpus:,} GPUs vs {base_gpus:,}, "
+                f"{100 * (b.tokens_per_s * base_gpus / (base.tokens_per_s * gpus) - 1):+.1f}% per GPU")
             lines.append(f"  scenario's plan ({plan_label(base.candidate.plan)}): {base.tokens_per_s:,.0f} tokens/s"
                          f"{'' if base.fits else ' (does not fit)'}; best is "
-                         f"{100 * (b.tokens_per_s / base.tokens_per_s - 1):+.1f}%")
+                         f"{100 * (b.tokens_per_s / base.tokens_per_s - 1):+.1f}%{per_gpu}")
     elif not base.simulated:
         lines.append(f"  scenario's plan: invalid ({base.reasons[0] if base.reasons else 'unknown'})")
     lines.append("")

@@ -247,6 +247,11 @@ def test_cluster_size_as_a_knob_gives_a_gpu_count_front(tmp_path):
     rep = build_report("tiny", res, make_objective("throughput-vs-gpus"))
     front = [(r.evaluation.world_size, r.evaluation.tokens_per_s) for r in rep.plans]
     assert front[0][0] == 16 and front[-1][0] == 8 and front[0][1] > front[-1][1]
+    # the gain over the scenario's 8-GPU plan is also given per GPU, not only in total
+    best, base = rep.best, res.baseline
+    assert best.world_size == 16 and base.world_size == 8
+    per_gpu = 100 * (best.tokens_per_s * 8 / (base.tokens_per_s * 16) - 1)
+    assert f"on 16 GPUs vs 8, {per_gpu:+.1f}% per GPU" in format_report(rep)
 
 
 def test_optuna_proposes_one_schedule_for_one_pipeline_stage(tmp_path):
