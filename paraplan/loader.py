@@ -373,7 +373,8 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return f"{where}{problem}"
 
 
-def _read_scenario_file(path: Path) -> dict:
+def read_scenario_file(path: Path) -> dict:
+    """A scenario file's top-level mapping, parsed as load_scenario parses it (no validation)."""
     if not path.exists():
         raise ConfigError("", f"scenario file not found: {path}")
     text = read_text(path, "scenario")
@@ -779,9 +780,9 @@ def _paths_from_the_working_directory(keys: list[str], value: Any) -> Any:
     working directory, where the shell completed it; made absolute here, it is not read against
     the scenario's folder as the file's own paths are."""
     def anchored(path: Any, gpu: bool) -> Any:
-        if not isinstance(path, str) or Path(path).is_absolute() or (gpu and not _is_profile_path(path)):
+        if not isinstance(path, str) or (gpu and not _is_profile_path(path)):
             return path
-        return str(Path.cwd() / path)
+        return str(_resolve_path(path, Path.cwd()))
 
     dotted = ".".join(keys)
     if dotted in ("cluster.gpu", "model.hf_config"):
@@ -834,7 +835,7 @@ def load_scenario(source: str | os.PathLike | Mapping, overrides: Iterable[str] 
         raw, base_dir, default_name = dict(source), Path.cwd(), "scenario"
     elif isinstance(source, (str, os.PathLike)):
         path = Path(source)
-        raw, base_dir, default_name = _read_scenario_file(path), path.parent, path.stem
+        raw, base_dir, default_name = read_scenario_file(path), path.parent, path.stem
     else:
         raise TypeError(f"source must be a path or a mapping, not {type(source).__name__}")
     raw = apply_overrides(raw, overrides)

@@ -18,10 +18,8 @@ import os
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-import yaml
-
 from paraplan.errors import ConfigError
-from paraplan.loader import apply_overrides, load_scenario
+from paraplan.loader import apply_overrides, load_scenario, read_scenario_file
 from paraplan.specs import PlanSpec, Scenario
 
 DEGREES = ("tp", "pp", "cp")
@@ -58,10 +56,7 @@ def _written_degrees(source: str | os.PathLike | Mapping, overrides: list[str]) 
     """tp, pp, cp (PlanSpec's defaults when absent) and dp (None: to be derived) as the scenario
     and its overrides write them; None when the plan section is not a mapping. The loader has
     already read, parsed and type-checked them when it raised its degree error."""
-    if isinstance(source, Mapping):
-        raw = dict(source)
-    else:
-        raw = yaml.safe_load(Path(source).read_text(encoding="utf-8"))
+    raw = dict(source) if isinstance(source, Mapping) else read_scenario_file(Path(source))
     plan = apply_overrides(raw, overrides).get("plan", {})
     if not isinstance(plan, Mapping):
         return None
