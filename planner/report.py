@@ -101,8 +101,8 @@ def plan_label(p: PlanSpec) -> str:
     parts.append(f"mbs{p.micro_batch_size}")
     sched = p.schedule + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
     parts += [sched, "sp" if p.sequence_parallel else "no-sp", f"zero{p.zero_stage}", p.recompute_label]
-    if stage_layers(p):
-        parts.append(f"stages {stage_layers(p)}")
+    if stages := stage_layers(p):
+        parts.append(f"stages {stages}")
     return " ".join(parts)
 
 

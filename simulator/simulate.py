@@ -363,15 +363,15 @@ def _zero3_chain(pieces: list[tuple[Cost, float]], name: str) -> Cost:
         total += cost
     if not any(comm for _, comm in pieces):
         return total
+    steps = [overlapped(cost.total, nxt) for (cost, _), (_, nxt) in zip(pieces, pieces[1:])]
     span = pieces[0][1] + pieces[-1][0].total
-    t = pieces[0][1]  # when piece i's compute, and piece i+1's transfer, starts
-    transfers = [(0.0, t, 0)]
-    for i, ((cost, _), (_, nxt)) in enumerate(zip(pieces, pieces[1:])):
-        transfers.append((t, t + nxt, i + 1))
-        step = overlapped(cost.total, nxt)
-        t += step
+    for step in steps:
         span += step
-    total.dp_spans = tuple((a / span, b / span, f"{name} (unit {k})") for a, b, k in transfers if b > a)
+    # transfer k + 1 starts with compute k, which starts after transfer 1 and the steps before it
+    starts = accumulate(steps, initial=pieces[0][1])
+    transfers = [(0.0, pieces[0][1])] + [(t, t + comm) for t, (_, comm) in zip(starts, pieces[1:])]
+    total.dp_spans = tuple((a / span, b / span, f"{name} (unit {k})")
+                           for k, (a, b) in enumerate(transfers) if b > a)
     return total.add("dp_comm", span - sum(cost.total for cost, _ in pieces))
 
 
