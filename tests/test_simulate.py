@@ -344,6 +344,8 @@ def test_zero3_chain_by_hand():
     expected = [(0, 0.5), (0.5, 3.5), (3.5, 4.0), (5.575, 7.575)]
     assert [x for pair in starts_ends for x in pair] == pytest.approx([x for pair in expected for x in pair])
     assert [name for _, _, name in out.dp_spans] == [f"gather (unit {k})" for k in range(4)]
+    with pytest.raises(ValueError, match="placed on a finished op"):  # the fractions refer to this op alone
+        out += Cost().add("compute", 1.0)
 
 
 def test_zero3_gathers_experts_over_the_expert_data_parallel_group():
