@@ -139,11 +139,11 @@ def _interp(x: np.ndarray, knots: np.ndarray, ys: np.ndarray) -> np.ndarray:
 
 def _compute_times(flops: np.ndarray, peak: float, knots: np.ndarray, ys: np.ndarray) -> np.ndarray:
     """hwmodels.compute._compute_time, vectorised: flops / (peak x eff), floored at the time of
-    the largest knot at or below flops."""
+    the slowest knot at or below flops."""
     t = flops / (peak * _interp(flops, knots, ys))
     i = np.searchsorted(knots, flops, side="right") - 1
     j = np.maximum(i, 0)
-    floor = np.where(i >= 0, knots[j] / (peak * ys[j]), 0.0)
+    floor = np.where(i >= 0, np.maximum.accumulate(knots / ys)[j] / peak, 0.0)
     return np.maximum(t, floor)
 
 
@@ -241,7 +241,9 @@ def fit_gemm(shapes: Sequence[tuple[int, int, int]], seconds: Sequence[float], *
     ft, tt, mt = flops[train], t[train], t_mem[train]
     knots = choose_knots(ft)
     raw = ft / (peak * np.sqrt(np.maximum(tt**2 - mt**2, (0.1 * tt) ** 2)))
-    ys = _fit_knot_values(lambda ys: np.hypot(_compute_times(ft, peak, knots, ys), mt), tt, _initial(ft, raw, knots))
+    # gemm_time's own form: the roofline of compute and HBM time, floored at one kernel's overhead
+    ys = _fit_knot_values(lambda ys: np.maximum(np.hypot(_compute_times(ft, peak, knots, ys), mt), KERNEL_OVERHEAD),
+                          tt, _initial(ft, raw, knots))
     curve = Curve(tuple(knots), tuple(ys))
     key = "tf32" if dtype == "fp32" else dtype  # fp32 GEMMs run on the TF32 curve (hwmodels.profile)
 

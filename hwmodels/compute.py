@@ -8,6 +8,8 @@ SC'23, https://github.com/calculon-ai/calculon).
 from __future__ import annotations
 
 import bisect
+import functools
+import itertools
 import math
 
 from hwmodels.curves import Curve
@@ -22,7 +24,10 @@ KERNEL_OVERHEAD = 3e-6
 launches (NVIDIA, "Getting Started with CUDA Graphs": a 2.9 us kernel repeats every 3.8 us) plus
 ~2 us for the first wave to ramp up and the last to drain. Small elementwise kernels take 3-5 us
 in PyTorch profiles for this reason. GEMM and attention curves are measured end-to-end and
-already include it."""
+already include it; it floors them below their smallest measured size, where a curve clamped at its
+first knot would let a tiny GEMM (an MoE router's, a toy model's) finish in a fraction of a
+microsecond. No GEMM in OpenXLA's H100 table runs in under 5.2 us (256^3;
+benchmarks/data/openxla_sm90_matmul.csv)."""
 
 _BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
@@ -32,14 +37,21 @@ def dtype_bytes(dtype: str) -> int:
     return _BYTES[dtype]
 
 
+@functools.lru_cache(maxsize=256)
+def knot_work(curve: Curve) -> tuple[float, ...]:
+    """For each knot, the largest size / efficiency (time x peak) of it and every knot below it."""
+    return tuple(itertools.accumulate((x / y for x, y in zip(curve.xs, curve.ys)), max))
+
+
 def _compute_time(flops: float, peak: float, curve: Curve) -> float:
-    """flops / (peak x curve(flops)), floored at the time of the largest measured knot below
+    """flops / (peak x curve(flops)), floored at the time of the slowest measured knot at or below
     `flops`: the curve interpolates efficiency linearly in log(size), which where it climbs steeply
-    (launch-bound GEMMs) would let a bigger kernel finish sooner than a smaller one."""
+    (launch-bound GEMMs) would let a bigger kernel finish sooner than a smaller one, and a fitted
+    curve's knots themselves can dip by a fraction of a percent where they are launch-bound."""
     t = flops / (peak * curve(flops))
     i = bisect.bisect_right(curve.xs, flops) - 1
     if i >= 0:
-        t = max(t, curve.xs[i] / (peak * curve.ys[i]))
+        t = max(t, knot_work(curve)[i] / peak)
     return t
 
 
@@ -71,7 +83,7 @@ def gemm_time(gpu: GpuProfile, m: int, n: int, k: int, dtype: str, batch: int = 
     square shapes the curves are measured on are unchanged; at the ridge point it is sqrt(2) x the
     max. Check (tests/test_hwmodels_compute.py): the Azure A100 cuBLASLt shape [802816,192,768]
     sits on the ridge (153 FLOP/byte) and ran at 157.8 TFLOP/s; max predicts 235 (+49%), the sum
-    121 (-23%), this 171 (+8.5%).
+    121 (-23%), this 171 (+8.5%). Floored at KERNEL_OVERHEAD, one kernel's launch and ramp.
     """
     if min(m, n, k, batch) <= 0:
         return 0.0
@@ -80,7 +92,7 @@ def gemm_time(gpu: GpuProfile, m: int, n: int, k: int, dtype: str, batch: int = 
     c_bytes = dtype_bytes(dtype) if out_bytes is None else out_bytes
     nbytes = batch * ((m * k + k * n) * dtype_bytes(dtype) + m * n * c_bytes)
     t_memory = nbytes / (gpu.hbm_bandwidth * gpu.hbm_efficiency(nbytes))
-    return math.hypot(t_compute, t_memory)
+    return max(math.hypot(t_compute, t_memory), KERNEL_OVERHEAD)
 
 
 def _attention_dtype(dtype: str) -> str:
