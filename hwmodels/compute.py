@@ -8,8 +8,6 @@ SC'23, https://github.com/calculon-ai/calculon).
 from __future__ import annotations
 
 import bisect
-import functools
-import itertools
 import math
 
 from hwmodels.curves import Curve
@@ -37,12 +35,6 @@ def dtype_bytes(dtype: str) -> int:
     return _BYTES[dtype]
 
 
-@functools.lru_cache(maxsize=256)
-def knot_work(curve: Curve) -> tuple[float, ...]:
-    """For each knot, the largest size / efficiency (time x peak) of it and every knot below it."""
-    return tuple(itertools.accumulate((x / y for x, y in zip(curve.xs, curve.ys)), max))
-
-
 def _compute_time(flops: float, peak: float, curve: Curve) -> float:
     """flops / (peak x curve(flops)), floored at the time of the slowest measured knot at or below
     `flops`: the curve interpolates efficiency linearly in log(size), which where it climbs steeply
@@ -51,7 +43,7 @@ def _compute_time(flops: float, peak: float, curve: Curve) -> float:
     t = flops / (peak * curve(flops))
     i = bisect.bisect_right(curve.xs, flops) - 1
     if i >= 0:
-        t = max(t, knot_work(curve)[i] / peak)
+        t = max(t, curve.ratio_max(i) / peak)
     return t
 
 

@@ -9,6 +9,7 @@ was measured.
 from __future__ import annotations
 
 import bisect
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -22,6 +23,7 @@ class Curve:
     ys: tuple[float, ...]
     """The value at each size (a fraction of a peak, or bytes/s)."""
     _logs: tuple[float, ...] = field(init=False, repr=False, compare=False, default=())
+    _ratio_max: tuple[float, ...] = field(init=False, repr=False, compare=False, default=())
 
     def __post_init__(self) -> None:
         xs = tuple(float(x) for x in self.xs)
@@ -35,6 +37,8 @@ class Curve:
         object.__setattr__(self, "xs", xs)
         object.__setattr__(self, "ys", ys)
         object.__setattr__(self, "_logs", tuple(math.log10(x) for x in xs))
+        object.__setattr__(self, "_ratio_max", tuple(itertools.accumulate(
+            (x / y if y > 0 else math.inf for x, y in zip(xs, ys)), max)))
 
     def __call__(self, x: float) -> float:
         xs, ys = self.xs, self.ys
@@ -46,6 +50,11 @@ class Curve:
         lo, hi = self._logs[i - 1], self._logs[i]
         t = (math.log10(x) - lo) / (hi - lo)
         return ys[i - 1] + t * (ys[i] - ys[i - 1])
+
+    def ratio_max(self, i: int) -> float:
+        """The largest x / y of knots 0..i: for an efficiency curve over work, the time x peak of the
+        slowest of those knots."""
+        return self._ratio_max[i]
 
     @property
     def max(self) -> float:
