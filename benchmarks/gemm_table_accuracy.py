@@ -43,17 +43,17 @@ def read_table(path: Path = TABLE) -> list[dict]:
     return rows
 
 
-def errors(profile, rows: list[dict]) -> list[tuple[float, float]]:
-    """(GFLOP, predicted / measured - 1) for each row."""
-    out = []
-    for r in rows:
-        t = gemm_time(profile, r["m"], r["n"], r["k"], r["dtype"], batch=r["b"])
-        out.append((2e-9 * r["b"] * r["m"] * r["n"] * r["k"], t / r["seconds"] - 1.0))
-    return out
+def errors(profile, rows: list[dict]) -> list[float]:
+    """predicted / measured - 1 for each row, through hwmodels.compute.gemm_time."""
+    return [gemm_time(profile, r["m"], r["n"], r["k"], r["dtype"], batch=r["b"]) / r["seconds"] - 1.0 for r in rows]
 
 
-def mape(errs: list[tuple[float, float]]) -> float:
-    return 100.0 * statistics.fmean(abs(e) for _, e in errs)
+def gflops(r: dict) -> float:
+    return 2e-9 * r["b"] * r["m"] * r["n"] * r["k"]
+
+
+def mape(errs: list[float]) -> float:
+    return 100.0 * statistics.fmean(abs(e) for e in errs)
 
 
 def report(profile_name: str) -> None:
@@ -61,22 +61,23 @@ def report(profile_name: str) -> None:
     rows = read_table()
     print(f"{profile.name} gemm_time vs OpenXLA sm_90 measurements (error = predicted / measured time - 1)")
     for dtype in ("bf16", "tf32"):
-        errs = errors(profile, [r for r in rows if r["dtype"] == dtype])
-        held = errors(profile, [r for r in rows if r["dtype"] == dtype and r["b"] > 1])
+        of_dtype = [r for r in rows if r["dtype"] == dtype]
+        errs = errors(profile, of_dtype)
+        held = [e for r, e in zip(of_dtype, errs) if r["b"] > 1]
         print(f"\n{dtype}: {len(errs)} shapes, MAPE {mape(errs):.1f}%, median error "
-              f"{100 * statistics.median(e for _, e in errs):+.1f}%; batch 2 and 4 only: MAPE {mape(held):.1f}%")
+              f"{100 * statistics.median(errs):+.1f}%; batch 2 and 4 only: MAPE {mape(held):.1f}%")
         print("  GFLOP per GEMM   shapes   mean error   MAPE")
         for lo, hi in BANDS:
-            band = [(g, e) for g, e in errs if lo <= g < hi]
+            band = [e for r, e in zip(of_dtype, errs) if lo <= gflops(r) < hi]
             if band:
-                mean = 100 * statistics.fmean(e for _, e in band)
-                print(f"  [{lo:>3}, {hi:>3})     {len(band):>6}   {mean:+9.1f}%  {mape(band):5.1f}%")
+                print(f"  [{lo:>3}, {hi:>3})     {len(band):>6}   {100 * statistics.fmean(band):+9.1f}%  {mape(band):5.1f}%")
 
 
 def refit(profile_name: str) -> None:
     profile = load_profile(profile_name)
+    table = read_table()
     for dtype in ("bf16", "tf32"):
-        rows = [r for r in read_table() if r["dtype"] == dtype and r["b"] == 1]
+        rows = [r for r in table if r["dtype"] == dtype and r["b"] == 1]
         res = fit_gemm([(r["m"], r["n"], r["k"]) for r in rows], [r["seconds"] for r in rows],
                        dtype=dtype, profile=profile)
         print(f"{dtype}: {res.n_train} shapes fitted, {res.n_test} held out; train MAPE {res.train_mape:.1f}%, "

@@ -46,21 +46,17 @@ def test_gemm_predicts_held_out_azure_a100_shapes():
 
 
 def _openxla_h100_errors():
-    """predicted / measured - 1 for every bf16 shape of OpenXLA's measured sm_90 matmul table
-    (benchmarks/data/openxla_sm90_matmul.csv; provenance in benchmarks/gemm_table_accuracy.py)."""
-    import csv
+    """{(b, m, n, k): predicted / measured - 1} for every bf16 shape of OpenXLA's measured sm_90
+    matmul table, read and compared by benchmarks/gemm_table_accuracy.py (its provenance)."""
+    import importlib.util
     from pathlib import Path
-    gpu = load_profile("h100-sxm-80gb")
-    table = Path(__file__).parents[1] / "benchmarks" / "data" / "openxla_sm90_matmul.csv"
-    out = {}
-    with open(table, newline="") as f:
-        for r in csv.DictReader(f):
-            if r["dtype"] != "bf16xbf16->bf16":
-                continue
-            b, m, n, k = (int(r[x]) for x in "bmnk")
-            measured = 2.0 * b * m * n * k / float(r["flops_per_s"])
-            out[(b, m, n, k)] = gemm_time(gpu, m, n, k, "bf16", batch=b) / measured - 1.0
-    return out
+    path = Path(__file__).parents[1] / "benchmarks" / "gemm_table_accuracy.py"
+    spec = importlib.util.spec_from_file_location("gemm_table_accuracy", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    rows = [r for r in bench.read_table() if r["dtype"] == "bf16"]
+    errs = bench.errors(load_profile("h100-sxm-80gb"), rows)
+    return {(r["b"], r["m"], r["n"], r["k"]): e for r, e in zip(rows, errs)}
 
 
 def test_gemm_reproduces_openxla_h100_table():
