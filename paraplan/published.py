@@ -74,6 +74,8 @@ class Row:
     predicted_s: float | None
     fits: bool | None
     error: str | None = None
+    gpu: str | None = None
+    """The bundled GPU profile the record ran on (None where the record could not be mapped)."""
 
     @property
     def error_pct(self) -> float | None:
@@ -333,6 +335,7 @@ def evaluate(records: list[dict], *, include_moe: bool = True) -> list[Row]:
             usable = (include_moe or is_dense(rec)) and _incomparable(rec) is None
             target = published_step_time(rec)
             scenario = record_to_scenario(rec) if usable else None
+            gpu = scenario["cluster"]["gpu"] if usable else None
         except KeyError as exc:
             raise ConfigError(f"record {rec.get('id')}", f"malformed: missing key {exc.args[0]!r}") from None
         except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
@@ -341,7 +344,7 @@ def evaluate(records: list[dict], *, include_moe: bool = True) -> list[Row]:
             continue
         try:
             res = simulate(load_scenario(scenario))
-            rows.append(Row(rec["id"], not is_dense(rec), target[0], target[1], res.step_time_s, res.fits))
+            rows.append(Row(rec["id"], not is_dense(rec), target[0], target[1], res.step_time_s, res.fits, gpu=gpu))
         except ParaplanError as e:
-            rows.append(Row(rec["id"], not is_dense(rec), target[0], target[1], None, None, str(e)))
+            rows.append(Row(rec["id"], not is_dense(rec), target[0], target[1], None, None, str(e), gpu=gpu))
     return rows

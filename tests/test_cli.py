@@ -170,6 +170,16 @@ def test_validate_published_bundled():
     out = json.loads(r.stdout)
     assert out["summary"]["dense"]["simulated"] >= 35 and out["summary"]["moe"]["simulated"] == 3
     assert out["summary"]["dense"]["mape_pct"] is not None
+    # the per-GPU summary partitions the rows, and its figures are those rows' errors
+    for group, moe in (("dense", False), ("moe", True)):
+        by_gpu = out["summary"][group]["by_gpu"]
+        rows = [r for r in out["rows"] if r["moe"] == moe and r["error_pct"] is not None]
+        assert sum(s["simulated"] for s in by_gpu.values()) == len(rows)
+        for gpu, s in by_gpu.items():
+            errs = [r["error_pct"] for r in rows if r["gpu"] == gpu]
+            assert s["mape_pct"] == pytest.approx(sum(map(abs, errs)) / len(errs))
+            assert s["mean_error_pct"] == pytest.approx(sum(errs) / len(errs))
+    assert {"a100-sxm-80gb", "h100-sxm-80gb"} <= set(out["summary"]["dense"]["by_gpu"])
     # records that cannot give a step time are named, with the reason, not dropped silently
     left_out = {r["id"]: r["reason"] for r in out["not_compared"]}
     assert sorted(left_out) == ["korthikanti_abstract_530B_2240gpu_full_recompute",

@@ -19,12 +19,25 @@ def add_arguments(p) -> None:
 
 
 def summarise(rows) -> dict:
+    """MAPE and worst row over the simulated rows, and the same per GPU profile (with the mean signed
+    error, which says on which side a GPU's rows miss)."""
     errs = [abs(r.error_pct) for r in rows if r.error_pct is not None]
+    by_gpu = {}
+    for gpu in sorted({r.gpu for r in rows if r.error_pct is not None}):
+        signed = [r.error_pct for r in rows if r.gpu == gpu and r.error_pct is not None]
+        by_gpu[gpu] = {"simulated": len(signed), "mape_pct": statistics.fmean(abs(e) for e in signed),
+                       "mean_error_pct": statistics.fmean(signed)}
     return {
         "rows": len(rows), "simulated": len(errs),
         "mape_pct": statistics.fmean(errs) if errs else None,
         "worst_abs_error_pct": max(errs) if errs else None,
+        "by_gpu": by_gpu,
     }
+
+
+def _by_gpu_line(summary: dict) -> str:
+    return "by GPU: " + "; ".join(f"{gpu} MAPE {s['mape_pct']:.1f}% over {s['simulated']} rows "
+                                  f"(mean error {s['mean_error_pct']:+.1f}%)" for gpu, s in summary["by_gpu"].items())
 
 
 def run(args) -> int:
@@ -42,7 +55,7 @@ def run(args) -> int:
         print(json.dumps({"rows": [
             {"id": r.id, "moe": r.moe, "published_step_time_s": r.published_s, "published_is_derived": r.derived,
              "predicted_step_time_s": r.predicted_s, "error_pct": r.error_pct, "fits": r.fits,
-             "error": r.error} for r in rows], "summary": summary,
+             "error": r.error, "gpu": r.gpu} for r in rows], "summary": summary,
             "not_compared": [{"id": i, "reason": why} for i, why in left_out],
             "assumptions": list(ASSUMPTIONS)}, indent=2))
         return 0
@@ -68,7 +81,8 @@ def run(args) -> int:
         sm = summary[name]
         if sm["simulated"]:
             print(f"{name}: MAPE {sm['mape_pct']:.1f}% over {sm['simulated']} rows; "
-                  f"worst |error| {sm['worst_abs_error_pct']:.1f}%\n")
+                  f"worst |error| {sm['worst_abs_error_pct']:.1f}%")
+            print(f"  {_by_gpu_line(sm)}\n")
     if left_out:
         print("not compared:")
         for i, why in left_out:
@@ -91,5 +105,5 @@ def _markdown(rows, summary, name) -> str:
             out.append(f"| {r.id} | {pub} | {r.predicted_s:.3f} | {r.error_pct:+.1f}% |")
     out.append("")
     out.append(f"{name}: MAPE **{summary['mape_pct']:.1f}%** over {summary['simulated']} rows; "
-               f"worst |error| {summary['worst_abs_error_pct']:.1f}%.")
+               f"worst |error| {summary['worst_abs_error_pct']:.1f}%; {_by_gpu_line(summary)}.")
     return "\n".join(out)
