@@ -154,22 +154,30 @@ def stage_memory(
     return StageMemory(weights=weights, gradients=grads, optimizer=do + eo, activations=acts, reserved=reserved)
 
 
-def working_set_bytes(model, plan, seq_length: int, attention_kernel: str, is_last_stage: bool,
-                      act_bytes: int = 2) -> float:
-    """Transient buffers on top of the stored activations: under full recompute the layer being
-    recomputed holds its full activations during its backward (under selective mlp recompute, its
-    MLP intermediates); the last stage holds one
-    microbatch of logits (the GEMM output at `act_bytes` + an fp32 copy for the cross-entropy), and
-    as many again per multi-token prediction module (their losses are computed in the same forward)."""
-    out = 0.0
+def recompute_working_bytes(model, plan, seq_length: int, attention_kernel: str, act_bytes: int = 2,
+                            moe_ffn_bytes: float | None = None) -> float:
+    """What recomputing one layer holds during its backward, on top of the stored activations: under
+    full recompute the layer's full activations (a dense layer's, or with `moe_ffn_bytes` an MoE
+    layer's, whose FFN tensors replace the dense MLP's); under selective recompute of the dense
+    `mlp` its intermediates (an MoE layer's recomputed `moe` part is `moe_ffn_bytes`, passed by the
+    caller only when it is recomputed). One layer at a time: a stage's working set takes the largest
+    over the kinds of layer it holds."""
     if plan.recompute == "full":
-        out += activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel,
-                                          act_bytes=act_bytes)
-    elif "mlp" in plan.recomputed_modules and \
-            not all(model.is_moe_layer(i) for i in range(model.num_layers)):  # a dense MLP being recomputed
+        return activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel,
+                                          moe_ffn_bytes=moe_ffn_bytes, act_bytes=act_bytes)
+    if moe_ffn_bytes is not None:
+        return moe_ffn_bytes
+    if "mlp" in plan.recomputed_modules:
         tokens = plan.micro_batch_size * seq_length // plan.cp
-        out += tokens * act_bytes * model.ffn_matrices * model.ffn_hidden_size / plan.tp
-    if is_last_stage:
-        tokens = plan.micro_batch_size * seq_length // plan.cp
-        out += (1 + model.mtp_layers) * tokens * (model.vocab_size / plan.tp) * (act_bytes + 4)
-    return out
+        return tokens * act_bytes * model.ffn_matrices * model.ffn_hidden_size / plan.tp
+    return 0.0
+
+
+def logits_working_bytes(model, plan, seq_length: int, act_bytes: int = 2) -> float:
+    """The last stage's transient logits: one microbatch of the LM head's 16-bit GEMM output (at
+    `act_bytes`), freed once the cross-entropy has cast it to fp32, and as many again per
+    multi-token prediction module (their losses are computed in the same forward). The fp32
+    softmax the cross-entropy saves for its backward is an activation of every microbatch in
+    flight (simulator.simulate._chunk_work)."""
+    tokens = plan.micro_batch_size * seq_length // plan.cp
+    return (1 + model.mtp_layers) * tokens * (model.vocab_size / plan.tp) * act_bytes

@@ -121,21 +121,27 @@ def _build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunk
     raise ValueError(f"unknown schedule {name!r}")
 
 
-def peak_in_flight(ops: Sequence[Op], chunk_weights: list[float] | None = None) -> float:
+def peak_in_flight(ops: Sequence[Op], chunk_weights: list[float] | None = None,
+                   freed_by_b: list[float] | None = None) -> float:
     """Largest activation footprint a stage holds: forwards done whose backward has not run,
     weighted per chunk (e.g. by its layer count). Read off the op order, not a formula.
 
     With split backwards a microbatch's activations count until its W: an upper bound, since the
     B pass already frees what only the input gradient needed (the weight gradients keep the
-    inputs of the linear layers, the M_W of Qi et al. 2024, Sec. 3)."""
+    inputs of the linear layers, the M_W of Qi et al. 2024, Sec. 3). `freed_by_b` (per chunk, also
+    counted from the F) is what is known to be freed by the B pass even then, e.g. the loss's
+    softmax, which only the input gradient of the logits reads."""
     split = any(op.kind == "W" for op in ops)
     live = 0.0
     peak = 0.0
     for op in ops:
         w = chunk_weights[op.chunk] if chunk_weights else 1.0
+        b = freed_by_b[op.chunk] if freed_by_b else 0.0
         if op.kind == "F":
-            live += w
+            live += w + b
             peak = max(peak, live)
-        elif op.kind == ("W" if split else "B"):
+        elif op.kind == "B":
+            live -= b if split else w + b
+        elif op.kind == "W":
             live -= w
     return peak

@@ -16,7 +16,9 @@ from simulator.engine import StageWork, run_iteration
 from simulator.feasibility import structural_problems
 from simulator.flops import MODEL_FLOPS_FORMULA, hardware_flops, model_flops
 from simulator.layout import layers_per_chunk, layers_per_virtual_stage
-from simulator.memory import activation_bytes_per_layer, stage_memory, state_bytes_per_param, working_set_bytes
+from simulator.memory import (
+    activation_bytes_per_layer, logits_working_bytes, recompute_working_bytes, stage_memory, state_bytes_per_param,
+)
 from simulator.moe import (
     dispatch_buffer_bytes, draw_routing, moe_activation_bytes, moe_block, routed_tokens_per_rank,
 )
@@ -36,6 +38,8 @@ BUCKET_PARAMS = 40_000_000
 ADAM_BYTES_PER_PARAM = 38
 # fp32 gradient reduction (Megatron accumulate_allreduce_grads_in_fp32): the main-gradient buffer is what is reduced
 GRAD_REDUCE_BYTES = MAIN_GRAD_BYTES
+# the cross-entropy keeps its softmax over the (tp-sharded) vocabulary in fp32
+CE_SOFTMAX_BYTES = 4
 
 
 def compute_dtype(precision: str) -> str:
@@ -52,7 +56,7 @@ class _Layers:
     wgrad: dict  # kind -> seconds of the backward's weight-gradient GEMMs (the W pass)
     params: dict  # kind -> (params sharded over dp x cp, expert params sharded over edp)
     acts: dict  # kind -> stored activation bytes per microbatch
-    working: float
+    working: dict  # kind -> transient bytes while one layer of the kind runs (recompute, dispatch buffers)
 
 
 def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routing: bool = False) -> SimResult:
@@ -154,13 +158,18 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
             optimizer_time=memory_bound_time(gpu, local_opt * opt_bytes), param_gather_time=param_gather,
             param_gather_buckets={c: bl for c, bl in gathers.items() if bl},
         ))
-        working = kinds.working + working_set_bytes(m, p, tr.seq_length, tr.attention, s == p.pp - 1, ctx.act_bytes)
+        working = max(kinds.working[k] for k in stage_kinds) if stage_kinds else 0.0
+        if s == p.pp - 1:
+            working += logits_working_bytes(m, p, tr.seq_length, ctx.act_bytes)
         holds_embedding = s == 0 or (s == p.pp - 1 and own_head)
         gathered_layer = max((gathered_of[k] for k in stage_kinds), default=0.0)
         gathered = max(gathered_layer, emb_params * (shard > 1) if holds_embedding else 0.0)
         mems.append(stage_memory(
             plan=p, precision=tr.precision, dense_params=dense_params, expert_params=expert_params,
-            max_layer_params=gathered, activations=peak_in_flight(schedule[s], chunk_acts), working_set=working,
+            max_layer_params=gathered, working_set=working,
+            activations=peak_in_flight(schedule[s], chunk_acts, freed_by_b=[
+                loss_softmax_bytes(ctx) if s == p.pp - 1 and c == len(layers[s]) - 1 else 0.0
+                for c in range(len(layers[s]))]),
             prefetched_params=gathered_layer,
             embedding_params=emb_params * ((s == 0) + (s == p.pp - 1) * (own_head + mtp_embedding)),
         ))
@@ -238,7 +247,8 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     kinds = _Layers(
         fwd={"dense": layer_forward(ctx)}, bwd={"dense": layer_backward(ctx)}, wgrad={"dense": layer_weight_grad(ctx)},
         params={"dense": (attn_params + m.ffn_matrices * m.hidden_size * m.ffn_hidden_size / p.tp, 0.0)},
-        acts={"dense": dense_acts}, working=0.0,
+        acts={"dense": dense_acts},
+        working={"dense": recompute_working_bytes(m, p, ctx.seq_length, ctx.attention_kernel, ctx.act_bytes)},
     )
     if m.moe is None:
         return kinds, None
@@ -253,10 +263,11 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     kinds.params["moe"] = (attn_params + m.hidden_size * e.num_experts + shared, local_experts)
     ffn = moe_activation_bytes(ctx, draw)
     kinds.acts["moe"] = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, ffn, ctx.act_bytes)
-    working = dispatch_buffer_bytes(ctx, draw)
-    if p.recompute == "full" or "moe" in p.recomputed_modules:
-        working += moe_activation_bytes(ctx, draw, recomputed=())  # the layer being recomputed
-    return _Layers(kinds.fwd, kinds.bwd, kinds.wgrad, kinds.params, kinds.acts, working), draw
+    recomputed_ffn = p.recompute == "full" or "moe" in p.recomputed_modules
+    kinds.working["moe"] = dispatch_buffer_bytes(ctx, draw) + recompute_working_bytes(
+        m, p, ctx.seq_length, ctx.attention_kernel, ctx.act_bytes,
+        moe_ffn_bytes=moe_activation_bytes(ctx, draw, recomputed=()) if recomputed_ffn else 0.0)
+    return kinds, draw
 
 
 def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, *, first: bool, last: bool,
@@ -306,8 +317,9 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
             wgrad += m.mtp_layers * (kinds.wgrad[kind] + mtp_weight_grad(ctx) + head_weight_grad(ctx))
             dense += m.mtp_layers * (kinds.params[kind][0] + m.mtp_projection_params() / p.tp)
             expert += m.mtp_layers * kinds.params[kind][1]
-            # its layer's activations and the saved 2h projection input (SP-sharded); its logits are
-            # working set, like the head's (memory.working_set_bytes)
+            # its layer's activations and the saved 2h projection input (SP-sharded); its softmax
+            # is counted with the head's (loss_softmax_bytes), its 16-bit logits are working set
+            # (memory.logits_working_bytes)
             sp = p.tp if p.sequence_parallel else 1
             acts += m.mtp_layers * (kinds.acts[kind] + ctx.tokens * 2 * m.hidden_size * ctx.act_bytes / sp)
     f = _zero3_chain([(fwd, gather) for fwd, _, (gather, _) in pieces], "param all-gather")
@@ -315,6 +327,15 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
                      "param all-gather + grad reduce-scatter" if any(g for _, _, (g, _) in pieces)
                      else "grad reduce-scatter")
     return f, b, wgrad, dense, expert, acts
+
+
+def loss_softmax_bytes(ctx) -> float:
+    """The cross-entropy's fp32 softmax over the (tp-sharded) vocabulary, saved for its backward
+    (Megatron-Core tensor_parallel/cross_entropy.py: the logits cast to float, exponentiated and
+    normalised in place, ctx.save_for_backward(exp_logits, ...)): one per microbatch in flight on
+    the last chunk, and one per multi-token prediction module. The 16-bit logits it was cast from
+    are working set (memory.logits_working_bytes). The backward's B pass frees it."""
+    return (1 + ctx.model.mtp_layers) * ctx.tokens * (ctx.model.vocab_size / ctx.plan.tp) * CE_SOFTMAX_BYTES
 
 
 def _grad_buckets(net, p, params: float, layout: GroupLayout, group: int) -> list[tuple[float, float]]:

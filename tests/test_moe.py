@@ -304,3 +304,19 @@ def test_copies_dropped_at_capacity_are_not_counted_as_model_flops():
     done = r.tflops_per_gpu * 1e12 * r.step_time_s * world
     assert done == pytest.approx(model_flops(sc.model, sc.training.seq_length, tokens, 1 - r.moe.dropped_fraction))
     assert done < model_flops(sc.model, sc.training.seq_length, tokens)
+
+
+def test_a_recomputed_moe_layer_holds_no_dense_mlp():
+    """Under full recompute the layer being recomputed holds its full activations during its
+    backward; in an all-MoE model that layer has experts, not the dense MLP, so the (unused) dense
+    ffn_hidden_size must not change any stage's memory, while the experts' width does."""
+    sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml")
+    sc = replace(sc, plan=replace(sc.plan, recompute="full"))
+
+    def activations(model):
+        return [s.memory["activations"] for s in simulate(replace(sc, model=model)).stages]
+
+    base = activations(sc.model)
+    assert activations(replace(sc.model, ffn_hidden_size=4 * sc.model.ffn_hidden_size)) == base
+    wider = replace(sc.model.moe, expert_ffn_hidden_size=2 * sc.model.moe.expert_ffn_hidden_size)
+    assert all(w > b for w, b in zip(activations(replace(sc.model, moe=wider)), base))

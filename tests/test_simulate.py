@@ -605,3 +605,23 @@ def test_zero_per_unit_transfers_are_on_the_dp_comm_track(zero, kinds):
     for sp in moved:
         op = ops[sp.name.split()[-1]]
         assert op.start - 1e-12 <= sp.start < sp.end <= op.end + 1e-12
+
+
+@pytest.mark.parametrize("schedule,vpp,batch,held", [("gpipe", 1, 16, 4), ("1f1b", 1, 16, 1),
+                                                     ("interleaved-1f1b", 2, 16, 1), ("interleaved-1f1b", 2, 8, 2),
+                                                     ("zero-bubble", 1, 16, 1)])
+def test_last_stage_keeps_a_softmax_per_microbatch_in_flight(schedule, vpp, batch, held):
+    """The cross-entropy saves its fp32 softmax over the vocabulary for its backward: the last stage
+    holds one per microbatch whose backward has not run (gpipe: all M; 1F1B and interleaved: one;
+    interleaved with M == pp: all, every forward runs before the first backward; zero-bubble: one,
+    the B pass frees it even where the W pass comes later), plus one microbatch of 16-bit logits
+    while it casts. A larger vocabulary adds exactly that to the last
+    stage's activations."""
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml")  # tp 2, pp 2, dp 2, mbs 2
+    sc = plan_variant(sc, schedule=schedule, virtual_pipeline_stages=vpp)
+    sc = replace(sc, training=replace(sc.training, global_batch_size=batch))  # M = batch / 4
+    extra = 1024
+    wider = replace(sc, model=replace(sc.model, vocab_size=sc.model.vocab_size + extra))
+    tokens = sc.plan.micro_batch_size * sc.training.seq_length
+    growth = simulate(wider).stages[-1].memory["activations"] - simulate(sc).stages[-1].memory["activations"]
+    assert growth == pytest.approx(tokens * extra / sc.plan.tp * (4 * held + 2))
