@@ -88,14 +88,23 @@ def group_layout(dims: tuple[str, ...], plan: PlanSpec, gpus_per_node: int) -> G
     return GroupLayout(size=len(ranks), ranks_per_node=max(nodes.values()), num_nodes=len(nodes))
 
 
-def pp_neighbour_layout(plan: PlanSpec, gpus_per_node: int) -> GroupLayout:
-    """A pipeline send/recv pair: same node or not."""
+def pp_hop_layouts(plan: PlanSpec, gpus_per_node: int) -> list[GroupLayout]:
+    """Layout of each pipeline link: entry s joins stage s and stage (s + 1) % pp, so the last
+    entry is the wrap-around from the last stage to the first (interleaved schedules' chunk
+    boundary, the tied-embedding all-reduce). A stage's ranks are a block of tp x cp x dp
+    consecutive ranks (pp varies slowest), and each rank sends to the rank with the same
+    coordinates one stage on; a link leaves the node if any of those pairs does. Where a block is
+    smaller than a node, some links stay inside one (tp 2 x dp 2 on 8-GPU nodes: stages 0-1 share
+    node 0, the hop 1 -> 2 crosses to node 1)."""
     if plan.pp == 1:
-        return GroupLayout(size=1, ranks_per_node=1, num_nodes=1)
-    a = 0
-    b = coords_to_rank(Coords(tp=0, cp=0, dp=0, pp=1), plan)
-    same = a // gpus_per_node == b // gpus_per_node
-    return GroupLayout(size=2, ranks_per_node=2 if same else 1, num_nodes=1 if same else 2)
+        return [GroupLayout(size=1, ranks_per_node=1, num_nodes=1)]
+    block = plan.tp * plan.cp * plan.dp
+    out = []
+    for s in range(plan.pp):
+        nxt = (s + 1) % plan.pp
+        crosses = any((s * block + j) // gpus_per_node != (nxt * block + j) // gpus_per_node for j in range(block))
+        out.append(GroupLayout(size=2, ranks_per_node=1 if crosses else 2, num_nodes=2 if crosses else 1))
+    return out
 
 
 def expert_group_layouts(plan: PlanSpec, gpus_per_node: int) -> tuple[GroupLayout, GroupLayout, GroupLayout]:

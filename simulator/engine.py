@@ -99,14 +99,16 @@ def run_iteration(
     works: list[StageWork],
     *,
     num_chunks: int,
-    p2p_time: float,
+    p2p_time: float | Sequence[float],
     overlap_grad_reduce: bool,
     sync_time: float,
-    p2p_nic: float = 0.0,
+    p2p_nic: float | Sequence[float] = 0.0,
     align_grad_reduce: bool = False,
 ) -> EngineResult:
     """Simulate one iteration; returns per-stage breakdowns summing to each stage's end time.
-    `p2p_nic`: seconds of each pipeline send on the NICs (0 when neighbouring stages share a node).
+    `p2p_time`: seconds of a pipeline send, one for every link or per link (entry s joins stage s
+    and stage (s + 1) % pp, placement.pp_hop_layouts). `p2p_nic`: seconds of each send on the NICs,
+    likewise (0 where the two stages share a node).
     `overlap_grad_reduce`: a chunk's gradient buckets are reduced as its last backward produces
     them; else every bucket waits for the end of the stage's backward.
     `align_grad_reduce` (with overlap): Megatron-Core's default launch points instead
@@ -118,6 +120,8 @@ def run_iteration(
     the weight gradients, are the ones counted."""
     env = simpy.Environment()
     pp = len(works)
+    link_time = list(p2p_time) if isinstance(p2p_time, Sequence) else [p2p_time] * pp
+    link_nic = list(p2p_nic) if isinstance(p2p_nic, Sequence) else [p2p_nic] * pp
     last_vstage = pp * num_chunks - 1
     waiting: dict[tuple, simpy.Event] = {}
     spans: list[Span] = []
@@ -180,9 +184,19 @@ def run_iteration(
         overlap = min(t + window, op_end) - max(t, op_start)
         return op_nic_s * overlap / op_dur if overlap > 0 and op_dur else 0.0
 
+    def link(stage: int, to: int) -> int:
+        """The link a send between neighbouring stages takes (forward s -> s + 1 and the
+        wrap-around pp - 1 -> 0 are links s and pp - 1; backward s -> s - 1 is link s - 1)."""
+        return stage if to == (stage + 1) % pp else to
+
     def send(stage: int, to: int, t: float) -> float:
         """A pipeline send leaving `stage` at t for `to`: its arrival, after sharing the sender's
-        NIC with its gradient bucket and the receiver's with its current op and bucket."""
+        NIC with its gradient bucket and the receiver's with its current op and bucket (a send
+        between stages on one node only takes its link's time)."""
+        hop = link(stage, to)
+        p2p_nic, p2p_time = link_nic[hop], link_time[hop]
+        if not p2p_nic:
+            return t + p2p_time
         sender = held(bucket_nic_until[stage], t, p2p_nic)
         owed_grad[stage] += sender
         with_op = op_nic_left(to, t, p2p_nic)
@@ -334,7 +348,7 @@ def run_iteration(
                                   start + a * (end - start), start + b * (end - start)))
             if produces is not None:
                 key, to = produces
-                produce(key, send(stage, to, end) if p2p_nic else end + p2p_time)
+                produce(key, send(stage, to, end))
             for c in launched_after:  # whole chunks whose reduction is launched now
                 grad_ready[stage][c].succeed((end, end))
             traces[stage].ops_done += 1

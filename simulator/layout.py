@@ -6,10 +6,12 @@ def layers_per_virtual_stage(num_layers: int, pp: int, vpp: int, first: int | No
     """Layers of each virtual stage g = chunk x pp + stage, in that order; each holds a contiguous
     block of layers (Megatron's interleaved layout). Even split over the pp x vpp virtual stages, or,
     with first/last overrides, those layers on the first virtual stage (stage 0, chunk 0) and the
-    last (stage pp-1, chunk vpp-1) and the rest spread evenly over the others: Megatron-Core's
-    --decoder-first/last-pipeline-num-layers, and what --account-for-embedding/loss-in-pipeline-split
-    and DeepSpeed's 'type:transformer|embedding' partition amount to (one layer fewer at each end
-    to make room for the embedding and the loss, as the Llama 3 paper also does).
+    last (stage pp-1, chunk vpp-1) and the rest spread evenly over the others. Without interleaving
+    that is Megatron-Core's --decoder-first/last-pipeline-num-layers; under interleaving those
+    flags split a rank's count over its chunks instead, so a launch config spells this layout out
+    with --pipeline-model-parallel-layout (planner.emit). One layer fewer at each end is what
+    --account-for-embedding/loss-in-pipeline-split and DeepSpeed's 'type:transformer|embedding'
+    partition amount to (room for the embedding and the loss, as the Llama 3 paper also does).
     Callers check divisibility first (simulator.feasibility)."""
     v = pp * vpp
     fixed = {}

@@ -9,7 +9,7 @@ from hwmodels.compute import memory_bound_time
 from hwmodels.network import build_network, collective_time, overlapped, tier_names_crossed
 from hwmodels.profile import load_profile
 from paraplan.errors import InfeasiblePlanError
-from paraplan.placement import GroupLayout, expert_group_layouts, group_layout, pp_neighbour_layout
+from paraplan.placement import GroupLayout, expert_group_layouts, group_layout, pp_hop_layouts
 from paraplan.specs import Scenario
 from simulator.cost import Cost
 from simulator.engine import StageWork, run_iteration
@@ -175,11 +175,11 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
         ))
 
     p2p_bytes = ctx.tokens * m.hidden_size * ctx.act_bytes / p.tp  # scatter-gather (SC'21 Sec. 4.1)
-    pp_pair = pp_neighbour_layout(p, gpn)
-    p2p = collective_time(net, "send_recv", p2p_bytes, pp_pair) if p.pp > 1 else 0.0
-    sync = _sync_time(sc, net, emb_params, gpn)
+    hops = pp_hop_layouts(p, gpn)
+    p2p = [collective_time(net, "send_recv", p2p_bytes, hop) if p.pp > 1 else 0.0 for hop in hops]
+    sync = _sync_time(sc, net, emb_params, hops[-1])
     eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce,
-                        sync_time=sync, p2p_nic=p2p if pp_pair.num_nodes > 1 else 0.0,
+                        sync_time=sync, p2p_nic=[t if hop.num_nodes > 1 else 0.0 for t, hop in zip(p2p, hops)],
                         align_grad_reduce=p.schedule in ("1f1b", "interleaved-1f1b"))
 
     tokens = tr.global_batch_size * tr.seq_length
@@ -396,17 +396,16 @@ def _zero3_chain(pieces: list[tuple[Cost, float]], name: str) -> Cost:
     return total.add("dp_comm", span - sum(cost.total for cost, _ in pieces))
 
 
-def _sync_time(sc: Scenario, net, emb_params: float, gpn: int) -> float:
+def _sync_time(sc: Scenario, net, emb_params: float, first_last: GroupLayout) -> float:
     """End-of-iteration syncs every rank waits for: the gradient-norm all-reduce over the
     model-parallel group (Megatron clip_grad_norm_fp32, a few bytes) and, when the embedding is
     tied (or multi-token prediction embeds tokens on the last stage) and pipelined, the all-reduce
-    of its gradient between the first and last stage (Megatron _allreduce_word_embedding_grads)."""
+    of its gradient between the first and last stage (Megatron _allreduce_word_embedding_grads),
+    whose pair of ranks is `first_last`."""
     p = sc.plan
-    t = collective_time(net, "all_reduce", 4, group_layout(("tp", "pp"), p, gpn))
+    t = collective_time(net, "all_reduce", 4, group_layout(("tp", "pp"), p, sc.cluster.gpus_per_node))
     if (sc.model.tied_embeddings or sc.model.mtp_layers) and p.pp > 1:
-        pair = pp_neighbour_layout(p, gpn)
-        layout = GroupLayout(size=2, ranks_per_node=pair.ranks_per_node, num_nodes=pair.num_nodes)
-        t += collective_time(net, "all_reduce", emb_params * 4, layout)
+        t += collective_time(net, "all_reduce", emb_params * 4, first_last)
     return t
 
 

@@ -178,8 +178,10 @@ def test_pipeline_send_shares_the_nic_with_the_receivers_all_to_all():
 
 
 def test_pipeline_sends_use_the_nic_only_between_nodes(monkeypatch):
-    """pp 4 over 64 GPUs puts neighbouring stages on different nodes (a stage is 16 GPUs): the send
-    holds the NICs; pp 4 inside one 8-GPU node (tp 2): it does not."""
+    """pp 4 over 64 GPUs puts neighbouring stages on different nodes (a stage is 16 GPUs): every
+    send holds the NICs; pp 4 inside one 8-GPU node (tp 2): none does; tp 2 x dp 2 x pp 4 on two
+    nodes puts stages 0-1 on node 0 and 2-3 on node 1: the hop 1 -> 2 and the wrap-around 3 -> 0
+    leave the node, and cost more than the two that stay."""
     import simulator.simulate as sim
     seen = []
     real = sim.run_iteration
@@ -189,9 +191,14 @@ def test_pipeline_sends_use_the_nic_only_between_nodes(monkeypatch):
               "training": {"seq_length": 4096, "global_batch_size": 16, "precision": "bf16"},
               "plan": {"tp": 2, "pp": 4}}
     sim.simulate(load_scenario(inside))
-    across, within = seen[0], seen[-1]  # (an MoE plan is also run with balanced routing)
-    assert across["p2p_nic"] == across["p2p_time"] > 0
-    assert within["p2p_nic"] == 0 and within["p2p_time"] > 0
+    straddling = {**inside, "cluster": {**inside["cluster"], "num_nodes": 2}}
+    sim.simulate(load_scenario(straddling))
+    across, within, mixed = seen[0], seen[-2], seen[-1]  # (an MoE plan is also run with balanced routing)
+    assert across["p2p_nic"] == across["p2p_time"] and min(across["p2p_time"]) > 0
+    assert within["p2p_nic"] == [0.0] * 4 and min(within["p2p_time"]) > 0
+    t, nic = mixed["p2p_time"], mixed["p2p_nic"]
+    assert nic[0] == nic[2] == 0 and nic[1] == t[1] and nic[3] == t[3]
+    assert t[1] == t[3] > t[0] == t[2] > 0
 
 
 MOE_BASE = {"model": {"preset": "mixtral-8x7b"},

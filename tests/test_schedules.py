@@ -88,6 +88,16 @@ def test_exact_1f1b_timeline_two_stages():
     assert res.stages[1].breakdown["pp_comm"] == pytest.approx(0.5)
 
 
+def test_each_pipeline_link_takes_its_own_time():
+    # 3 stages, one microbatch, F = 1 s, B = 2 s; links 0 -> 1 and 1 -> 2 take 0.25 s and 0.5 s,
+    # the wrap-around 2 -> 0 (unused by 1F1B) 5 s. The microbatch crosses each link forward and
+    # back: 3 x (1 + 2) + 2 x (0.25 + 0.5) = 10.5 s.
+    works = uniform_works(build_schedule("1f1b", 3, 1))
+    res = run_iteration(works, num_chunks=1, p2p_time=[0.25, 0.5, 5.0], overlap_grad_reduce=True, sync_time=0.0)
+    assert compute_log(res, 1) == [(1.25, "F0"), (6.25, "B0"), (10.5, "optimizer")]
+    assert res.step_time == pytest.approx(10.5)
+
+
 def test_exact_gpipe_timeline_and_bubble():
     works = uniform_works(build_schedule("gpipe", 2, 2))
     res = run_iteration(works, num_chunks=1, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0)
