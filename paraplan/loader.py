@@ -640,9 +640,13 @@ def _derive_model_defaults(values: dict) -> dict:
 
 
 def _cluster(raw: Any, base_dir: Path) -> ClusterSpec:
-    """A preset name, or a mapping (optionally `{preset: NAME, ...}`); link defaults from the GPU profile."""
+    """A mapping, optionally `{preset: NAME, num_nodes: N, ...}`; link defaults from the GPU profile.
+    A bare preset name is refused with the form to write: a preset is a node type and its fabric,
+    not a node count."""
     if isinstance(raw, str):
-        raw = _preset("cluster", raw, "cluster")
+        _preset("cluster", raw, "cluster")  # an unknown name is named as such
+        raise ConfigError("cluster", f"a preset gives the node type, not how many nodes: write "
+                                     f"cluster: {{preset: {raw}, num_nodes: N}}")
     elif isinstance(raw, Mapping) and "preset" in raw:
         rest = dict(raw)
         raw = _deep_merge(_preset("cluster", rest.pop("preset"), "cluster.preset"), rest)

@@ -218,3 +218,21 @@ def test_validate_published_bad_files_are_one_line(tmp_path):
         r = paraplan("validate-published", *args)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
         assert r.stderr.count("\n") == 1 and r.stderr.startswith(message), (args, r.stderr)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["calibrate", "--device", "cpu", "--out", "{tmp}/p.yaml"],
+     "error: calibrate needs PyTorch, which is not installed: pip install 'torch>=2.13'\n"),
+    (["launch", TINY, "--dry-run", "--backend", "gloo", "--run-dir", "{tmp}/runs"],
+     "error: the executor needs PyTorch >= 2.13, which is not installed: pip install 'torch>=2.13'\n"),
+])
+def test_commands_that_run_torch_say_so_when_it_is_missing(tmp_path, args, message):
+    """Without torch (a `pip install -e .` machine) the torch commands give one line, exit 2, and
+    write nothing."""
+    code = ("import sys; sys.modules['torch'] = None\n"  # find_spec('torch') is None, as if uninstalled
+            "from paraplan.cli.main import main\n"
+            "sys.exit(main(sys.argv[1:]))\n")
+    argv = [a.format(tmp=tmp_path) for a in args]
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT)
+    assert (r.returncode, r.stderr) == (2, message)
+    assert list(tmp_path.iterdir()) == []

@@ -220,6 +220,9 @@ def test_cluster_preset_merges_nested_keys():
 
 def test_cluster_preset_needs_num_nodes():
     err = error_of({**tiny(), "cluster": "dgx-a100-superpod"})
+    assert str(err) == ("cluster: a preset gives the node type, not how many nodes: write "
+                        "cluster: {preset: dgx-a100-superpod, num_nodes: N}")
+    err = error_of({**tiny(), "cluster": {"preset": "dgx-a100-superpod"}})
     assert str(err) == "cluster.num_nodes: required key missing"
 
 

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from calibrate.run import BENCHMARKS, Options
+from paraplan.cli.torch_check import require_torch
 
 # Held-out error above which a fitted table is called out in the summary.
 POOR_FIT_MAPE = 25.0  # percent, as the fits report it
@@ -47,6 +48,8 @@ def _list(text: str) -> list[str]:
 
 def run(args) -> int:
     from calibrate.run import calibrate
+
+    require_torch("calibrate", minimum=None)
 
     opts = Options(
         out=Path(args.out), device=args.device, quick=args.quick, collectives=args.collectives, base=args.base,

@@ -10,13 +10,12 @@ error names the rank (exit 1).
 """
 from __future__ import annotations
 
-import importlib.metadata
-import importlib.util
 import json
 import os
 import re
 
 from paraplan.cli.tables import elided
+from paraplan.cli.torch_check import require_torch
 from paraplan.errors import InfeasiblePlanError, ParaplanError
 from paraplan.fileio import write_atomic
 
@@ -84,12 +83,7 @@ def prepare(args):
     check_output_dir(args.run_dir, "--run-dir")
     if not 0 <= args.node_rank < args.nnodes:
         raise ParaplanError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1}")
-    if importlib.util.find_spec("torch") is None:
-        raise ParaplanError("the executor needs PyTorch >= 2.13: pip install 'paraplan[executor]'")
-    version = tuple(int(x) for x in re.findall(r"\d+", importlib.metadata.version("torch"))[:2])
-    if version < (2, 13):
-        # the wrong-gradient combinations it avoids, and the pipelining API it uses, are 2.13's
-        raise ParaplanError(f"the executor needs PyTorch >= 2.13, found {importlib.metadata.version('torch')}")
+    require_torch("the executor")
     if sc.run.backend == "gloo":
         _check_host_memory(sc, nproc)
     if sc.run.backend == "nccl":

@@ -1,0 +1,22 @@
+"""The commands that run PyTorch (launch, validate, calibrate) check for it before they start."""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import re
+
+from paraplan.errors import ParaplanError
+
+MINIMUM = (2, 13)
+"""The executor relies on 2.13's pipelining API and avoids its known wrong-gradient cases."""
+
+
+def require_torch(what: str, *, minimum: tuple[int, int] | None = MINIMUM) -> None:
+    """One-line error naming `what` needs PyTorch when it is missing (or older than `minimum`)."""
+    floor = ".".join(map(str, minimum or MINIMUM))
+    need = f"PyTorch >= {floor}" if minimum else "PyTorch"
+    if importlib.util.find_spec("torch") is None:
+        raise ParaplanError(f"{what} needs {need}, which is not installed: pip install 'torch>={floor}'")
+    found = importlib.metadata.version("torch")
+    if minimum and tuple(int(x) for x in re.findall(r"\d+", found)[:2]) < minimum:
+        raise ParaplanError(f"{what} needs {need}, found {found}")
