@@ -120,6 +120,19 @@ def test_resume_in_the_same_folder(planned, tmp_path):
     assert "trials: 45 (" in r.stdout and "40 before this run" in r.stdout
 
 
+def test_another_search_does_not_overwrite_a_folders_results(planned):
+    """A folder's result files belong to the study that wrote them: a search of another objective
+    (or scenario) into it is refused before it runs, and the files stay as they were."""
+    out, _ = planned
+    before = {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()}
+    r = paraplan("plan", TINY, "--out", str(out), "--objective", "cost", "--trials", "5", "--strategy", "tpe",
+                 "--quiet", "--no-plots", *SMALL)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"error: --out: {out} holds the results of study 'tiny-gpt-8xa100-throughput', "
+                               "which this search ('tiny-gpt-8xa100-cost') would overwrite")
+    assert {f.name: f.read_bytes() for f in out.iterdir() if f.is_file()} == before
+
+
 def test_default_folder_is_new_and_named_after_the_scenario(tmp_path):
     args = ("plan", TINY, "--trials", "5", "--strategy", "tpe", "--quiet", "--no-plots", *SMALL)
     assert paraplan(*args, cwd=tmp_path).returncode == 0

@@ -168,6 +168,7 @@ def run(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     storage = args.storage or str(out / JOURNAL)
     study = args.study or f"{stem}-{args.objective}"
+    _check_results_belong(out, study)
     req = SearchRequest(scenario=scenario, spec=spec, objective=objective, storage=storage, study_name=study,
                         strategy=args.strategy, trials=args.trials, workers=args.workers, seed=args.seed,
                         resume=args.resume)
@@ -183,6 +184,18 @@ def run(args) -> int:
         if created:  # a failed start (a bad --storage, say) leaves no empty folder
             _remove_if_empty(out)
         raise
+
+
+def _check_results_belong(out: Path, study: str) -> None:
+    """The result files in `out` are rewritten at the end of a search: only the study that wrote
+    them may do so (its next run, or --resume), not a search of another scenario or objective."""
+    try:
+        earlier = json.loads((out / "top_plans.json").read_text())["study"]["name"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return  # no results there yet (or none this command wrote)
+    if earlier != study:
+        raise ParaplanError(f"--out: {out} holds the results of study {earlier!r}, which this search "
+                            f"({study!r}) would overwrite; give another --out, or --study {earlier} to continue that one")
 
 
 def _remove_if_empty(folder: Path) -> None:
