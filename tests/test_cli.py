@@ -1,4 +1,5 @@
 """The CLI as a user runs it: `python -m paraplan ...` in a subprocess."""
+import copy
 import json
 import subprocess
 import sys
@@ -203,6 +204,10 @@ def test_validate_published_bad_files_are_one_line(tmp_path):
     bad.write_text(yaml.safe_dump([rec]))
     twice = tmp_path / "twice.yaml"
     twice.write_text(yaml.safe_dump([records[0], records[0]]))
+    unsimulable = copy.deepcopy(next(r for r in records if r["id"] == "megatron_sc21_t1_1.7B"))
+    unsimulable["parallelism"]["tp"] = 7
+    none_run = tmp_path / "none_run.yaml"
+    none_run.write_text(yaml.safe_dump([unsimulable]))
     no_model = tmp_path / "no_model.yaml"
     no_model.write_text(yaml.safe_dump([{k: v for k, v in records[0].items() if k != "model"}]))
     cases = [
@@ -213,6 +218,8 @@ def test_validate_published_bad_files_are_one_line(tmp_path):
         ([str(twice)], f"error: {twice}: record 2: id {records[0]['id']!r} is used twice"),
         ([str(no_model)], f"error: record {records[0]['id']}: malformed: missing key 'model'"),
         (["--json", "--markdown"], "error: argument --markdown: not allowed with argument --json"),
+        ([str(none_run)], f"error: {none_run}: none of the 1 comparable records could be simulated "
+                          "(first, megatron_sc21_t1_1.7B: plan: tp*pp*cp*dp = 7*1*1*32 = 224"),
     ]
     for args, message in cases:
         r = paraplan("validate-published", *args)

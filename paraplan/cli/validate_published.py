@@ -49,6 +49,10 @@ def run(args) -> int:
     left_out = not_compared(records)
     if not rows:
         raise ParaplanError(f"{path}: no record publishes a step time (or enough to derive one) with a global batch size")
+    if all(r.predicted_s is None for r in rows):
+        first = rows[0]
+        raise ParaplanError(f"{path}: none of the {len(rows)} comparable records could be simulated "
+                            f"(first, {first.id}: {first.error})")
     groups = {"dense": [r for r in rows if not r.moe], "moe": [r for r in rows if r.moe]}
     summary = {name: summarise(g) for name, g in groups.items()}
     if args.json:
@@ -72,10 +76,10 @@ def run(args) -> int:
             continue
         print(f"{name + ' records':<50} {'published s':>11} {'predicted s':>11} {'error':>8}  fits")
         for r in g:
-            if r.predicted_s is None:
-                print(f"{r.id:<50} {r.published_s:11.3f} {'-':>11} {'-':>8}  {r.error}")
-                continue
             mark = "*" if r.derived else " "
+            if r.predicted_s is None:
+                print(f"{r.id:<50} {r.published_s:10.3f}{mark} {'-':>11} {'-':>8}  {r.error}")
+                continue
             print(f"{r.id:<50} {r.published_s:10.3f}{mark} {r.predicted_s:11.3f} {r.error_pct:+7.1f}%  "
                   f"{'yes' if r.fits else 'NO'}")
         sm = summary[name]
