@@ -39,7 +39,7 @@ def executor_config_yaml(sc: Scenario, ev: Evaluation, *, launch: str, header: s
     """The executor config of `sc` (its plan already the chosen one), with comments on top."""
     comments = [
         f"Executor config written by `paraplan plan` for {sc.name}.",
-        f"Predicted by the simulator: step {ev.step_time_s:.3f} s, {ev.tokens_per_s:,.0f} tokens/s, "
+        f"Predicted by the simulator: step {ev.step_time_s:.4g} s, {ev.tokens_per_s:,.0f} tokens/s, "
         f"MFU {ev.mfu * 100:.1f}%, peak memory {ev.peak_memory_bytes / GiB:.1f} of "
         f"{ev.memory_capacity_bytes / GiB:.1f} GiB per GPU.",
         f"Launch: {launch}",

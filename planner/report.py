@@ -129,11 +129,11 @@ def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool) -
     if show_stages:
         cols.append(f"{stage_layers(p) or '-':<6}")
     cols += [f"{'on' if p.sequence_parallel else 'off':<3}",
-             f"{p.zero_stage:>4}", f"{p.recompute_label:<9}", f"{e.step_time_s:8.3f}", f"{e.tokens_per_s:>11,.0f}",
+             f"{p.zero_stage:>4}", f"{p.recompute_label:<9}", f"{e.step_time_s:8.4g}", f"{e.tokens_per_s:>11,.0f}",
              f"{e.mfu * 100:5.1f}%", f"{e.peak_memory_bytes / GiB:5.1f}/{e.memory_capacity_bytes / GiB:<5.1f}",
              f"{e.headroom * 100:4.0f}%"]
     if objective.name == "cost":
-        cols.append(f"{objective.cost_per_mtokens(e):9.3f}")
+        cols.append(f"{objective.cost_per_mtokens(e):11.4g}")
     tag = "  (scenario's plan)" if r.baseline else ""
     return "  ".join(cols) + f"  {e.limiter()}{tag}"
 
@@ -183,7 +183,7 @@ def format_report(rep: Report) -> str:
         if obj.name == "cost":
             gain = objective_gain(obj, b, base)
             lines.append(f"  scenario's plan ({plan_label(base.candidate.plan)}): {base.tokens_per_s:,.0f} tokens/s, "
-                         f"{obj.cost_per_mtokens(base):.3f} {obj.cost_unit}"
+                         f"{obj.cost_per_mtokens(base):.4g} {obj.cost_unit}"
                          f"{'' if base.fits else ', does not fit'}; best is {gain:+.1f}% cheaper")
         else:
             gpus, base_gpus = b.candidate.plan.world_size, base.candidate.plan.world_size

@@ -71,7 +71,7 @@ class SimResult:
             "flop_formula": self.flop_formula,
             "peak_flops_per_gpu": self.peak_flops_per_gpu,
             "num_microbatches": self.num_microbatches,
-            "peak_memory_bytes": self.peak_memory_bytes,
+            "peak_memory_bytes": round(self.peak_memory_bytes),
             "memory_capacity_bytes": self.memory_capacity_bytes,
             "fits": self.fits,
             "critical_stage": self.critical_stage,
@@ -81,7 +81,7 @@ class SimResult:
                     "stage": s.stage,
                     "layers": list(s.layers),
                     "end_time_s": s.end_time_s,
-                    "memory_bytes": dict(s.memory),
+                    "memory_bytes": {k: round(v) for k, v in s.memory.items()},
                     "breakdown": dict(s.breakdown),
                 }
                 for s in self.stages

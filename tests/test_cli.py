@@ -34,6 +34,14 @@ def test_json_has_the_documented_keys():
     assert out["step_time_s"] > 0 and 0 < out["mfu"] < 1
     assert len(out["stages"]) == 4
     assert sum(out["breakdown"].values()) == pytest.approx(out["step_time_s"], rel=1e-9)
+    # bytes are whole numbers, and the peak is the largest stage's total
+    assert isinstance(out["peak_memory_bytes"], int)
+    assert out["peak_memory_bytes"] == max(s["memory_bytes"]["total"] for s in out["stages"])
+
+
+def test_version():
+    r = paraplan("--version")
+    assert (r.returncode, r.stdout) == (0, "paraplan 0.1.0\n")
 
 
 def test_trace_and_plot_files(tmp_path):

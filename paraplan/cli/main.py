@@ -9,6 +9,7 @@ import argparse
 import importlib
 import sys
 
+from paraplan import __version__
 from paraplan.errors import ParaplanError
 
 # name -> (module with add_arguments(parser) and run(args), one-line help)
@@ -32,7 +33,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = _Parser(prog="paraplan", description="Simulate, plan and launch parallel training plans.")
-    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks on errors (also after the command)")
+    parser.add_argument("--version", action="version", version=f"paraplan {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.required = True
     for name, (module, help_text) in SUBCOMMANDS.items():
