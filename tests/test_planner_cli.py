@@ -204,3 +204,13 @@ def test_a_scenario_plan_that_does_not_fit_the_cluster_still_gets_a_search(tmp_p
     s = paraplan("simulate", TINY, *over)
     assert s.returncode == 2 and s.stderr.strip() == ("error: plan: tp*pp*cp = 8*2*1 = 16 does not divide the "
                                                       "cluster's 8 GPUs (1 node x 8), so dp cannot be derived")
+
+
+def test_flags_the_search_had_no_use_for_are_named(tmp_path):
+    r = paraplan("plan", TINY, "--out", str(tmp_path), "--trials", "5", "--gpu-hour-cost", "2", "--quiet",
+                 "--no-plots", *SMALL)
+    assert r.returncode == 0, r.stderr
+    assert "exhaustive search" in r.stdout
+    assert "note: --trials 5 not used: the exhaustive search simulates every valid plan" in r.stdout
+    assert "note: --gpu-hour-cost not used: only --objective cost prices the plans" in r.stdout
+    assert "note: --trials" in (tmp_path / "report.txt").read_text()

@@ -213,6 +213,9 @@ def _write_outputs(scenario, result, objective, out: Path, args) -> int:
 
     rep = build_report(scenario.name, result, objective, top=args.top)
     text = format_report(rep)
+    unused = _unused_flags(args, result)
+    if unused:
+        text += "\n\n" + "\n".join(f"  note: {u}" for u in unused)
     failure = _failure(rep, result)
     if failure is not None:  # the report on stdout, no result files (the journal stays, for --resume)
         print(text)
@@ -244,6 +247,17 @@ def _write_outputs(scenario, result, objective, out: Path, args) -> int:
     print(text)
     print(f"\n  wrote {', '.join(files)} to {out}/")
     return 0
+
+
+def _unused_flags(args, result) -> list[str]:
+    """Flags given that this search had no use for, said rather than dropped silently."""
+    out = []
+    if args.trials is not None and result.strategy == "exhaustive":
+        out.append(f"--trials {args.trials} not used: the exhaustive search simulates every valid plan "
+                   f"(--strategy tpe samples {args.trials} of them instead)")
+    if args.gpu_hour_cost is not None and args.objective != "cost":
+        out.append("--gpu-hour-cost not used: only --objective cost prices the plans")
+    return out
 
 
 def _failure(rep, result) -> ParaplanError | None:
