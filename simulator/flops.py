@@ -1,19 +1,30 @@
 """FLOP counts of one iteration, for TFLOP/s and MFU.
 
-MODEL_FLOPS_FORMULA names the convention so every printed MFU says what it counts.
+flops_formula_for names the convention so every printed MFU says what it counts.
 """
 from __future__ import annotations
 
-MODEL_FLOPS_FORMULA = (
-    "model FLOPs = 3 x forward GEMM FLOPs per token x tokens: per layer 2*(h*(q+2kv) + q*h + m*h*f) "
-    "(MLA: its down- and up-projections) + attention 4*s*q (QK^T and AV, causal mask not halved; "
-    "MLA: 2*s*(q+o)), plus the LM head 2*h*V; each multi-token prediction module adds a layer, "
-    "its 2h x h projection and the head again; "
-    "= 72*B*s*L*h^2*(1 + s/6h + V/12hL) for GPT (Korthikanti et al. 2022, Appendix A), "
-    "generalised to GQA/SwiGLU; recompute not counted (that is HFU). MoE layers count the router "
-    "and only the active experts (top_k routed + shared), not all experts; with a capacity_factor, "
-    "not the routed copies dropped at capacity"
-)
+
+def flops_formula_for(model) -> str:
+    """The model-FLOP convention every printed MFU follows, in the clauses that apply to `model`
+    (no MLA, multi-token prediction or MoE wording for a model that has none of them)."""
+    parts = [
+        "model FLOPs = 3 x forward GEMM FLOPs per token x tokens: per layer 2*(h*(q+2kv) + q*h + m*h*f)",
+        " (MLA: its down- and up-projections)" if model.mla is not None else "",
+        " + attention 4*s*q (QK^T and AV, causal mask not halved",
+        "; MLA: 2*s*(q+o)" if model.mla is not None else "",
+        "), plus the LM head 2*h*V",
+        "; each multi-token prediction module adds a layer, its 2h x h projection and the head again"
+        if model.mtp_layers else "",
+        "; = 72*B*s*L*h^2*(1 + s/6h + V/12hL) for GPT (Korthikanti et al. 2022, Appendix A), "
+        "generalised to GQA/SwiGLU; recompute not counted (that is HFU)",
+    ]
+    if model.moe is not None:
+        parts.append(". MoE layers count the router and only the active experts (top_k routed + shared), "
+                     "not all experts")
+        if model.moe.capacity_factor is not None:
+            parts.append("; with a capacity_factor, not the routed copies dropped at capacity")
+    return "".join(parts)
 
 
 def layer_gemm_flops_per_token(model, index: int, kept: float = 1.0) -> float:

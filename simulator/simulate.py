@@ -14,7 +14,7 @@ from paraplan.specs import Scenario
 from simulator.cost import Cost
 from simulator.engine import StageWork, run_iteration
 from simulator.feasibility import structural_problems
-from simulator.flops import MODEL_FLOPS_FORMULA, hardware_flops, model_flops
+from simulator.flops import flops_formula_for, hardware_flops, model_flops
 from simulator.layout import layers_per_chunk, layers_per_virtual_stage
 from simulator.memory import (
     activation_bytes_per_layer, logits_working_bytes, recompute_working_bytes, stage_memory, state_bytes_per_param,
@@ -209,7 +209,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
         tflops_per_gpu=flops / eng.step_time / world / 1e12,
         mfu=flops / eng.step_time / world / peak,
         hfu=hw_flops / eng.step_time / world / peak,
-        flop_formula=MODEL_FLOPS_FORMULA,
+        flop_formula=flops_formula_for(m),
         peak_flops_per_gpu=peak,
         num_microbatches=n_mb,
         peak_memory_bytes=peak_mem,

@@ -1,5 +1,6 @@
 """Hand-computed checks of the closed-form pieces: FLOPs, activation memory, placement, layers."""
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -126,3 +127,16 @@ def test_fp8_weights_add_transformer_engines_cached_copy_and_transpose():
     gathered = 2 * 1e7
     assert stage_memory(plan=z3, precision="fp8", **kw).weights == pytest.approx(
         stage_memory(plan=z3, precision="bf16", **kw).weights + 2 * gathered)
+
+
+def test_the_flop_formula_names_only_what_the_model_has():
+    from paraplan.loader import load_scenario
+    from simulator.flops import flops_formula_for
+
+    root = Path(__file__).resolve().parents[1] / "scenarios"
+    dense = flops_formula_for(load_scenario(root / "tiny-gpt-8xa100.yaml").model)
+    deepseek = flops_formula_for(load_scenario(root / "deepseek-v3-2048xh800.yaml").model)
+    assert "72*B*s*L*h^2" in dense and "72*B*s*L*h^2" in deepseek
+    for clause in ("MLA", "multi-token prediction", "MoE layers"):
+        assert clause not in dense and clause in deepseek
+    assert "capacity_factor" not in deepseek  # dropless

@@ -140,11 +140,11 @@ def run(args) -> int:
 
 def add_flops(sc, m: dict) -> dict:
     """Model FLOPs per step with the simulator's formula, TFLOP/s per rank, and MFU on a GPU."""
-    from simulator.flops import MODEL_FLOPS_FORMULA, model_flops
+    from simulator.flops import flops_formula_for, model_flops
 
     flops = model_flops(sc.model, sc.training.seq_length, m["tokens_per_step"])
     m["model_flops_per_step"] = flops
-    m["flop_formula"] = MODEL_FLOPS_FORMULA
+    m["flop_formula"] = flops_formula_for(sc.model)
     m["tflops_per_rank"] = flops / m["step_time_s"] / m["world_size"] / 1e12
     if m["backend"] == "nccl":
         from calibrate.device import bundled_match
