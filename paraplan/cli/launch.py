@@ -168,9 +168,11 @@ def format_summary(m: dict, plan) -> str:
     """The measurement `m` as a table; `plan` is the PlanSpec it ran (for its recompute label)."""
     p, model = m["plan"], m["model"]
     sched = p["schedule"] + (f" x{p['virtual_pipeline_stages']}" if p["virtual_pipeline_stages"] > 1 else "")
+    # a scaled model's name already says its layers and width (executor.config)
+    shape = "" if " scaled to " in model["name"] else f", {model['num_layers']} layers, hidden {model['hidden_size']}"
     lines = [
-        f"{m['scenario']}: {model['name']} ({m['parameters'] / 1e6:.1f}M parameters, {model['num_layers']} layers, "
-        f"hidden {model['hidden_size']}{', MoE' if model.get('moe') else ''})",
+        f"{m['scenario']}: {model['name']} ({m['parameters'] / 1e6:.1f}M parameters{shape}"
+        f"{', MoE' if model.get('moe') else ''})",
         f"  plan: tp {p['tp']}  pp {p['pp']}  dp {p['dp']}  cp {p['cp']}  ep {p['ep']}  mbs {p['micro_batch_size']}  "
         f"{sched if p['pp'] > 1 else 'no pipeline'}  sp {'on' if p['sequence_parallel'] else 'off'}  zero {p['zero_stage']}  "
         f"recompute {plan.recompute_label}  ({m['num_microbatches']} microbatch{'es' if m['num_microbatches'] != 1 else ''})",

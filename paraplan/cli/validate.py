@@ -71,13 +71,16 @@ def run(args) -> int:
 
 
 def format_report(r: dict) -> str:
-    p = r["plan"]
+    p, model = r["plan"], r["model"]
+    # a scaled model's name already says its layers and width (executor.config); a bundled
+    # profile's source is its name
+    shape = "" if " scaled to " in model["name"] else f" ({model['num_layers']} layers, hidden {model['hidden_size']})"
+    source = "" if r["profile_source"] == r["profile"] else f" ({r['profile_source']})"
     lines = [
-        f"{r['scenario']}: {r['model']['name']} ({r['model']['num_layers']} layers, hidden {r['model']['hidden_size']}), "
-        f"seq {r['seq_length']}, batch {r['global_batch_size']}",
+        f"{r['scenario']}: {r['model']['name']}{shape}, seq {r['seq_length']}, batch {r['global_batch_size']}",
         f"  plan: tp {p['tp']}  pp {p['pp']}  dp {p['dp']}  cp {p['cp']}  mbs {p['micro_batch_size']}  "
         f"{p['schedule'] if p['pp'] > 1 else 'no pipeline'}",
-        f"  profile {r['profile']} ({r['profile_source']}); {r['world_size']} ranks on {r['device']} ({r['backend']}), "
+        f"  profile {r['profile']}{source}; {r['world_size']} ranks on {r['device']} ({r['backend']}), "
         f"{r['steps']} measured steps",
         "",
         f"  step time  predicted {r['predicted_step_time_s'] * 1e3:9.2f} ms   measured (median) "
