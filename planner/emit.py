@@ -431,6 +431,9 @@ def _torchtitan_data_parallel(p) -> tuple[int, int, list[str]]:
         why = "torchtitan's expert parallelism needs FSDP (EP borrows from dp_shard)"
     elif p.tp > 1 or p.pp > 1 or p.cp > 1:
         why = "torchtitan composes TP/PP/CP with FSDP only"
+    elif p.zero_stage == 1 and p.dp > 1:
+        return p.dp, 1, ["the plan uses ZeRO-1; torchtitan has no sharded-optimizer-only mode, so this config "
+                         "replicates the optimizer states (more memory per GPU than simulated)"]
     else:
         return p.dp, 1, []
     return 1, p.dp, [f"the plan uses ZeRO-{p.zero_stage}; {why}, so this config shards the weights over dp "

@@ -313,6 +313,17 @@ def test_expert_parallel_zero1_plan_says_its_weights_are_sharded():
     assert "expert parallelism needs FSDP" in text
 
 
+def test_pure_data_parallel_zero1_plan_says_its_optimizer_is_replicated():
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml", ["plan.tp=1", "plan.pp=1", "plan.zero_stage=1"])
+    text = torchtitan_toml(sc)
+    par = tomllib.loads(text)["parallelism"]
+    assert (par["data_parallel_replicate_degree"], par["data_parallel_shard_degree"]) == (sc.plan.dp, 1)
+    assert "replicates the optimizer states" in text
+    zero0 = torchtitan_toml(load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml",
+                                          ["plan.tp=1", "plan.pp=1", "plan.zero_stage=0"]))
+    assert "Note:" not in zero0
+
+
 @pytest.mark.parametrize("zero, pp, policy", [(3, 2, "always"), (3, 1, "always"), (2, 2, "never")])
 def test_torchtitan_reshards_as_the_zero_stage_says(zero, pp, policy):
     """torchtitan's "default" is reshard_after_forward = not pp_enabled (llama3 parallelize)."""
