@@ -102,7 +102,9 @@ def pp_hop_layouts(plan: PlanSpec, gpus_per_node: int) -> list[GroupLayout]:
     out = []
     for s in range(plan.pp):
         nxt = (s + 1) % plan.pp
-        crosses = any((s * block + j) // gpus_per_node != (nxt * block + j) // gpus_per_node for j in range(block))
+        # paired ranks are a whole block or more apart, so a block of a node or more always crosses
+        crosses = block >= gpus_per_node or any(
+            (s * block + j) // gpus_per_node != (nxt * block + j) // gpus_per_node for j in range(block))
         out.append(GroupLayout(size=2, ranks_per_node=1 if crosses else 2, num_nodes=2 if crosses else 1))
     return out
 

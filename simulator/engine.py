@@ -194,20 +194,20 @@ def run_iteration(
         NIC with its gradient bucket and the receiver's with its current op and bucket (a send
         between stages on one node only takes its link's time)."""
         hop = link(stage, to)
-        p2p_nic, p2p_time = link_nic[hop], link_time[hop]
-        if not p2p_nic:
-            return t + p2p_time
-        sender = held(bucket_nic_until[stage], t, p2p_nic)
+        nic, seconds = link_nic[hop], link_time[hop]
+        if not nic:
+            return t + seconds
+        sender = held(bucket_nic_until[stage], t, nic)
         owed_grad[stage] += sender
-        with_op = op_nic_left(to, t, p2p_nic)
+        with_op = op_nic_left(to, t, nic)
         owed_next[to] += with_op
-        with_bucket = held(bucket_nic_until[to], t, p2p_nic)
+        with_bucket = held(bucket_nic_until[to], t, nic)
         owed_grad[to] += with_bucket
         delay = max(sender, with_op + with_bucket)
-        until = t + p2p_nic + delay
+        until = t + nic + delay
         link_nic_until[stage] = max(link_nic_until[stage], until)
         link_nic_until[to] = max(link_nic_until[to], until)
-        return t + p2p_time + delay
+        return t + seconds + delay
 
     def producer_of(stage: int, op: Op):
         """The op of another stage this one waits for (a W waits only for its own stage's B,

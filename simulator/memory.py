@@ -154,6 +154,12 @@ def stage_memory(
     return StageMemory(weights=weights, gradients=grads, optimizer=do + eo, activations=acts, reserved=reserved)
 
 
+# the cross-entropy keeps its softmax over the vocabulary in fp32 (Megatron-Core
+# tensor_parallel/cross_entropy.py: the logits cast to float, exponentiated and normalised in place,
+# ctx.save_for_backward(exp_logits, ...))
+CE_SOFTMAX_BYTES = 4
+
+
 def recompute_working_bytes(model, plan, seq_length: int, attention_kernel: str, act_bytes: int = 2,
                             moe_ffn_bytes: float | None = None) -> float:
     """What recomputing one layer holds during its backward, on top of the stored activations: under
@@ -173,11 +179,11 @@ def recompute_working_bytes(model, plan, seq_length: int, attention_kernel: str,
     return 0.0
 
 
-def logits_working_bytes(model, plan, seq_length: int, act_bytes: int = 2) -> float:
-    """The last stage's transient logits: one microbatch of the LM head's 16-bit GEMM output (at
-    `act_bytes`), freed once the cross-entropy has cast it to fp32, and as many again per
-    multi-token prediction module (their losses are computed in the same forward). The fp32
-    softmax the cross-entropy saves for its backward is an activation of every microbatch in
-    flight (simulator.simulate._chunk_work)."""
+def logits_bytes(model, plan, seq_length: int, bytes_per_element: float) -> float:
+    """One microbatch of logits over the (tp-sharded) vocabulary on the last stage, and as many
+    again per multi-token prediction module (their losses are computed in the same forward). At
+    the activations' width it is the LM head's 16-bit GEMM output, a transient the cross-entropy
+    frees once it has cast it to fp32; at CE_SOFTMAX_BYTES it is the softmax the cross-entropy
+    saves for its backward, held per microbatch in flight (simulator.simulate)."""
     tokens = plan.micro_batch_size * seq_length // plan.cp
-    return (1 + model.mtp_layers) * tokens * (model.vocab_size / plan.tp) * act_bytes
+    return (1 + model.mtp_layers) * tokens * (model.vocab_size / plan.tp) * bytes_per_element

@@ -17,7 +17,8 @@ from simulator.feasibility import structural_problems
 from simulator.flops import flops_formula_for, hardware_flops, model_flops
 from simulator.layout import layers_per_chunk, layers_per_virtual_stage
 from simulator.memory import (
-    activation_bytes_per_layer, logits_working_bytes, recompute_working_bytes, stage_memory, state_bytes_per_param,
+    CE_SOFTMAX_BYTES, activation_bytes_per_layer, logits_bytes, recompute_working_bytes, stage_memory,
+    state_bytes_per_param,
 )
 from simulator.moe import (
     dispatch_buffer_bytes, draw_routing, moe_activation_bytes, moe_block, routed_tokens_per_rank,
@@ -38,8 +39,6 @@ BUCKET_PARAMS = 40_000_000
 ADAM_BYTES_PER_PARAM = 38
 # fp32 gradient reduction (Megatron accumulate_allreduce_grads_in_fp32): the main-gradient buffer is what is reduced
 GRAD_REDUCE_BYTES = MAIN_GRAD_BYTES
-# the cross-entropy keeps its softmax over the (tp-sharded) vocabulary in fp32
-CE_SOFTMAX_BYTES = 4
 
 
 def compute_dtype(precision: str) -> str:
@@ -109,6 +108,9 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
     # of the input embedding there (Megatron-Core GPTModel builds it on the MTP stage)
     mtp_embedding = m.mtp_layers > 0 and p.pp > 1 and not m.tied_embeddings
     works, mems = [], []
+    # the loss's fp32 softmax: an activation of the last chunk's microbatches in flight, which the
+    # B pass frees (memory.logits_bytes)
+    softmax = logits_bytes(m, p, tr.seq_length, CE_SOFTMAX_BYTES)
     # global index of the first layer of each virtual stage g = chunk x pp + stage
     first_layer = [0, *accumulate(layers_per_virtual_stage(m.num_layers, p.pp, vpp, p.first_stage_layers,
                                                             p.last_stage_layers))]
@@ -159,17 +161,17 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
             param_gather_buckets={c: bl for c, bl in gathers.items() if bl},
         ))
         working = max(kinds.working[k] for k in stage_kinds) if stage_kinds else 0.0
+        freed_by_b = [0.0] * len(layers[s])
         if s == p.pp - 1:
-            working += logits_working_bytes(m, p, tr.seq_length, ctx.act_bytes)
+            working += logits_bytes(m, p, tr.seq_length, ctx.act_bytes)
+            freed_by_b[-1] = softmax
         holds_embedding = s == 0 or (s == p.pp - 1 and own_head)
         gathered_layer = max((gathered_of[k] for k in stage_kinds), default=0.0)
         gathered = max(gathered_layer, emb_params * (shard > 1) if holds_embedding else 0.0)
         mems.append(stage_memory(
             plan=p, precision=tr.precision, dense_params=dense_params, expert_params=expert_params,
             max_layer_params=gathered, working_set=working,
-            activations=peak_in_flight(schedule[s], chunk_acts, freed_by_b=[
-                loss_softmax_bytes(ctx) if s == p.pp - 1 and c == len(layers[s]) - 1 else 0.0
-                for c in range(len(layers[s]))]),
+            activations=peak_in_flight(schedule[s], chunk_acts, freed_by_b=freed_by_b),
             prefetched_params=gathered_layer,
             embedding_params=emb_params * ((s == 0) + (s == p.pp - 1) * (own_head + mtp_embedding)),
         ))
@@ -317,9 +319,8 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
             wgrad += m.mtp_layers * (kinds.wgrad[kind] + mtp_weight_grad(ctx) + head_weight_grad(ctx))
             dense += m.mtp_layers * (kinds.params[kind][0] + m.mtp_projection_params() / p.tp)
             expert += m.mtp_layers * kinds.params[kind][1]
-            # its layer's activations and the saved 2h projection input (SP-sharded); its softmax
-            # is counted with the head's (loss_softmax_bytes), its 16-bit logits are working set
-            # (memory.logits_working_bytes)
+            # its layer's activations and the saved 2h projection input (SP-sharded); its logits
+            # and softmax are counted with the head's (memory.logits_bytes)
             sp = p.tp if p.sequence_parallel else 1
             acts += m.mtp_layers * (kinds.acts[kind] + ctx.tokens * 2 * m.hidden_size * ctx.act_bytes / sp)
     f = _zero3_chain([(fwd, gather) for fwd, _, (gather, _) in pieces], "param all-gather")
@@ -327,15 +328,6 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
                      "param all-gather + grad reduce-scatter" if any(g for _, _, (g, _) in pieces)
                      else "grad reduce-scatter")
     return f, b, wgrad, dense, expert, acts
-
-
-def loss_softmax_bytes(ctx) -> float:
-    """The cross-entropy's fp32 softmax over the (tp-sharded) vocabulary, saved for its backward
-    (Megatron-Core tensor_parallel/cross_entropy.py: the logits cast to float, exponentiated and
-    normalised in place, ctx.save_for_backward(exp_logits, ...)): one per microbatch in flight on
-    the last chunk, and one per multi-token prediction module. The 16-bit logits it was cast from
-    are working set (memory.logits_working_bytes). The backward's B pass frees it."""
-    return (1 + ctx.model.mtp_layers) * ctx.tokens * (ctx.model.vocab_size / ctx.plan.tp) * CE_SOFTMAX_BYTES
 
 
 def _grad_buckets(net, p, params: float, layout: GroupLayout, group: int) -> list[tuple[float, float]]:

@@ -14,7 +14,7 @@ import json
 import os
 import re
 
-from paraplan.cli.tables import elided
+from paraplan.cli.tables import elided, model_shape
 from paraplan.cli.torch_check import require_torch
 from paraplan.errors import InfeasiblePlanError, ParaplanError
 from paraplan.fileio import write_atomic
@@ -168,10 +168,9 @@ def format_summary(m: dict, plan) -> str:
     """The measurement `m` as a table; `plan` is the PlanSpec it ran (for its recompute label)."""
     p, model = m["plan"], m["model"]
     sched = p["schedule"] + (f" x{p['virtual_pipeline_stages']}" if p["virtual_pipeline_stages"] > 1 else "")
-    # a scaled model's name already says its layers and width (executor.config)
-    shape = "" if " scaled to " in model["name"] else f", {model['num_layers']} layers, hidden {model['hidden_size']}"
+    shape = model_shape(model)
     lines = [
-        f"{m['scenario']}: {model['name']} ({m['parameters'] / 1e6:.1f}M parameters{shape}"
+        f"{m['scenario']}: {model['name']} ({m['parameters'] / 1e6:.1f}M parameters{', ' + shape if shape else ''}"
         f"{', MoE' if model.get('moe') else ''})",
         f"  plan: tp {p['tp']}  pp {p['pp']}  dp {p['dp']}  cp {p['cp']}  ep {p['ep']}  mbs {p['micro_batch_size']}  "
         f"{sched if p['pp'] > 1 else 'no pipeline'}  sp {'on' if p['sequence_parallel'] else 'off'}  zero {p['zero_stage']}  "

@@ -15,3 +15,10 @@ def elided(rows: list, largest: int, limit: int = 8) -> list:
         out.append(rows[i])
         prev = i
     return out
+
+
+def model_shape(model: dict) -> str:
+    """"N layers, hidden H" for a header, or "" where the model's name already ends with it (a model
+    the executor scaled down is named "<name> scaled to N layers, hidden H", executor.config)."""
+    shape = f"{model['num_layers']} layers, hidden {model['hidden_size']}"
+    return "" if model["name"].endswith(shape) else shape

@@ -16,6 +16,8 @@ from __future__ import annotations
 import json
 import sys
 
+from paraplan.cli.tables import model_shape
+
 
 def add_arguments(p) -> None:
     from calibrate.validate import DEFAULT_TOLERANCE_PCT
@@ -72,12 +74,11 @@ def run(args) -> int:
 
 def format_report(r: dict) -> str:
     p, model = r["plan"], r["model"]
-    # a scaled model's name already says its layers and width (executor.config); a bundled
-    # profile's source is its name
-    shape = "" if " scaled to " in model["name"] else f" ({model['num_layers']} layers, hidden {model['hidden_size']})"
-    source = "" if r["profile_source"] == r["profile"] else f" ({r['profile_source']})"
+    shape = model_shape(model)
+    source = "" if r["profile_source"] == r["profile"] else f" ({r['profile_source']})"  # a bundled profile's is its name
     lines = [
-        f"{r['scenario']}: {r['model']['name']}{shape}, seq {r['seq_length']}, batch {r['global_batch_size']}",
+        f"{r['scenario']}: {model['name']}{f' ({shape})' if shape else ''}, seq {r['seq_length']}, "
+        f"batch {r['global_batch_size']}",
         f"  plan: tp {p['tp']}  pp {p['pp']}  dp {p['dp']}  cp {p['cp']}  mbs {p['micro_batch_size']}  "
         f"{p['schedule'] if p['pp'] > 1 else 'no pipeline'}",
         f"  profile {r['profile']}{source}; {r['world_size']} ranks on {r['device']} ({r['backend']}), "
