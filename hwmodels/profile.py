@@ -24,7 +24,7 @@ import yaml
 
 from hwmodels.curves import Curve, to_unit
 from paraplan.errors import ConfigError
-from paraplan.fileio import read_text, write_atomic
+from paraplan.fileio import read_text, write_atomic, yaml_problem
 from paraplan.specs import TOPOLOGIES, InterNodeSpec, LinkSpec
 
 __all__ = ["ARCHS", "BUNDLED", "Curve", "DTYPES", "GpuProfile", "load_profile", "write_profile"]
@@ -130,8 +130,7 @@ def _load_cached(path: str, _mtime_ns: int, _size: int) -> GpuProfile:
     try:
         raw = yaml.safe_load(read_text(path, "cluster.gpu"))
     except yaml.YAMLError as exc:
-        problem = " ".join(str(exc).split())  # PyYAML's message spans lines; errors are one line
-        raise ConfigError("cluster.gpu", f"{path}: not valid YAML: {problem}") from None
+        raise ConfigError("cluster.gpu", f"{path}: invalid YAML: {yaml_problem(exc)}") from None
     try:
         return _from_dict(raw)
     except ConfigError as exc:

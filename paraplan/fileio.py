@@ -7,6 +7,8 @@ import os
 import tempfile
 from pathlib import Path
 
+import yaml
+
 from paraplan.errors import ConfigError
 
 
@@ -94,6 +96,15 @@ def read_text(path: str | os.PathLike, what: str) -> str:
         raise ConfigError(what, f"{path} is not UTF-8 text (byte {exc.start})") from None
     except OSError as exc:
         raise ConfigError(what, f"cannot read {path}: {exc.strerror}") from None
+
+
+def yaml_problem(exc: yaml.YAMLError) -> str:
+    """A PyYAML error as one line, the same for every file paraplan reads (scenario, profile,
+    published runs, --set values): 'line 3, column 5: mapping values are not allowed here'."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+    return " ".join(f"{where}{problem}".split())
 
 
 def check_output_file(path: str | os.PathLike | None, what: str) -> None:

@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from paraplan.errors import ConfigError
-from paraplan.fileio import read_text
+from paraplan.fileio import read_text, yaml_problem
 from paraplan.specs import (
     ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, MOE_DISPATCHERS, ROUTING_DISTRIBUTIONS, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
     ClusterSpec, InterNodeSpec, LinkSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
@@ -365,14 +365,6 @@ def _parse_yaml(text: str) -> Any:
     return yaml.load(text, Loader=_StrictSafeLoader)  # noqa: S506  a SafeLoader subclass
 
 
-def _yaml_problem(exc: yaml.YAMLError) -> str:
-    """One line: 'line 3, column 5: mapping values are not allowed here'."""
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-    return f"{where}{problem}"
-
-
 def read_scenario_file(path: Path) -> dict:
     """A scenario file's top-level mapping, parsed as load_scenario parses it (no validation)."""
     if not path.exists():
@@ -381,7 +373,7 @@ def read_scenario_file(path: Path) -> dict:
     try:
         raw = _parse_yaml(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(str(path), f"invalid YAML: {_yaml_problem(exc)}") from None
+        raise ConfigError(str(path), f"invalid YAML: {yaml_problem(exc)}") from None
     if not isinstance(raw, Mapping):
         raise ConfigError(str(path), f"expected a mapping at the top level, got {_show(raw)}")
     return dict(raw)
@@ -808,7 +800,7 @@ def _parse_override(item: Any) -> tuple[list[str], Any]:
     try:
         value = _parse_yaml(text)
     except yaml.YAMLError as exc:
-        raise ConfigError("--set", f"cannot parse the value in {item!r}: {_yaml_problem(exc)}") from None
+        raise ConfigError("--set", f"cannot parse the value in {item!r}: {yaml_problem(exc)}") from None
     return keys, value
 
 

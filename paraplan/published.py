@@ -286,14 +286,14 @@ def record_to_scenario(rec: dict) -> dict:
 
 
 def load_records(path: str) -> list[dict]:
-    from paraplan.fileio import read_text
+    from paraplan.fileio import read_text, yaml_problem
 
     if not os.path.exists(path):
         raise ConfigError("", f"published-runs file not found: {path}")
     try:
         data = yaml.safe_load(read_text(path, "published-runs file"))
     except yaml.YAMLError as e:
-        raise ConfigError("", f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ConfigError("", f"{path}: invalid YAML: {yaml_problem(e)}") from None
     if not isinstance(data, list):
         raise ConfigError("", f"{path}: expected a list of records")
     seen: set[str] = set()
@@ -324,6 +324,55 @@ def _incomparable(rec: dict) -> str | None:
     return "global batch size not published" if rec["batch"].get("global_batch_size") is None else None
 
 
+# The numeric fields record_to_scenario and published_step_time read: (dotted path, required).
+# Integers may be written as 8 or 8.0 (never negative); step times and rates are positive numbers.
+_INT_FIELDS = (
+    ("model.num_layers", True), ("model.hidden_size", True), ("model.num_attention_heads", True),
+    ("model.vocab_size", True), ("model.seq_length", True), ("model.num_kv_heads", False),
+    ("model.ffn_hidden_size", False), ("model.head_dim", False), ("hardware.num_gpus", True),
+    ("hardware.gpus_per_node", False), ("parallelism.tp", True), ("parallelism.pp", True),
+    ("parallelism.dp", True), ("parallelism.cp", False), ("parallelism.ep", False),
+    ("parallelism.expert_tp", False), ("parallelism.virtual_pipeline_stages", False),
+    ("parallelism.zero_stage", False), ("batch.micro_batch_size", False), ("batch.global_batch_size", False),
+)
+_MOE_INT_FIELDS = (("model.moe.num_experts", True), ("model.moe.top_k", True),
+                   ("model.moe.expert_ffn_hidden_size", True), ("model.moe.num_shared_experts", False),
+                   ("model.moe.num_dense_layers", False))
+_NUMBER_FIELDS = ("metrics.iteration_time_s", "metrics.derived_iteration_time_s", "metrics.tflops_per_gpu")
+
+
+def _field(rec: dict, dotted: str) -> tuple[bool, object]:
+    """(present, value) of a dotted path; a missing section counts as a missing key."""
+    node: object = rec
+    for key in dotted.split("."):
+        if not isinstance(node, dict) or key not in node:
+            return False, None
+        node = node[key]
+    return True, node
+
+
+def check_record_fields(rec: dict) -> None:
+    """Every field the mapping reads has the type it needs, or a ConfigError names the record, the
+    field's dotted path and what is allowed (before any conversion could fail somewhere deeper)."""
+    where = f"record {rec.get('id')}"
+    if not isinstance(_field(rec, "hardware.gpu")[1], str):
+        raise ConfigError(where, "hardware.gpu: expected the GPU's name as text, e.g. 'H100-80GB'")
+    fields = _INT_FIELDS + (_MOE_INT_FIELDS if _field(rec, "model.moe")[1] else ())
+    for dotted, required in fields:
+        present, value = _field(rec, dotted)
+        if value is None:
+            if required:
+                raise ConfigError(where, f"{dotted}: {'required' if present else 'missing'}, expected an integer")
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
+            allowed = "an integer" if required else "an integer or null"
+            raise ConfigError(where, f"{dotted}: expected {allowed}, got {value!r}")
+    for dotted in _NUMBER_FIELDS:
+        value = _field(rec, dotted)[1]
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+            raise ConfigError(where, f"{dotted}: expected a positive number or null, got {value!r}")
+
+
 def evaluate(records: list[dict], *, include_moe: bool = True) -> list[Row]:
     from paraplan.errors import ParaplanError
     from paraplan.loader import load_scenario
@@ -331,6 +380,8 @@ def evaluate(records: list[dict], *, include_moe: bool = True) -> list[Row]:
 
     rows = []
     for rec in records:
+        if (include_moe or is_dense(rec)) and any(_field(rec, f)[1] is not None for f in _NUMBER_FIELDS):
+            check_record_fields(rec)  # a record that gives a step time or a rate is about to be mapped
         try:
             usable = (include_moe or is_dense(rec)) and _incomparable(rec) is None
             target = published_step_time(rec)

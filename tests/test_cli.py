@@ -216,15 +216,25 @@ def test_validate_published_bad_files_are_one_line(tmp_path):
     unsimulable["parallelism"]["tp"] = 7
     none_run = tmp_path / "none_run.yaml"
     none_run.write_text(yaml.safe_dump([unsimulable]))
+    rec_mbs = copy.deepcopy(next(r for r in records if r["id"] == "megatron_sc21_t1_1.7B"))
+    rec_mbs["parallelism"]["tp"] = 1  # the record above had its tp spoiled in place
+    rec_mbs["batch"]["micro_batch_size"] = 1.5
+    bad_mbs = tmp_path / "bad_mbs.yaml"
+    bad_mbs.write_text(yaml.safe_dump([rec_mbs]))
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("- id: [a\n")
     no_model = tmp_path / "no_model.yaml"
     no_model.write_text(yaml.safe_dump([{k: v for k, v in records[0].items() if k != "model"}]))
     cases = [
         ([str(tmp_path)], f"error: published-runs file: {tmp_path} is a directory"),
         ([str(one)], f"error: {one}: no record publishes a step time"),
         ([str(numbers)], f"error: {numbers}: record 1 is not a mapping with an 'id'"),
-        ([str(bad)], "error: record megatron_sc21_t1_1.7B: malformed: a field has the wrong type or value"),
+        ([str(bad)], "error: record megatron_sc21_t1_1.7B: parallelism.tp: expected an integer, got 'eight'\n"),
+        ([str(bad_mbs)], "error: record megatron_sc21_t1_1.7B: batch.micro_batch_size: expected an integer or null, "
+                         "got 1.5\n"),
+        ([str(broken)], f"error: {broken}: invalid YAML: line 2, column 1: expected ',' or ']', but got '<stream end>'\n"),
         ([str(twice)], f"error: {twice}: record 2: id {records[0]['id']!r} is used twice"),
-        ([str(no_model)], f"error: record {records[0]['id']}: malformed: missing key 'model'"),
+        ([str(no_model)], f"error: record {records[0]['id']}: model.num_layers: missing, expected an integer\n"),
         (["--json", "--markdown"], "error: argument --markdown: not allowed with argument --json"),
         ([str(none_run)], f"error: {none_run}: none of the 1 comparable records could be simulated "
                           "(first, megatron_sc21_t1_1.7B: plan: tp*pp*cp*dp = 7*1*1*32 = 224"),

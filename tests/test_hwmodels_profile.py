@@ -284,3 +284,14 @@ def test_hbm_efficiency_plateau_is_the_stream_fraction():
         p = load_profile(name)
         assert p.hbm_efficiency(1e10) * p.hbm_bandwidth == pytest.approx(copy_tbps * 1e12, rel=0.02)
         assert math.isclose(p.hbm_efficiency(1e8), p.hbm_efficiency.max)
+
+
+def test_invalid_profile_yaml_is_one_line_with_its_position(tmp_path):
+    """The same 'invalid YAML: line L, column C: problem' as a scenario's or a records file's."""
+    path = tmp_path / "broken.yaml"
+    path.write_text("name: x\npeak_tflops: {bf16: 1\n")
+    with pytest.raises(ConfigError) as exc:
+        load_profile(str(path))
+    message = str(exc.value)
+    assert "\n" not in message
+    assert message.startswith(f"cluster.gpu: {path}: invalid YAML: line 3, column 1: ")
