@@ -16,7 +16,7 @@ import re
 
 from paraplan.cli.tables import elided, model_shape
 from paraplan.cli.torch_check import require_torch
-from paraplan.errors import InfeasiblePlanError, ParaplanError
+from paraplan.errors import ConfigError, InfeasiblePlanError, ParaplanError
 from paraplan.fileio import write_atomic
 
 MiB = 1024**2
@@ -58,11 +58,19 @@ def prepare(args):
     from paraplan.loader import load_scenario
 
     overrides = list(args.overrides)
+    given = {}  # run.<key> -> the flag that set it
     for flag, key in _RUN_FLAGS.items():
         value = getattr(args, flag)
         if value is not None:
             overrides.append(f"run.{key}={value}")
-    sc = scaled_scenario(load_scenario(args.config, overrides))
+            given[f"run.{key}"] = f"--{flag}"
+    try:
+        sc = scaled_scenario(load_scenario(args.config, overrides))
+    except ConfigError as exc:
+        if exc.path not in given:
+            raise
+        # the user typed the flag, not the config key: name both
+        raise ConfigError(f"{given[exc.path]} ({exc.path})", str(exc)[len(exc.path) + 2:]) from None
     problems = launch_problems(sc)
     if problems:
         raise InfeasiblePlanError(problems)
