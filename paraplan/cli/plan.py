@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -216,7 +217,7 @@ def _write_outputs(scenario, result, objective, out: Path, args) -> int:
     unused = _unused_flags(args, result)
     if unused:
         text += "\n\n" + "\n".join(f"  note: {u}" for u in unused)
-    failure = _failure(rep, result)
+    failure = _failure(rep, result, scenario)
     if failure is not None:  # the report on stdout, no result files (the journal stays, for --resume)
         print(text)
         raise failure
@@ -260,7 +261,26 @@ def _unused_flags(args, result) -> list[str]:
     return out
 
 
-def _failure(rep, result) -> ParaplanError | None:
+def _too_few_gpus(scenario, capacity: float) -> str | None:
+    """Why no plan of any degrees can fit, when that is so: the model states alone (weights,
+    gradients, Adam; memory.state_bytes_per_param), sharded over every GPU of the cluster as ZeRO-3
+    across all parallel dimensions would, plus the fixed reservation, exceed one GPU's memory."""
+    from simulator.memory import RESERVED_BYTES, state_bytes_per_param
+
+    params = scenario.model.total_params()
+    per_param = sum(state_bytes_per_param(scenario.training.precision))
+    gpus = scenario.cluster.world_size
+    usable = capacity - RESERVED_BYTES
+    if usable <= 0 or params * per_param / gpus <= usable:
+        return None
+    need = math.ceil(params * per_param / usable)
+    return (f"no plan can fit: the model states alone ({params / 1e9:,.1f}B parameters x {per_param:g} bytes of "
+            f"weights, gradients and Adam states) need {params * per_param / gpus / 2**30:,.1f} GiB per GPU even "
+            f"sharded over all {gpus:,} GPUs; at least {need:,} GPUs of {capacity / 2**30:.0f} GiB are needed, "
+            f"before activations")
+
+
+def _failure(rep, result, scenario) -> ParaplanError | None:
     """The error a search that found no usable plan ends with, or None."""
     if rep.best is not None:
         return None
@@ -274,5 +294,6 @@ def _failure(rep, result) -> ParaplanError | None:
         p = c.candidate.plan
         detail = (f"; the closest, tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}, needs "
                   f"{c.peak_memory_bytes / 2**30:.1f} of {c.memory_capacity_bytes / 2**30:.1f} GiB per GPU: "
-                  f"allow more pp, recompute or zero_stage in the search section")
+                  + (_too_few_gpus(scenario, c.memory_capacity_bytes)
+                     or "allow more pp, recompute or zero_stage in the search section"))
     return ParaplanError(f"no plan fits in memory among the {rep.distinct} plans evaluated{detail}")
