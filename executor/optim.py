@@ -1,18 +1,18 @@
 """Optimizers: AdamW (or SGD for tests), and ZeRO-1 (optimizer states sharded over the data-parallel ranks).
 
-ZeRO-1 is `torch.distributed.optim.ZeroRedundancyOptimizer` where its broadcasts work: plain
-tensors, one data-parallel group (pure DP). With TP the parameters are DTensors, on which
-ZeroRedundancyOptimizer's broadcast has no sharding strategy in PyTorch 2.13, and with EP the
-expert parameters have their own, smaller data-parallel group; `ShardedOptimizer` covers those
-(Rajbhandari et al. 2020, stage 1, as Megatron-Core's distributed optimizer shards it). It acts on
-each parameter's local tensor, so DTensor parameters are fine. Gradients must already be reduced
-(full) on every rank, as `replicate` leaves them.
+ZeRO-1 is `ShardedOptimizer` for every plan (Rajbhandari et al. 2020, stage 1, sharded element-wise
+as Megatron-Core's distributed optimizer shards it, which is what the simulator's memory model
+assumes). `torch.distributed.optim.ZeroRedundancyOptimizer` is not used: it assigns whole
+parameters to ranks, so the rank holding the embedding holds far more than 1/dp of the states, and
+with TP its broadcast has no sharding strategy for DTensors in PyTorch 2.13. With EP the expert
+parameters form a set of their own over their smaller data-parallel group. It acts on each
+parameter's local tensor, so DTensor parameters are fine. Gradients must already be reduced (full)
+on every rank, as DDP and `replicate` leave them.
 """
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 ADAMW = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 """Fixed hyper-parameters: the executor measures speed and checks equivalence, it does not tune."""
@@ -50,27 +50,46 @@ def make_optimizer(params, kind: str, *, fused: bool) -> torch.optim.Optimizer:
     return cls([{"params": ps} for ps in groups.values()], **kwargs)
 
 
+def _pieces(tensors: list, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """(index, start, stop) of each tensor's elements that fall in [lo, hi) of their concatenation."""
+    out, offset = [], 0
+    for i, t in enumerate(tensors):
+        a, b = max(lo, offset), min(hi, offset + t.numel())
+        if a < b:
+            out.append((i, a - offset, b - offset))
+        offset += t.numel()
+    return out
+
+
+def _gather_slice(tensors: list, pieces, like: torch.Tensor) -> torch.Tensor:
+    """The [lo, hi) slice of the tensors' concatenation, built from their pieces only (no copy of
+    the whole concatenation: the transient is the shard, not the model). A None tensor (a
+    parameter without a gradient) reads as zeros."""
+    parts = [like.new_zeros(b - a) if tensors[i] is None else tensors[i].reshape(-1)[a:b] for i, a, b in pieces]
+    return torch.cat(parts) if parts else like.new_zeros(0)
+
+
 class ShardedOptimizer:
     """ZeRO-1 over one or more (parameters, data-parallel group) sets, sharded element-wise.
 
-    Per set, the parameters' local tensors are concatenated (in order) into one flat vector and
-    split into equal contiguous slices, one per rank (Megatron-Core's distributed optimizer), so
-    the optimizer states are balanced to the element however large one parameter is. Each rank
-    keeps a copy of its slice as the leaf the inner optimizer steps, takes its slice of the
-    (already reduced) gradients, steps, and the slices are all-gathered back into the parameters.
+    Per set, the parameters' local tensors, concatenated in order, are split into equal contiguous
+    slices, one per rank (Megatron-Core's distributed optimizer), so the optimizer states are
+    balanced to the element however large one parameter is. Each rank keeps a copy of its slice as
+    the leaf the inner optimizer steps, takes its slice of the (already reduced) gradients, steps,
+    and the slices are all-gathered into one flat buffer and copied back into the parameters.
     """
 
     def __init__(self, param_sets: list[tuple[list, object]], kind: str, *, fused: bool):
         self._sets, leaves = [], []
         for params, group in param_sets:
             size, rank = dist.get_world_size(group), dist.get_rank(group)
-            total = sum(_local(p).numel() for p in params)
+            locals_ = [_local(p) for p in params]
+            total = sum(t.numel() for t in locals_)
             shard = -(-total // size)
-            lo, hi = min(rank * shard, total), min((rank + 1) * shard, total)
+            pieces = _pieces(locals_, min(rank * shard, total), min((rank + 1) * shard, total))
             with torch.no_grad():
-                flat = _flatten_dense_tensors([_local(p).detach() for p in params])
-                leaf = torch.nn.Parameter(flat[lo:hi].clone())
-            self._sets.append((params, group, size, shard, lo, hi, leaf))
+                leaf = torch.nn.Parameter(_gather_slice([t.detach() for t in locals_], pieces, locals_[0]).clone())
+            self._sets.append((params, group, size, shard, pieces, leaf))
             leaves.append(leaf)
         self.inner = make_optimizer(leaves, kind, fused=fused)
 
@@ -85,17 +104,18 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def step(self) -> None:
-        for params, _group, _size, _shard, lo, hi, leaf in self._sets:
-            grads = [_local(p.grad) if p.grad is not None else torch.zeros_like(_local(p)) for p in params]
-            leaf.grad = _flatten_dense_tensors(grads)[lo:hi].clone()
+        for params, _group, _size, _shard, pieces, leaf in self._sets:
+            grads = [None if p.grad is None else _local(p.grad) for p in params]
+            leaf.grad = _gather_slice(grads, pieces, leaf)
         self.inner.step()
-        for params, group, size, shard, lo, hi, leaf in self._sets:
-            mine = torch.zeros(shard, dtype=leaf.dtype, device=leaf.device)
-            mine[:hi - lo] = leaf.detach()
-            gathered = [torch.empty_like(mine) for _ in range(size)]
-            dist.all_gather(gathered, mine, group=group)
-            locals_ = [_local(p) for p in params]
-            flat = torch.cat(gathered)[:sum(t.numel() for t in locals_)]
-            for t, new in zip(locals_, _unflatten_dense_tensors(flat, locals_)):
-                t.copy_(new)
+        for params, group, size, shard, _pieces_, leaf in self._sets:
+            mine = leaf.new_zeros(shard)
+            mine[:leaf.numel()] = leaf.detach()
+            flat = leaf.new_empty(shard * size)
+            dist.all_gather_single(flat, mine, group=group)
+            offset = 0
+            for p in params:
+                t = _local(p)
+                t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                offset += t.numel()
             leaf.grad = None

@@ -12,7 +12,7 @@ Order (each step's reason next to it in `build`):
   4. recompute: torch.utils.checkpoint inside the blocks (full: the whole block; selective: the
      attention core), before FSDP so FSDP's hooks wrap the recomputed forward.
   5. data parallelism over dp x cp (CP ranks hold the same weights and see different tokens):
-       ZeRO-0/1, pure DP             DistributedDataParallel (+ ZeroRedundancyOptimizer for ZeRO-1)
+       ZeRO-0/1, pure DP             DistributedDataParallel (+ ShardedOptimizer for ZeRO-1)
        ZeRO-0/1 with TP, PP, CP, EP  replicate() (FSDP2's DDP; DDP itself breaks with TP and under
                                      most pipeline schedules) (+ ShardedOptimizer for ZeRO-1)
        ZeRO-2 / ZeRO-3               fully_shard(reshard_after_forward=False / True) per block, then

@@ -23,7 +23,7 @@ from executor.config import SCHEDULES, effective_zero_stage, notes
 from executor.memory import LiveTensorTracker, static_bytes
 from executor.model import Stage, count_parameters
 from executor.moe import MoE
-from executor.optim import ShardedOptimizer, make_optimizer, optimizer_class
+from executor.optim import ShardedOptimizer, make_optimizer
 from executor.parallel import (
     Groups, apply_dp, apply_tp, build_groups, build_stages, dp_style, finish_gradients, local_positions,
     num_stages, padded_vocab,
@@ -99,18 +99,12 @@ class _Job:
     # -- building ---------------------------------------------------------------------------
 
     def _optimizer(self):
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-
         sc, g = self.sc, self.g
         params = [p for st in self.stages for p in st.parameters()]
         fused, kind = self.device.type == "cuda", sc.training.optimizer
         if effective_zero_stage(sc.plan) != 1 or sc.plan.dp * sc.plan.cp == 1:
             opt = make_optimizer(params, kind, fused=fused)
             return opt, [opt]
-        if dp_style(sc) == "ddp":
-            cls, kwargs = optimizer_class(kind)
-            opt = ZeroRedundancyOptimizer(params, cls, process_group=g.dp_group, **kwargs)
-            return opt, [opt.optim]
         experts = {id(p) for st in self.stages for b in st.layers.values() if isinstance(b.ffn, MoE)
                    for p in b.ffn.experts.parameters()}
         sets = [([p for p in params if id(p) not in experts], g.dp_group)]
