@@ -74,18 +74,51 @@ class GroupLayout:
 
     size: int
     ranks_per_node: int
-    """Members of this group on one node (the group is spread evenly under this placement)."""
+    """Members of this group on the node that holds the fewest of them: what a ring's crossing of
+    that node can draw on, ranks_per_node NIC shares (the same on every node where the group is
+    spread evenly)."""
     num_nodes: int
 
 
-def group_layout(dims: tuple[str, ...], plan: PlanSpec, gpus_per_node: int) -> GroupLayout:
-    """Layout of the group along `dims` that contains rank 0; under this placement every group of
-    the same dims has the same layout (groups are translates of each other)."""
-    ranks = group_ranks(0, dims, plan)
+def _layout_at(residue: int, offsets: list[int], gpus_per_node: int) -> GroupLayout:
+    """Layout of the group whose members sit at rank base + offset, base = residue (mod a node):
+    shifting the base by whole nodes shifts every member's node alike, so the residue decides."""
     nodes: dict[int, int] = {}
-    for r in ranks:
-        nodes[r // gpus_per_node] = nodes.get(r // gpus_per_node, 0) + 1
-    return GroupLayout(size=len(ranks), ranks_per_node=max(nodes.values()), num_nodes=len(nodes))
+    for off in offsets:
+        node = (residue + off) // gpus_per_node
+        nodes[node] = nodes.get(node, 0) + 1
+    return GroupLayout(size=len(offsets), ranks_per_node=min(nodes.values()), num_nodes=len(nodes))
+
+
+def _slowest_layout(residues: set[int], offsets: list[int], gpus_per_node: int) -> GroupLayout:
+    """Of the layouts the groups take, the one whose collectives take longest (they all run at
+    once, so the step waits on it): crossing nodes first, then the fewest members on one node (the
+    smallest share of NICs a ring crossing gets), then the most nodes."""
+    layouts = {_layout_at(r, offsets, gpus_per_node) for r in residues}
+    return max(layouts, key=lambda g: (g.num_nodes > 1, -g.ranks_per_node, g.num_nodes))
+
+
+def _residues(strides_sizes: list[tuple[int, int]], gpus_per_node: int) -> set[int]:
+    """Group bases mod a node: every sum of i x stride over the (stride, size) dimensions the
+    groups differ in, i in range(size); at most gpus_per_node values, so cheap at any world size."""
+    out = {0}
+    for stride, size in strides_sizes:
+        out = {(r + i * stride) % gpus_per_node for r in out for i in range(min(size, gpus_per_node))}
+    return out
+
+
+def group_layout(dims: tuple[str, ...], plan: PlanSpec, gpus_per_node: int) -> GroupLayout:
+    """Layout of the groups along `dims`, the slowest where they sit differently. Every group is a
+    translate of rank 0's in rank space, but not in node space when a stage's block or the groups
+    in it straddle nodes unevenly (tp 2 x dp 3 x pp 4 on 8-GPU nodes: stage 0's DP groups sit in
+    node 0, stage 1's take 1 + 2 ranks of nodes 0 and 1)."""
+    offsets = group_ranks(0, dims, plan)
+    sizes, stride, others = _sizes(plan), 1, []
+    for dim in ORDER:
+        if dim not in dims:
+            others.append((stride, sizes[dim]))
+        stride *= sizes[dim]
+    return _slowest_layout(_residues(others, gpus_per_node), offsets, gpus_per_node)
 
 
 def pp_hop_layouts(plan: PlanSpec, gpus_per_node: int) -> list[GroupLayout]:
@@ -122,10 +155,10 @@ def expert_group_layouts(plan: PlanSpec, gpus_per_node: int) -> tuple[GroupLayou
     edp = block // (etp * ep)
 
     def layout(stride: int, size: int) -> GroupLayout:
-        nodes: dict[int, int] = {}
-        for i in range(size):
-            node = (i * stride) // gpus_per_node
-            nodes[node] = nodes.get(node, 0) + 1
-        return GroupLayout(size=size, ranks_per_node=max(nodes.values()), num_nodes=len(nodes))
+        # inside a block the groups of this kind start at the other expert coordinates' offsets;
+        # blocks start at s x block (one per stage). The slowest of them sets the pace.
+        others = [(1, stride)] + [(stride * size, block // (stride * size)), (block, plan.pp)]
+        offsets = [i * stride for i in range(size)]
+        return _slowest_layout(_residues(others, gpus_per_node), offsets, gpus_per_node)
 
     return layout(1, etp), layout(etp, ep), layout(etp * ep, edp)

@@ -108,6 +108,24 @@ def test_group_layouts_on_nodes():
     assert group_layout(("dp",), PlanSpec(tp=2, dp=32), 8) == GroupLayout(size=32, ranks_per_node=4, num_nodes=8)
 
 
+def test_group_layouts_take_the_slowest_group_where_groups_straddle_nodes_unevenly():
+    """Rank 0's group is not every group's: with tp 2 x dp 3 x pp 4 on 8-GPU nodes stage 0's DP
+    group (0, 2, 4) sits in node 0, but stage 1's (6, 8, 10) has one rank on node 0 and two on
+    node 1, so its ring crosses nodes with one NIC share on node 0's side."""
+    from paraplan.placement import expert_group_layouts, group_ranks
+
+    plan = PlanSpec(tp=2, pp=4, dp=3)
+    assert group_ranks(6, ("cp", "dp"), plan) == [6, 8, 10]
+    assert group_layout(("cp", "dp"), plan, 8) == GroupLayout(size=3, ranks_per_node=1, num_nodes=2)
+    # pp 2 x dp 12: stage 0 holds nodes 0 (8 ranks) and 1 (4), so the ring crosses on 4 NIC shares
+    assert group_layout(("cp", "dp"), PlanSpec(pp=2, dp=12), 8) == GroupLayout(size=12, ranks_per_node=4, num_nodes=2)
+    # EP 6 inside 12-rank blocks: the second group (ranks 6-11) takes 2 + 4 ranks of nodes 0 and 1
+    _, ep, _ = expert_group_layouts(PlanSpec(dp=12, ep=6, pp=2), 8)
+    assert ep == GroupLayout(size=6, ranks_per_node=2, num_nodes=2)
+    # whole-node blocks: every group alike, as before
+    assert group_layout(("dp",), PlanSpec(tp=8, pp=8, dp=16), 8) == GroupLayout(size=16, ranks_per_node=1, num_nodes=16)
+
+
 def test_uneven_first_and_last_stages():
     assert layers_per_chunk(126, 16, 1, 7, 7) == [[7]] + [[8]] * 14 + [[7]]
     assert layers_per_chunk(96, 8, 2, None, None) == [[6, 6]] * 8
