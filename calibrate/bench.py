@@ -7,6 +7,12 @@ GPU, recorded around the block on the stream; time.perf_counter on a CPU, where 
 synchronous); the per-call time of each block, and the median over blocks is the measurement.
 Median rather than mean or min: robust to a preempted block on a shared machine, and not the
 lucky best case the simulator would then promise.
+
+Kernels shorter than the host's cost to launch one (a few microseconds of Python and dispatch)
+would leave the GPU idle between calls, and the events would time the host. So on a GPU, where
+the host is the slower side, each block is queued behind a `torch.cuda._sleep` that lasts about as
+long as the host takes to queue the block: the GPU then runs its calls back to back, as a training
+step's stream of kernels runs (the trick of Triton's and nvbench's timers for short kernels).
 """
 from __future__ import annotations
 
@@ -27,6 +33,16 @@ __all__ = ["Clock", "Measurement", "fp8_supported", "memory_budget", "probe_rate
            "run_elementwise", "run_gemm", "run_hbm", "run_optimizer", "torch_dtype"]
 
 MAX_INNER = 10_000
+HOST_PROBE_CALLS = 8
+"""calls timed on the host, unsynchronised, to measure what one costs to queue."""
+MAX_QUEUED_CALLS = 256
+"""a GPU block's calls, kept well inside CUDA's launch queue (about 1,000 pending kernels) so the
+host never waits for a free slot while the sleep runs."""
+SLEEP_MARGIN = 1.5
+"""the sleep lasts this many times the host's measured queueing time of the block."""
+HOST_BOUND_S = 1e-4
+"""calls longer than this on the GPU outrun any host's queueing (a few to tens of microseconds):
+no need to measure the host or to sleep."""
 _TORCH = {"tf32": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -48,6 +64,25 @@ class Clock:
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.cuda = device.type == "cuda"
+        self._cycles_per_s: float | None = None
+
+    def sleep_cycles_per_s(self) -> float:
+        """Clock cycles per second of torch.cuda._sleep on this GPU, measured once (~10 ms)."""
+        if self._cycles_per_s is None:
+            cycles = 10_000_000
+            self.sync()
+            self._cycles_per_s = cycles / max(self.once(lambda: torch.cuda._sleep(cycles)), 1e-6)
+        return self._cycles_per_s
+
+    def host_seconds(self, fn: Callable[[], object]) -> float:
+        """What one call costs the host to queue (unsynchronised), per call."""
+        self.sync()
+        t0 = time.perf_counter()
+        for _ in range(HOST_PROBE_CALLS):
+            fn()
+        host = (time.perf_counter() - t0) / HOST_PROBE_CALLS
+        self.sync()
+        return host
 
     def sync(self) -> None:
         if self.cuda:
@@ -69,19 +104,27 @@ class Clock:
         for _ in range(timing.warmup):
             fn()
         self.sync()
+        one = self.once(fn) if inner is None or self.cuda else 0.0
         if inner is None:
-            one = self.once(fn)
             inner = int(min(MAX_INNER, max(1, math.ceil(timing.min_block_s / max(one, 1e-7)))))
         samples = []
         if self.cuda:
+            inner = min(inner, MAX_QUEUED_CALLS)
+            host = self.host_seconds(fn) if one < HOST_BOUND_S else 0.0
+            # the host is the slower side when queueing a call takes more than half of the call's
+            # time between one event pair (an upper bound on the kernel's time)
+            lead = int(SLEEP_MARGIN * inner * host * self.sleep_cycles_per_s()) if 2 * host > one else 0
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(timing.repeats)]
             for start, end in events:
+                self.sync()
+                if lead:
+                    torch.cuda._sleep(lead)
                 start.record()
                 for _ in range(inner):
                     fn()
                 end.record()
-            torch.cuda.synchronize(self.device)
+            self.sync()
             samples = [start.elapsed_time(end) / 1e3 / inner for start, end in events]
         else:
             for _ in range(timing.repeats):

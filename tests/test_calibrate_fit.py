@@ -102,3 +102,58 @@ def test_fit_alpha_beta_recovers_latency_and_bandwidth():
     assert ab.busbw == pytest.approx(busbw, rel=0.03)
     assert ab.test_mape < 4.0 and ab.n_test == 4
     assert ab.efficiency(2**30) == pytest.approx(1.0, abs=0.01) and ab.efficiency(2**10) < 0.01
+
+
+class _FakeGpu:
+    """A stream on a virtual clock: the host queues work (each call costs it `host_s`), the GPU
+    runs it in order once queued and idles when the queue is empty; events stamp when the stream
+    reaches them. Enough to tell a timer that measures the GPU from one that measures the host."""
+
+    def __init__(self, kernel_s: float, host_s: float, cycles_per_s: float = 1.8e9):
+        self.kernel_s, self.host_s, self.rate = kernel_s, host_s, cycles_per_s
+        self.host, self.gpu = 0.0, 0.0
+
+    def launch(self, seconds: float) -> None:
+        self.host += self.host_s
+        self.gpu = max(self.gpu, self.host) + seconds
+
+    def install(self, monkeypatch):
+        import types
+
+        import calibrate.bench as bench
+
+        fake = self
+
+        class Event:
+            def __init__(self, enable_timing=True):
+                self.t = None
+
+            def record(self):
+                self.t = max(fake.gpu, fake.host)
+                fake.gpu = self.t
+
+            def synchronize(self):
+                fake.host = max(fake.host, self.t)
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) * 1e3
+
+        monkeypatch.setattr(bench.torch.cuda, "Event", Event)
+        monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda device=None: setattr(fake, "host", max(fake.host, fake.gpu)))
+        monkeypatch.setattr(bench.torch.cuda, "_sleep", lambda cycles: fake.launch(cycles / fake.rate))
+        monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: fake.host))
+        return lambda: fake.launch(fake.kernel_s)
+
+
+@pytest.mark.parametrize("kernel_s,host_s", [(2e-6, 10e-6), (5e-6, 6e-6), (50e-6, 10e-6), (2e-3, 10e-6)])
+def test_gpu_clock_times_the_kernel_not_the_host_that_queues_it(monkeypatch, kernel_s, host_s):
+    """A 2 us kernel that takes the host 10 us to queue would read as 10 us without a queued lead
+    (the GPU idles between calls); each block is queued behind a sleep, so the GPU time is read."""
+    import torch
+
+    from calibrate.bench import Clock
+    from calibrate.plan import TIMINGS
+
+    fn = _FakeGpu(kernel_s, host_s).install(monkeypatch)
+    t = Clock(torch.device("cuda")).time(fn, TIMINGS["cuda", False])
+    assert t.seconds == pytest.approx(kernel_s, rel=0.02), (t.seconds, kernel_s)
