@@ -50,6 +50,10 @@ def make_optimizer(params, kind: str, *, fused: bool) -> torch.optim.Optimizer:
     return cls([{"params": ps} for ps in groups.values()], **kwargs)
 
 
+# torch 2.13 renamed all_gather_into_tensor (kept, deprecated); earlier releases have only the old name
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
 def _pieces(tensors: list, lo: int, hi: int) -> list[tuple[int, int, int]]:
     """(index, start, stop) of each tensor's elements that fall in [lo, hi) of their concatenation."""
     out, offset = [], 0
@@ -112,7 +116,7 @@ class ShardedOptimizer:
             mine = leaf.new_zeros(shard)
             mine[:leaf.numel()] = leaf.detach()
             flat = leaf.new_empty(shard * size)
-            dist.all_gather_single(flat, mine, group=group)
+            _all_gather_single(flat, mine, group=group)
             offset = 0
             for p in params:
                 t = _local(p)

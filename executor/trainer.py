@@ -168,6 +168,8 @@ class _Job:
         self.optimizer.zero_grad(set_to_none=True)
         if tracker is not None:
             tracker.reset_peak()
+        elif self.device.type == "cuda":  # the step's own peak, not model building's (unsharded stages)
+            torch.cuda.reset_peak_memory_stats(self.device)
         losses = self._pipeline(x, y) if self.schedule is not None else self._accumulate(x, y)
         finish_gradients(self.stages, sc, g)
         self.optimizer.step()
