@@ -66,6 +66,14 @@ NET_OVERHEAD = (1.0, 1.0, 3.0)
 LL_MAX_BW_MULTINODE = {2: 39.0e9, 3: 20.4e9}
 """llMaxBws row 0 (Intel host): column 1 for 2 nodes, column 2 beyond; the LL busbw cap, bytes/s."""
 LL_MAX_BW_ONE_NODE = {"ampere": 87.7e9, "hopper": 141.0e9, "blackwell": 282.0e9}
+TREE_CORRECTION = (
+    (1.0, 1.0, 1.0, 1.0, .9, .8, .7, .7, .7, .7, .6, .5, .4, .4, .5, .6, .7, .8, .9, 1.0, 1.0, 1.0, 1.0, 1.0),
+    (1.0, 1.0, 1.0, 1.0, 1.0, .9, .8, .8, .8, .7, .6, .6, .6, .6, .6, .6, .8, .9, .9, .9, .9, 1.0, 1.0, 1.0),
+    (.9, .9, .9, .9, .9, .9, .9, .8, .7, .6, .6, .5, .5, .5, .5, .6, .7, .8, .7, .7, .8, .9, .9, .9),
+)
+"""treeCorrectionFactor per protocol, indexed by log2(nBytes / 64) for 64 B to 512 MiB: the tree
+all_reduce's bandwidth at medium sizes, where trees fall short of the model ("Applying a static
+correction factor is not ideal but works quite well"; ncclTopoGetAlgoTime multiplies it in)."""
 RING_SIMPLE_MULTINODE_AR = 1.4
 """Ring/Simple all_reduce latency x1.4 on multi-node Ampere+ (tuning.cc, for nBytes/(nCh x nRanks) >= 64)."""
 NVLS_FRACTION = {4: 363.3 / 473.1, 5: 414.2 / 473.1, 6: 435.6 / 473.1, 7: 460.0 / 473.1, 8: 1.0}
@@ -224,12 +232,28 @@ def nccl_latency(net: Network, algo: str, proto: int, op: str, n: int, ppn: int,
 
 def _proto_busbw(busbw: float, algo: str, proto: int, ll_max: float) -> float:
     """tuning.cc per-protocol bandwidth: ring LL min(llMaxBw, busbw/2), LL128 x0.92, Simple x1;
-    tree all_reduce LL min(busbw/3.8, llMaxBw), LL128 x120/128, Simple x0.92. Per-channel caps are
-    left out (they bind only with few channels)."""
+    tree all_reduce first x0.92 for every protocol, then LL min(busbw/3.8, llMaxBw), LL128
+    x120/128 (more than one node). Per-channel caps are left out (they bind only with few
+    channels)."""
     name = PROTOCOLS[proto]
     if algo == "ring":
         return {"LL": min(ll_max, 0.5 * busbw), "LL128": 0.92 * busbw, "Simple": busbw}[name]
-    return {"LL": min(busbw / 3.8, ll_max), "LL128": busbw * 120 / 128, "Simple": 0.92 * busbw}[name]
+    busbw *= 0.92
+    return {"LL": min(busbw / 3.8, ll_max), "LL128": busbw * 120 / 128, "Simple": busbw}[name]
+
+
+def _tree_correction(proto: int, nbytes: float) -> float:
+    """TREE_CORRECTION at log2(nBytes / 64), interpolated linearly between the table's powers of two
+    (NCCL steps at each: log2i(nBytes >> 6)), so that a larger message never takes less time (the
+    factor grows at most 1.34x per doubling); the end values beyond the table."""
+    row = TREE_CORRECTION[proto]
+    x = math.log2(max(nbytes, 1.0) / 64.0)
+    if x <= 0:
+        return row[0]
+    if x >= len(row) - 1:
+        return row[-1]
+    i = int(x)
+    return row[i] + (x - i) * (row[i + 1] - row[i])
 
 
 def _multi_node_time(net: Network, op: str, nbytes: float, g: GroupLayout) -> float:
@@ -244,6 +268,8 @@ def _multi_node_time(net: Network, op: str, nbytes: float, g: GroupLayout) -> fl
     for algo in ("ring", "tree") if op == "all_reduce" else ("ring",):
         for proto in range(len(PROTOCOLS)):
             bw = _proto_busbw(busbw, algo, proto, ll_max)
+            if algo == "tree":
+                bw *= _tree_correction(proto, nbytes)
             # algBw = busBw x nRanks/nsteps for ring; busBw / 2 for tree all_reduce (tuning.cc).
             bytes_term = busbw_factor(op, n) * nbytes if algo == "ring" else 2.0 * nbytes
             best = min(best, nccl_latency(net, algo, proto, op, n, ppn, nodes) + bytes_term / bw)

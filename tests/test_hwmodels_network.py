@@ -166,7 +166,8 @@ def test_oversubscription_two_halves_a_large_cross_leaf_collective():
     flat, over = net_for(nodes=64), net_for(nodes=64, oversubscription=2.0)
     wide, narrow = G(512, 8, 64), G(128, 8, 16)
     for op in ("all_reduce", "all_gather", "reduce_scatter", "all_to_all"):
-        ratio = collective_time(over, op, 4 * GiB, wide) / collective_time(flat, op, 4 * GiB, wide)
+        # 16 GiB: bandwidth-bound (a 512-rank ring's ~1,000 steps of latency are a few % of 4 GiB's time)
+        ratio = collective_time(over, op, 16 * GiB, wide) / collective_time(flat, op, 16 * GiB, wide)
         assert 1.9 < ratio <= 2.0
         assert collective_time(over, op, 4 * GiB, narrow) == collective_time(flat, op, 4 * GiB, narrow)
 
@@ -269,3 +270,15 @@ def test_overlapped_compute_pays_the_sm_share_of_the_hidden_communication():
     assert overlapped(1.0, 1.1) == pytest.approx(1.15)  # compute slowed past the collective's end
     assert overlapped(1.0, 3.0) == 3.0
     assert overlapped(2.0, 0.0) == 2.0
+
+
+def test_tree_all_reduce_bandwidth_follows_nccl_refinements():
+    """tuning.cc: tree all_reduce busbw x0.92 for every protocol, then LL /3.8 (capped at llMaxBw)
+    and LL128 x120/128; treeCorrectionFactor derates medium sizes (Simple 0.5 at 64 KiB-1 MiB)."""
+    from hwmodels.network import _proto_busbw, _tree_correction
+
+    got = [_proto_busbw(100e9, "tree", p, 39e9) / 1e9 for p in range(3)]
+    assert got == pytest.approx([92 / 3.8, 92 * 120 / 128, 92.0])
+    assert _tree_correction(2, 2**20) == 0.5 and _tree_correction(2, 64) == 0.9
+    assert _tree_correction(0, 2**40) == 1.0  # beyond the table: its last value
+    assert _tree_correction(1, 2**21.5) == pytest.approx(0.7)  # halfway between LL128's 0.6 (2 MiB) and 0.8 (4 MiB)
