@@ -83,9 +83,18 @@ def megatron_args(sc: Scenario) -> list[str]:
     a += _megatron_model(sc)
     a += _megatron_moe(sc)
     a += _megatron_precision(sc.training.precision)
-    # flash3: Transformer Engine's cuDNN fused attention, its Hopper kernel of that class
-    a += ["--attention-backend", {"flash": "flash", "flash3": "fused", "unfused": "unfused"}[sc.training.attention]]
+    a += ["--attention-backend", _megatron_attention_backend(sc)]
     return a
+
+
+def _megatron_attention_backend(sc: Scenario) -> str:
+    """flash3: Transformer Engine's cuDNN fused attention, its Hopper kernel of that class. Latent
+    attention's query/key heads are wider than its value heads (192 vs 128 in DeepSeek-V3), which
+    Transformer Engine's FlashAttention refuses ("does not support MLA", get_attention_backend), so
+    an MLA model gets the fused backend for flash too."""
+    if sc.training.attention == "flash" and sc.model.mla is not None:
+        return "fused"
+    return {"flash": "flash", "flash3": "fused", "unfused": "unfused"}[sc.training.attention]
 
 
 def _megatron_pipeline_split(sc: Scenario) -> list[str]:
@@ -296,7 +305,11 @@ def megatron_launch_command(sc: Scenario) -> str:
         env = "env -u CUDA_DEVICE_MAX_CONNECTIONS "
     elif p.tp > 1 or p.cp > 1:
         env = "CUDA_DEVICE_MAX_CONNECTIONS=1 "
-    return (f"grep -v '^#' megatron_args.txt | {env}xargs torchrun --nnodes {c.num_nodes} "
+    # several nodes: each runs the line with its own NODE_RANK and node 0's address (torchrun's
+    # static defaults, node rank 0 at 127.0.0.1, would make every node node 0)
+    nodes = (f" --node-rank \"$NODE_RANK\" --rdzv-backend c10d --rdzv-endpoint \"$MASTER_ADDR:29500\""
+             if c.num_nodes > 1 else "")
+    return (f"grep -v '^#' megatron_args.txt | {env}xargs torchrun --nnodes {c.num_nodes}{nodes} "
             f"--nproc-per-node {c.gpus_per_node} pretrain_gpt.py")
 
 

@@ -25,7 +25,7 @@ range**, so `search: {}` or no section at all means "every valid factorisation o
 | ep | 1 for a dense model; for MoE, divisors of the world size that divide num_experts |
 | micro_batch_size | divisors of training.global_batch_size up to 16 |
 | schedule | gpipe, 1f1b, interleaved-1f1b (zero-bubble only when listed: Megatron-LM cannot run it) |
-| virtual_pipeline_stages | divisors of model.num_layers or of model.num_layers + 2 (used by interleaved-1f1b only; others run 1) |
+| virtual_pipeline_stages | divisors of model.num_layers or of model.num_layers + 2 (interleaved-1f1b takes those >= 2, zero-bubble 1 and those >= 2; the others run 1) |
 | sequence_parallel | false, true |
 | zero_stage | 0, 1, 2, 3 |
 | recompute | none, selective, full |
@@ -43,7 +43,7 @@ then split the layers evenly (Megatron --account-for-embedding/loss-in-pipeline-
 the ends); the scenario's own plan, as written, is evaluated as the baseline.
 
 Candidates are canonicalised so that plans that run identically are one plan (and one
-simulation): virtual_pipeline_stages is 1 unless the schedule is interleaved-1f1b,
+simulation): virtual_pipeline_stages is 1 unless the schedule takes virtual stages (VIRTUAL_SCHEDULES),
 sequence_parallel takes its first candidate when tp = 1 (there is nothing to split), zero_stage
 its first candidate when dp x cp = 1 and, for an MoE model, expert-dp = 1 (nothing to shard over),
 and gpipe and 1f1b are one schedule when pp = 1, 1f1b (gpipe when 1f1b is not listed; see
@@ -83,6 +83,10 @@ DEFAULT_SCHEDULES = tuple(s for s in SCHEDULES if s != "zero-bubble")
 SETTINGS = ("allow_tp_across_nodes", "trials", "exhaustive_threshold", "gpu_hour_cost")
 # The schedules that run on one stage: with pp = 1 they are one, the first the search lists (one_stage_schedule).
 ONE_STAGE_SCHEDULES = ("1f1b", "gpipe")
+VIRTUAL_SCHEDULES = {"interleaved-1f1b": 2, "zero-bubble": 1}
+"""Schedules that run virtual stages, with the fewest per rank each takes: interleaved 1F1B needs
+two (one is plain 1F1B); zero-bubble runs one (ZB-H1) or more, its B/W split walking the chunks as
+the interleaved order does (Qi et al. 2024; torchtitan's InterleavedZeroBubble)."""
 
 DEFAULT_TRIALS = 300
 # simulate() costs 1-150 ms per plan on the big scenarios (about 30 ms on average over a GPT-3
@@ -356,7 +360,8 @@ class PlanSpace:
 
     def _make(self, v: Mapping[str, Any], dp: int) -> Candidate:
         schedule = self._schedule(v["pp"], v["schedule"])
-        interleaved = schedule == "interleaved-1f1b"
+        virtual = schedule in VIRTUAL_SCHEDULES and v["virtual_pipeline_stages"] >= VIRTUAL_SCHEDULES[schedule]
+        interleaved = virtual and v["virtual_pipeline_stages"] > 1
         sp = v["sequence_parallel"] if v["tp"] > 1 else self._cands["sequence_parallel"][0]
         zero = v["zero_stage"] if self._zero_matters(v["tp"], dp, v["cp"], v["ep"]) else self._cands["zero_stage"][0]
         layers = self.scenario.model.num_layers
@@ -368,7 +373,7 @@ class PlanSpace:
             self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], ep=v["ep"],
             first_stage_layers=first, last_stage_layers=last,
             micro_batch_size=v["micro_batch_size"], schedule=schedule,
-            virtual_pipeline_stages=v["virtual_pipeline_stages"] if interleaved else 1,
+            virtual_pipeline_stages=v["virtual_pipeline_stages"] if virtual else 1,
             sequence_parallel=sp, zero_stage=zero, recompute=v["recompute"],
             tp_comm_overlap=self._template.tp_comm_overlap and sp and v["tp"] > 1,
             overlap_param_gather=self._template.overlap_param_gather and zero >= 1 and self._template.overlap_grad_reduce,
@@ -408,12 +413,13 @@ class PlanSpace:
         return ok
 
     def in_space(self, cand: Candidate) -> bool:
-        """Whether the candidate's knob values are all among the candidates (vpp: when interleaved)."""
+        """Whether the candidate's knob values are all among the candidates (vpp: where the schedule
+        takes virtual stages and runs more than one)."""
         p = cand.plan
         checks = {"num_nodes": cand.num_nodes, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
                   "micro_batch_size": p.micro_batch_size, "schedule": p.schedule,
                   "recompute": p.recompute}
-        if p.schedule == "interleaved-1f1b":
+        if p.schedule in VIRTUAL_SCHEDULES and p.virtual_pipeline_stages > 1:
             checks["virtual_pipeline_stages"] = p.virtual_pipeline_stages
         if p.tp > 1:
             checks["sequence_parallel"] = p.sequence_parallel
@@ -480,12 +486,11 @@ class PlanSpace:
         """Canonical combinations of the knobs below the layout."""
         c = self._cands
         sps = c["sequence_parallel"] if tp > 1 else c["sequence_parallel"][:1]
-        vpps = [v for v in c["virtual_pipeline_stages"] if v >= 2]
         for ep in c["ep"]:
             zeros = c["zero_stage"] if self._zero_matters(tp, dp, cp, ep) else c["zero_stage"][:1]
             for mbs in c["micro_batch_size"]:
                 for schedule in self._schedules(pp):
-                    for vpp in (vpps if schedule == "interleaved-1f1b" else [1]):
+                    for vpp in self._vpps(schedule):
                         for sp in sps:
                             for zero in zeros:
                                 for rc in c["recompute"]:
@@ -500,12 +505,18 @@ class PlanSpace:
             return True
         return self.scenario.model.moe is not None and tp * cp * dp > ep * self.scenario.plan.expert_tp
 
+    def _vpps(self, schedule: str) -> list[int]:
+        """The canonical virtual stages per rank of a schedule: 1 unless it takes virtual stages;
+        zero-bubble's 1 counts once even where the candidates do not list it."""
+        if schedule not in VIRTUAL_SCHEDULES:
+            return [1]
+        least = VIRTUAL_SCHEDULES[schedule]
+        more = [v for v in self._cands["virtual_pipeline_stages"] if v >= max(least, 2)]
+        return ([1] if least == 1 else []) + more
+
     def _inner_count(self, tp: int, pp: int, dp: int | None, cp: int) -> int:
         c = self._cands
-        schedules = self._schedules(pp)
-        n_sched = sum(1 for s in schedules if s != "interleaved-1f1b")
-        if "interleaved-1f1b" in schedules:
-            n_sched += sum(1 for v in c["virtual_pipeline_stages"] if v >= 2)
+        n_sched = sum(len(self._vpps(s)) for s in self._schedules(pp))
         n_sp = len(c["sequence_parallel"]) if tp > 1 else 1
         per_ep = len(c["micro_batch_size"]) * n_sched * n_sp * len(c["recompute"])
         return sum(per_ep * (len(c["zero_stage"]) if self._zero_matters(tp, dp, cp, ep) else 1) for ep in c["ep"])

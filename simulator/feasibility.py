@@ -33,6 +33,11 @@ def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
     if p.cp > 1 and t.seq_length % (2 * p.cp):
         # load-balanced causal CP splits the sequence into 2*cp chunks (Megatron-Core)
         out.append(f"plan.cp: training.seq_length {t.seq_length} is not divisible by 2*cp = {2 * p.cp}")
+    if p.cp > 1 and t.attention == "unfused":
+        # Transformer Engine's get_attention_backend: "Disabling UnfusedDotProductAttention as it
+        # does not support context parallelism"; unfused leaves flash and fused off, so nothing runs
+        out.append("plan.cp: context parallelism needs a fused attention kernel (training.attention flash or flash3), "
+                   "not unfused")
     if p.sequence_parallel and p.tp > 1 and (t.seq_length // p.cp) % p.tp:
         out.append(f"plan.sequence_parallel: seq_length/cp = {t.seq_length // p.cp} is not divisible by tp = {p.tp}")
     if p.tp_comm_overlap and not (p.sequence_parallel and p.tp > 1):

@@ -154,6 +154,13 @@ def test_attention_kernel_becomes_megatrons_attention_backend(kernel, backend):
     assert flag_value(args, "--attention-backend") == backend
 
 
+def test_latent_attention_gets_the_fused_backend_transformer_engines_flash_refuses_it():
+    """DeepSeek-V3's query/key heads (192) are wider than its value heads (128): TE's
+    FlashAttention says it "does not support MLA", and --attention-backend flash leaves nothing."""
+    args = megatron_args(scenario("deepseek-v3-2048xh800", "training.attention=flash"))
+    assert "--multi-latent-attention" in args and flag_value(args, "--attention-backend") == "fused"
+
+
 def test_other_interleaved_uneven_splits_spell_out_the_layout():
     args = megatron_args(scenario("qwen3-235b-256xh100", "plan.first_stage_layers=3", "plan.last_stage_layers=1"))
     assert flag_value(args, "--pipeline-model-parallel-layout") == "Et*3|(t*3|)*30tL"
@@ -210,6 +217,15 @@ def test_megatron_fsdp_gets_the_flags_megatron_requires(zero, strategy):
     assert flag_value(args, "--ckpt-format") == "fsdp_dtensor"  # arguments.py asserts it
     assert "--use-distributed-optimizer" in args and "--no-gradient-accumulation-fusion" in args  # user guide
     assert "env -u CUDA_DEVICE_MAX_CONNECTIONS" in megatron_launch_command(sc)
+
+
+def test_megatron_launch_line_rendezvous_on_several_nodes():
+    """torchrun's static defaults (node rank 0, master 127.0.0.1) would make every node node 0."""
+    one = megatron_launch_command(load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml"))
+    assert "--nnodes 1 --nproc-per-node 8" in one and "--node-rank" not in one
+    many = megatron_launch_command(scenario("llama3-70b-1024xh100"))
+    assert ('--nnodes 128 --node-rank "$NODE_RANK" --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:29500" '
+            '--nproc-per-node 8 pretrain_gpt.py') in many
 
 
 def test_zero1_is_the_distributed_optimizer_alone():

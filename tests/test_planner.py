@@ -96,6 +96,22 @@ def test_moe_model_offers_expert_parallelism():
 # -- canonical plans and validity ---------------------------------------------------------------
 
 
+def test_zero_bubble_is_searched_with_one_and_with_several_stages_per_rank():
+    """Zero-bubble runs one stage per rank (ZB-H1) or several (the interleaved B/W split); both are
+    candidates when the search lists virtual stages, and enumerate agrees with the count."""
+    sp = space("search.schedule=[zero-bubble, interleaved-1f1b]", "search.virtual_pipeline_stages=[2]",
+               "search.pp=[2]", "search.tp=[1]", "search.cp=[1]")
+    found = sp.enumerate()
+    plans = [c.plan for c in found.valid]
+    zb = sorted({p.virtual_pipeline_stages for p in plans if p.schedule == "zero-bubble"})
+    il = sorted({p.virtual_pipeline_stages for p in plans if p.schedule == "interleaved-1f1b"})
+    assert zb == [1, 2] and il == [2]
+    assert sp.count_combinations() == found.combinations
+    two = sp.candidate({"tp": 1, "pp": 2, "cp": 1, "micro_batch_size": 1, "schedule": "zero-bubble",
+                        "virtual_pipeline_stages": 2, "sequence_parallel": False, "zero_stage": 1, "recompute": "none"})
+    assert two.plan.virtual_pipeline_stages == 2 and sp.in_space(two)
+
+
 def test_candidates_are_canonical():
     sp = space()
     base = {"tp": 1, "pp": 2, "cp": 1, "micro_batch_size": 1, "schedule": "1f1b", "recompute": "none"}

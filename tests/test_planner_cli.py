@@ -234,3 +234,20 @@ def test_a_cluster_too_small_for_any_plan_says_how_many_gpus_are_needed(tmp_path
     assert (f"no plan can fit: the model states alone ({sc.model.total_params() / 1e9:,.1f}B parameters x 18 bytes"
             in r.stderr), r.stderr
     assert f"at least {need:,} GPUs of 80 GiB are needed, before activations" in r.stderr, r.stderr
+
+
+def test_a_best_plan_the_executor_refuses_gets_its_reasons_not_a_launch_line(tmp_path):
+    """fp16 trains under Megatron-LM and torchtitan but not the bundled executor: the report says
+    so instead of printing a `paraplan launch` line that would fail."""
+    out = tmp_path / "o"
+    r = paraplan("plan", TINY, "--out", str(out), "--quiet", "--no-plots", "--trials", "5",
+                 "--set", "training.precision=fp16")
+    assert r.returncode == 0, r.stderr
+    assert "launch it:" not in r.stdout
+    assert "the bundled executor cannot run it: training.precision: the executor trains in fp32 or bf16, not fp16" \
+        in r.stdout
+    assert f"run it with Megatron-LM ({out}/megatron_args.txt) or torchtitan ({out}/torchtitan.toml)" in r.stdout
+    best = json.loads((out / "top_plans.json").read_text())["best_plan"]
+    assert best["launch"] is None and best["executor_refuses"][0].startswith("training.precision")
+    assert "# Launch: not with the bundled executor, which refuses it: training.precision" in \
+        (out / "best_plan.yaml").read_text()

@@ -100,6 +100,14 @@ def test_infeasible_plan_lists_every_reason(gpt3):
     assert any("tp*pp*cp*dp" in r for r in reasons)
 
 
+def test_context_parallelism_needs_a_fused_attention_kernel(llama8b):
+    """Transformer Engine has no context-parallel path for unfused attention."""
+    cp2 = plan_variant(llama8b, cp=2, dp=llama8b.plan.dp // 2)
+    assert simulate(cp2).step_time_s > 0
+    with pytest.raises(InfeasiblePlanError, match="plan.cp: context parallelism needs a fused attention kernel"):
+        simulate(replace(cp2, training=replace(cp2.training, attention="unfused")))
+
+
 @pytest.mark.parametrize("precision", ["fp32", "fp16", "bf16"])
 def test_every_precision_simulates(gpt3, precision):
     r = simulate(replace(gpt3, training=replace(gpt3.training, precision=precision)))

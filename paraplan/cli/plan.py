@@ -233,14 +233,23 @@ def _write_outputs(scenario, result, objective, out: Path, args) -> int:
             files["pareto.png"] = pareto_png(rep)
     best = rep.best
     if best is not None:
+        from executor.config import launch_problems
+
         sc = emit.best_scenario(scenario, best)
         config = out / "best_plan.yaml"
-        launch = emit.launch_command(str(config))
-        data["best_plan"] = {"config": str(config), "launch": launch}
-        files["best_plan.yaml"] = emit.executor_config_yaml(sc, best, launch=launch)
+        refused = launch_problems(sc)  # features the bundled executor lacks (MLA, MTP, fp8, ...)
+        launch = None if refused else emit.launch_command(str(config))
+        data["best_plan"] = {"config": str(config), "launch": launch, "executor_refuses": refused}
+        files["best_plan.yaml"] = emit.executor_config_yaml(
+            sc, best, launch=launch or "not with the bundled executor, which refuses it: " + "; ".join(refused))
         files["megatron_args.txt"] = emit.megatron_args_text(sc)
         files["torchtitan.toml"] = emit.torchtitan_toml(sc)
-        text += f"\n\n  best plan: {config}\n  launch it: {launch}"
+        text += f"\n\n  best plan: {config}"
+        if launch:
+            text += f"\n  launch it: {launch}"
+        else:
+            text += ("\n  the bundled executor cannot run it: " + "; ".join(refused)
+                     + f"\n  run it with Megatron-LM ({out / 'megatron_args.txt'}) or torchtitan ({out / 'torchtitan.toml'})")
     files["top_plans.json"] = json.dumps(data, indent=2) + "\n"
     files["report.txt"] = text + "\n"
     check_distinct_files({"scenario": args.scenario, **{f"--out {name}": out / name for name in files}})
