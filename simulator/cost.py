@@ -12,8 +12,10 @@ class Cost:
 
     parts: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0.0))
     nic: float = 0.0
-    """Seconds inside the op during which its traffic saturates this GPU's NIC share (MoE
-    all-to-all across nodes); the engine shares the NIC with gradient reduction over them."""
+    """Seconds inside the op during which its traffic saturates this GPU's NIC share (an MoE
+    all-to-all, ZeRO-2/3 per-unit gathers and reduce-scatters, a context-parallel ring, when their
+    group leaves the node; tensor parallelism across nodes is not counted); the engine shares the
+    NIC with gradient reduction and pipeline sends over them."""
     dp_spans: tuple[tuple[float, float, str], ...] = ()
     """Data-parallel transfers that run inside the op on their own stream (ZeRO-2/3 per-unit
     gathers and reduce-scatters): (start, end, name), as fractions of the op's duration, for the

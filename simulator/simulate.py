@@ -288,8 +288,8 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
         expert += n * kinds.params[kind][1]
         acts += n * kinds.acts[kind]
     # (forward cost, backward cost, ZeRO-2/3 (gather, scatter)) of each piece in forward order
-    pieces = [(kinds.fwd[k], kinds.bwd[k], per_unit.get(k, (0.0, 0.0))) for k in kinds_in_chunk]
-    no_comm = (0.0, 0.0)
+    pieces = [(kinds.fwd[k], kinds.bwd[k], per_unit.get(k, NO_ZERO3_COMM)) for k in kinds_in_chunk]
+    no_comm = NO_ZERO3_COMM
     if first:
         pieces.insert(0, (embedding_cost(ctx, backward=False), embedding_cost(ctx, backward=True),
                           per_unit.get("embedding", no_comm)))
@@ -323,9 +323,9 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
             # and softmax are counted with the head's (memory.logits_bytes)
             sp = p.tp if p.sequence_parallel else 1
             acts += m.mtp_layers * (kinds.acts[kind] + ctx.tokens * 2 * m.hidden_size * ctx.act_bytes / sp)
-    f = _zero3_chain([(fwd, gather) for fwd, _, (gather, _) in pieces], "param all-gather")
-    b = _zero3_chain([(bwd, gather + scatter) for _, bwd, (gather, scatter) in reversed(pieces)],
-                     "param all-gather + grad reduce-scatter" if any(g for _, _, (g, _) in pieces)
+    f = _zero3_chain([(fwd, c.gather, c.gather_nic) for fwd, _, c in pieces], "param all-gather")
+    b = _zero3_chain([(bwd, c.gather + c.scatter, c.gather_nic + c.scatter_nic) for _, bwd, c in reversed(pieces)],
+                     "param all-gather + grad reduce-scatter" if any(c.gather for _, _, c in pieces)
                      else "grad reduce-scatter")
     return f, b, wgrad, dense, expert, acts
 
@@ -351,18 +351,37 @@ def _buckets(net, p, params: float, layout: GroupLayout, group: int, op: str,
     return [(t, t if layout.num_nodes > 1 else 0.0)] * n
 
 
-def _zero3_comm(net, parts: list[tuple[float, GroupLayout]], w_bytes: float) -> tuple[float, float]:
-    """(all-gather, reduce-scatter) seconds of one ZeRO-3 unit whose parameters are `parts`
-    (count, the group they are sharded over), `w_bytes` per gathered weight (0: ZeRO-2, which
-    gathers nothing per unit); a group of one holds them whole and moves nothing."""
-    gather = sum(collective_time(net, "all_gather", n * w_bytes, lay)
-                 for n, lay in parts if n > 0 and lay.size > 1) if w_bytes else 0.0
-    scatter = sum(collective_time(net, "reduce_scatter", n * GRAD_REDUCE_BYTES, lay)
-                  for n, lay in parts if n > 0 and lay.size > 1)
-    return gather, scatter
+@dataclass(frozen=True)
+class Zero3Comm:
+    """Seconds of one ZeRO-2/3 unit's all-gather and reduce-scatter, and of each the part over a
+    group that leaves the node (its traffic holds the NIC, which pipeline sends then share)."""
+
+    gather: float = 0.0
+    scatter: float = 0.0
+    gather_nic: float = 0.0
+    scatter_nic: float = 0.0
 
 
-def _zero3_chain(pieces: list[tuple[Cost, float]], name: str) -> Cost:
+NO_ZERO3_COMM = Zero3Comm()
+
+
+def _zero3_comm(net, parts: list[tuple[float, GroupLayout]], w_bytes: float) -> Zero3Comm:
+    """The all-gather and reduce-scatter of one ZeRO-3 unit whose parameters are `parts` (count,
+    the group they are sharded over), `w_bytes` per gathered weight (0: ZeRO-2, which gathers
+    nothing per unit); a group of one holds them whole and moves nothing."""
+    out = {"gather": 0.0, "scatter": 0.0, "gather_nic": 0.0, "scatter_nic": 0.0}
+    for n, lay in parts:
+        if n <= 0 or lay.size <= 1:
+            continue
+        for key, op, nbytes in (("gather", "all_gather", n * w_bytes), ("scatter", "reduce_scatter", n * GRAD_REDUCE_BYTES)):
+            t = collective_time(net, op, nbytes, lay) if nbytes else 0.0
+            out[key] += t
+            if lay.num_nodes > 1:
+                out[key + "_nic"] += t
+    return Zero3Comm(**out)
+
+
+def _zero3_chain(pieces: list[tuple[Cost, float, float]], name: str) -> Cost:
     """Pieces run in order, each (cost, ZeRO-3 communication: its weights' all-gather, in backward
     also its gradients' reduce-scatter) on a separate stream, prefetched one piece ahead (FSDP
     forward/backward prefetch, Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3.3): time =
@@ -370,22 +389,25 @@ def _zero3_chain(pieces: list[tuple[Cost, float]], name: str) -> Cost:
     data-parallel communication. For n identical layers: comm + (n-1) x max(compute, comm) + compute,
     with each compute slowed by the SMs its overlapping gather takes (network.overlapped). The
     transfers' places on that timeline (comm_(i+1) starts with compute_i) go to the trace as
-    `dp_spans`, named `name`."""
+    `dp_spans`, named `name`. The third element of a piece is the seconds of its communication
+    that cross nodes: the op holds the NIC that long (Cost.nic), which the engine shares with
+    pipeline sends and gradient buckets."""
     total = Cost()
-    for cost, _ in pieces:
+    for cost, _, nic in pieces:
         total += cost
-    if not any(comm for _, comm in pieces):
+        total.nic += nic
+    if not any(comm for _, comm, _ in pieces):
         return total
-    steps = [overlapped(cost.total, nxt) for (cost, _), (_, nxt) in zip(pieces, pieces[1:])]
+    steps = [overlapped(cost.total, nxt) for (cost, _, _), (_, nxt, _) in zip(pieces, pieces[1:])]
     span = pieces[0][1] + pieces[-1][0].total
     for step in steps:
         span += step
     # transfer k + 1 starts with compute k, which starts after transfer 1 and the steps before it
     starts = accumulate(steps, initial=pieces[0][1])
-    transfers = [(0.0, pieces[0][1])] + [(t, t + comm) for t, (_, comm) in zip(starts, pieces[1:])]
+    transfers = [(0.0, pieces[0][1])] + [(t, t + comm) for t, (_, comm, _) in zip(starts, pieces[1:])]
     total.dp_spans = tuple((a / span, b / span, f"{name} (unit {k})")
                            for k, (a, b) in enumerate(transfers) if b > a)
-    return total.add("dp_comm", span - sum(cost.total for cost, _ in pieces))
+    return total.add("dp_comm", span - sum(cost.total for cost, _, _ in pieces))
 
 
 def _sync_time(sc: Scenario, net, emb_params: float, first_last: GroupLayout) -> float:

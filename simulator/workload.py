@@ -242,13 +242,26 @@ def _cp_comm(ctx: LayerContext, backward: bool) -> float:
     this rank's K and V chunk to the next rank while computing on the current one; the backward
     also returns dK, dV (twice the bytes). Only the part not hidden behind the attention compute
     of a step is exposed; the hidden part slows that compute by COMM_SM_SHARE of itself."""
-    p, m = ctx.plan, ctx.model
+    p = ctx.plan
     if p.cp == 1:
         return 0.0
-    kv_bytes = ctx.tokens * (m.k_channels + m.v_channels) // p.tp * ctx.act_bytes * (2 if backward else 1)
-    step_comm = collective_time(ctx.network, "send_recv", kv_bytes, ctx.cp_layout)
     step_compute = _attention_step(ctx, backward)
-    return (p.cp - 1) * (overlapped(step_compute, step_comm) - step_compute)
+    return (p.cp - 1) * (overlapped(step_compute, _cp_step_comm(ctx, backward)) - step_compute)
+
+
+def _cp_step_comm(ctx: LayerContext, backward: bool) -> float:
+    """One ring step's K/V (backward: and dK/dV) send to the next context-parallel rank."""
+    p, m = ctx.plan, ctx.model
+    kv_bytes = ctx.tokens * (m.k_channels + m.v_channels) // p.tp * ctx.act_bytes * (2 if backward else 1)
+    return collective_time(ctx.network, "send_recv", kv_bytes, ctx.cp_layout)
+
+
+def _cp_nic(ctx: LayerContext, backward: bool) -> float:
+    """Seconds the ring's sends hold the NIC when the context-parallel group leaves the node (all
+    cp - 1 steps, hidden behind attention or not): the engine shares the NIC with them."""
+    if ctx.plan.cp == 1 or ctx.cp_layout.num_nodes == 1:
+        return 0.0
+    return (ctx.plan.cp - 1) * _cp_step_comm(ctx, backward)
 
 
 def _comm_exposed(ctx: LayerContext, comms: list[float], gemms: list[float]) -> float:
@@ -280,7 +293,9 @@ def attention_block(ctx: LayerContext, backward: bool) -> Cost:
     gemms = [_linear(ctx, k, n, backward, tokens) for k, n, tokens in shapes]
     compute = sum(gemms) + _attention_core(ctx, backward) + _attention_elementwise(ctx, backward)
     tp = _comm_exposed(ctx, attention_collectives(ctx), _hiding_gemms(ctx, shapes, gemms, backward))
-    return Cost().add("compute", compute).add("tp_comm", tp).add("cp_comm", _cp_comm(ctx, backward))
+    cost = Cost().add("compute", compute).add("tp_comm", tp).add("cp_comm", _cp_comm(ctx, backward))
+    cost.nic += _cp_nic(ctx, backward)
+    return cost
 
 
 def mlp_block(ctx: LayerContext, backward: bool) -> Cost:

@@ -633,3 +633,30 @@ def test_last_stage_keeps_a_softmax_per_microbatch_in_flight(schedule, vpp, batc
     tokens = sc.plan.micro_batch_size * sc.training.seq_length
     growth = simulate(wider).stages[-1].memory["activations"] - simulate(sc).stages[-1].memory["activations"]
     assert growth == pytest.approx(tokens * extra / sc.plan.tp * (4 * held + 2))
+
+
+def test_zero3_and_cross_node_context_parallel_traffic_holds_the_nic(monkeypatch):
+    """ZeRO-3's per-unit gathers and reduce-scatters over a DP group that leaves the node, and a
+    context-parallel ring across nodes, occupy the NIC inside their ops (Cost.nic), so the engine
+    shares it with pipeline sends; inside one node they do not."""
+    import simulator.simulate as S
+
+    seen = {}
+    run = S.run_iteration
+
+    def spy(works, **kw):
+        seen["works"] = works
+        return run(works, **kw)
+
+    monkeypatch.setattr(S, "run_iteration", spy)
+    base = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml")  # 8 nodes, ZeRO-3
+
+    def nic_of(**plan):
+        S.simulate(replace(base, plan=replace(base.plan, **plan)))
+        return {key: cost.nic for key, cost in seen["works"][0].op_cost.items()}
+
+    across = nic_of(pp=2, dp=32)          # DP group: one rank on each of 32 nodes' halves -> crosses nodes
+    assert across[("F", 0)] > 0 and across[("B", 0)] > across[("F", 0)]  # backward also reduce-scatters
+    assert all(v == 0 for v in nic_of(pp=8, dp=8).values())  # DP group of 8 consecutive ranks: one node
+    ring = nic_of(pp=1, cp=16, dp=4, zero_stage=1)            # CP ring of 16 ranks over 2 nodes
+    assert ring[("F", 0)] > 0
