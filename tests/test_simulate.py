@@ -342,9 +342,10 @@ def test_zero3_chain_by_hand():
     from simulator.cost import Cost
     from simulator.simulate import _zero3_chain  # noqa: PLC2701
 
-    pieces = [(Cost().add("compute", c), g) for c, g in [(1.0, 0.5), (2.0, 3.0), (1.0, 0.5), (4.0, 2.0)]]
+    pieces = [(Cost().add("compute", c), g, g / 2) for c, g in [(1.0, 0.5), (2.0, 3.0), (1.0, 0.5), (4.0, 2.0)]]
     out = _zero3_chain(pieces, "gather")
     assert out.parts["compute"] == 8.0
+    assert out.nic == 3.0  # the part of each transfer that crosses nodes holds the NIC
     # 0.5 + max(1 + 0.15, 3) + max(2 + 0.075, 0.5) + max(1 + 0.15, 2) + 4 = 11.575 -> 3.575 s
     assert out.parts["dp_comm"] == pytest.approx(3.575)
     # for the trace: transfer i+1 starts with compute i (at 0, 0.5, 3.5, 5.575 s of 11.575 s)
@@ -362,7 +363,7 @@ def test_zero3_gathers_experts_over_the_expert_data_parallel_group():
     from hwmodels.network import build_network, collective_time
     from hwmodels.profile import load_profile
     from paraplan.placement import expert_group_layouts, group_layout
-    from simulator.simulate import _zero3_comm  # noqa: PLC2701
+    from simulator.simulate import NO_ZERO3_COMM, _zero3_comm  # noqa: PLC2701
 
     sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml")
     p = sc.plan
@@ -370,13 +371,15 @@ def test_zero3_gathers_experts_over_the_expert_data_parallel_group():
     net = build_network(sc.cluster, gpu)
     dp, (_, _, edp) = group_layout(("cp", "dp"), p, 8), expert_group_layouts(p, 8)
     assert (dp.size, edp.size, edp.num_nodes) == (16, 2, 2)
-    gather, scatter = _zero3_comm(net, [(1e8, dp), (2e8, edp)], 2)
-    assert gather == pytest.approx(collective_time(net, "all_gather", 2e8, dp)
-                                   + collective_time(net, "all_gather", 4e8, edp), rel=1e-12)
-    assert scatter == pytest.approx(collective_time(net, "reduce_scatter", 4e8, dp)
-                                    + collective_time(net, "reduce_scatter", 8e8, edp), rel=1e-12)
+    comm = _zero3_comm(net, [(1e8, dp), (2e8, edp)], 2)
+    assert comm.gather == pytest.approx(collective_time(net, "all_gather", 2e8, dp)
+                                        + collective_time(net, "all_gather", 4e8, edp), rel=1e-12)
+    assert comm.scatter == pytest.approx(collective_time(net, "reduce_scatter", 4e8, dp)
+                                         + collective_time(net, "reduce_scatter", 8e8, edp), rel=1e-12)
+    # the DP group (dp 16 with tp 2: 4 ranks on each of 4 nodes) and expert-dp both leave the node
+    assert (comm.gather_nic, comm.scatter_nic) == (comm.gather, comm.scatter)
     # a group of one holds its weights whole: nothing to move
-    assert _zero3_comm(net, [(1e8, group_layout(("cp",), p, 8))], 2) == (0.0, 0.0)
+    assert _zero3_comm(net, [(1e8, group_layout(("cp",), p, 8))], 2) == NO_ZERO3_COMM
     z0, z3 = simulate(plan_variant(sc, zero_stage=1)), simulate(plan_variant(sc, zero_stage=3))
     assert z3.breakdown["dp_comm"] > z0.breakdown["dp_comm"]
 
