@@ -138,7 +138,7 @@ def launch_problems(sc: Scenario) -> list[str]:
 
 def executor_problems(sc: Scenario) -> list[str]:
     """Reasons the executor refuses this (already scaled) plan beyond the simulator's structural
-    checks (launch_problems gives both), each naming the key at fault: the plans PyTorch 2.13's
+    checks (launch_problems gives both), each naming the key at fault: the plans PyTorch 2.11-2.13's
     pipelining and DTensor APIs cannot run correctly, and the features this executor does not
     implement; every other plan the simulator accepts runs.
     """
@@ -191,7 +191,25 @@ def executor_problems(sc: Scenario) -> list[str]:
         out.append(f"plan.cp: seq_length / cp = {t.seq_length // p.cp} must be even (two load-balanced chunks per rank)")
     if r.steps < 1:
         out.append("run.steps: needs at least 1 measured step")
+    if info is not None and info.style == "v" and p.pp > 1 and r.backend == "gloo" and _torch_before(2, 13):
+        # PyTorch before 2.13 exchanges a first message between neighbouring stages, which a V
+        # placement puts on one rank: gloo cannot send to itself ("Pair is not connected")
+        out.append(f"plan.schedule: {p.schedule} on gloo needs PyTorch >= 2.13 (earlier releases send "
+                   "between a rank's own two stages at start-up)")
     return out
+
+
+def _torch_before(major: int, minor: int) -> bool:
+    """Whether the installed PyTorch is older than major.minor (False when none is installed: the
+    launch itself then says torch is missing)."""
+    import importlib.metadata
+    import re
+
+    try:
+        found = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return tuple(int(x) for x in re.findall(r"\d+", found)[:2]) < (major, minor)
 
 
 def effective_zero_stage(plan: PlanSpec) -> int:

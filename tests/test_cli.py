@@ -247,9 +247,9 @@ def test_validate_published_bad_files_are_one_line(tmp_path):
 
 @pytest.mark.parametrize("args,message", [
     (["calibrate", "--device", "cpu", "--out", "{tmp}/p.yaml"],
-     "error: calibrate needs PyTorch, which is not installed: pip install 'torch>=2.13'\n"),
+     "error: calibrate needs PyTorch, which is not installed: pip install 'torch>=2.11'\n"),
     (["launch", TINY, "--dry-run", "--backend", "gloo", "--run-dir", "{tmp}/runs"],
-     "error: the executor needs PyTorch >= 2.13, which is not installed: pip install 'torch>=2.13'\n"),
+     "error: the executor needs PyTorch >= 2.11, which is not installed: pip install 'torch>=2.11'\n"),
 ])
 def test_commands_that_run_torch_say_so_when_it_is_missing(tmp_path, args, message):
     """Without torch (a `pip install -e .` machine) the torch commands give one line, exit 2, and

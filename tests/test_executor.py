@@ -403,3 +403,36 @@ def test_selective_recompute_modules_reach_the_blocks():
     assert dense.attn.selective_recompute
     st.set_recompute("full")
     assert dense.full_recompute and not dense.ffn_recompute and not dense.attn.selective_recompute
+
+
+def test_older_torch_is_held_to_what_was_checked_on_it(monkeypatch):
+    """PyTorch 2.11 is the floor (every equivalence plan matched on it); its V-schedule start-up
+    sends a rank's first message to itself, which gloo cannot do: refused there, NCCL allowed."""
+    import importlib.metadata
+
+    from executor.config import executor_problems
+    from paraplan.cli.torch_check import require_torch
+    from paraplan.errors import ParaplanError
+
+    zbv = scenario("pp2-zbv", pp=2, micro_batch_size=2, schedule="zbv", virtual_pipeline_stages=2)
+    for version, refused in (("2.11.0+cu130", True), ("2.13.0", False)):
+        monkeypatch.setattr(importlib.metadata, "version", lambda name, v=version: v)
+        gloo = [r for r in executor_problems(zbv) if "on gloo needs PyTorch >= 2.13" in r]
+        assert bool(gloo) is refused, (version, gloo)
+        nccl = dataclasses.replace(zbv, run=dataclasses.replace(zbv.run, backend="nccl"))
+        assert not [r for r in executor_problems(nccl) if "on gloo" in r]
+        require_torch("the executor")  # 2.11 and 2.13 both pass the floor
+    monkeypatch.setattr(importlib.metadata, "version", lambda name: "2.10.1")
+    with pytest.raises(ParaplanError, match=r"the executor needs PyTorch >= 2.11, found 2.10.1"):
+        require_torch("the executor")
+
+
+def test_the_test_optimizer_runs_its_plain_loop():
+    """SGD (the equivalence tests' optimizer) without foreach or fused kernels: 2.11's in-place
+    foreach ops skip a Partial DTensor gradient, and fused SGD has no DTensor strategy."""
+    from executor.optim import make_optimizer
+
+    opt = make_optimizer([torch.nn.Parameter(torch.ones(3))], "sgd", fused=True)
+    assert opt.defaults["foreach"] is False and not opt.defaults.get("fused")
+    adam = make_optimizer([torch.nn.Parameter(torch.ones(3))], "adam", fused=False)
+    assert adam.defaults["foreach"] is True
