@@ -113,8 +113,13 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
     cpu = info.kind == "cpu"
     foreign_base = cpu and base is not None and not _describes_this_cpu(base, info)
     by_kind: dict[str, list] = {}
+    unusable = [m for m in measurements if not (math.isfinite(m.seconds) and m.seconds > 0)]
+    if unusable:  # a timer that read 0 (or a NaN) for one item: fit the rest, say which were left out
+        notes.append(f"{len(unusable)} measurement(s) with a time that is not a positive number were left out of the "
+                     f"fits: " + ", ".join(f"{m.kind} {m.params}" for m in unusable[:3]) + (", ..." if len(unusable) > 3 else ""))
     for m in measurements:
-        by_kind.setdefault(m.kind, []).append(m)
+        if m not in unusable:
+            by_kind.setdefault(m.kind, []).append(m)
     start = base if base is not None else _cpu_template(info)
     built = Built(profile=start, notes=notes)
     prov = dict(start.provenance) if base is not None else {}
@@ -186,8 +191,8 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
         triad = by_kind.get("triad", [])
         prov["hbm.efficiency"] = (
             f"measured: {len(copies)} copies {_mb(copies[0].work)}-{_mb(copies[-1].work)} moved (STREAM copy, buffers "
-            f"rotated past the last-level cache); fitted to hwmodels.compute.memory_bound_time on {fit.n_train}, "
-            f"held-out MAPE {_pct(fit.test_mape)} on {fit.n_test}, train {_pct(fit.train_mape)}; best copy "
+            f"rotated past the last-level cache); fitted to hwmodels.compute.memory_bound_time on all {fit.n_train} "
+            f"(MAPE {_pct(fit.train_mape)}; {_held_out(fit)}); best copy "
             f"{max(m.work / m.seconds for m in copies) / 1e9:.1f} GB/s"
             + (f", best triad {max(m.work / m.seconds for m in triad) / 1e9:.1f} GB/s" if triad else ""))
     elif base is not None and bandwidth != start.hbm_bandwidth:
@@ -230,9 +235,8 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
         prov[f"gemm_efficiency.{d}"] = (
             f"measured: {len(ms)} GEMMs, {presets} training shapes of the bundled model presets (TP 1-8, 2k-8k tokens, "
             f"fwd/dgrad/wgrad; halved to the device's time budget where marked in the report) and {grid} grid "
-            f"square{'' if grid == 1 else 's'}, {what}; fitted to hwmodels.compute.gemm_time on {fit.n_train} shapes: "
-            f"held-out MAPE {_pct(fit.test_mape)} on {fit.n_test} (worst {_pct(fit.test_max_ape)}), "
-            f"train {_pct(fit.train_mape)}; best {best.work / best.seconds / 1e12:.3g} TFLOP/s at "
+            f"square{'' if grid == 1 else 's'}, {what}; fitted to hwmodels.compute.gemm_time on all {fit.n_train} "
+            f"shapes (MAPE {_pct(fit.train_mape)}; {_held_out(fit)}); best {best.work / best.seconds / 1e12:.3g} TFLOP/s at "
             f"{best.params['m']}x{best.params['n']}x{best.params['k']}")
 
     # ---- attention
@@ -256,8 +260,7 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
             f"measured: {len(ms)} torch scaled_dot_product_attention {direction} calls, causal bf16, head dims "
             f"{sorted({c['head_dim'] for c in configs})}, seq {min(c['q_len'] for c in configs)}-"
             f"{max(c['q_len'] for c in configs)} (the FlashAttention benchmark grid, scaled to the device); fitted to "
-            f"hwmodels.compute.attention_time on {fit.n_train}: held-out MAPE {_pct(fit.test_mape)} on {fit.n_test}, "
-            f"train {_pct(fit.train_mape)}")
+            f"hwmodels.compute.attention_time on all {fit.n_train} (MAPE {_pct(fit.train_mape)}; {_held_out(fit)})")
 
     # ---- memory-bound kernels vs the model (a check of the HBM curve on other kernels)
     checks = []
@@ -380,6 +383,14 @@ def _rounded(p: GpuProfile, base: GpuProfile | None) -> GpuProfile:
 
 def _mb(nbytes: float) -> str:
     return f"{nbytes / 1e6:.3g} MB"
+
+
+def _held_out(fit: F.FitResult) -> str:
+    """How the fitting did on points it had not seen: a fit without n_test of them, on those."""
+    if not fit.n_test:
+        return "too few points to hold any out"
+    return (f"fitted without {fit.n_test} of them, it predicted those with MAPE {_pct(fit.test_mape)}, "
+            f"worst {_pct(fit.test_max_ape)}")
 
 
 def _fit_json(fit: F.FitResult) -> dict:

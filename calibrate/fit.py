@@ -8,10 +8,11 @@ log of predicted / measured time (a relative error, so a 10 us GEMM counts as mu
 one) under scipy's robust soft-L1 loss (a few noisy samples on a busy machine do not drag the
 curve), with the knot values bounded to (0, 1] as the profile format requires.
 
-Held-out error: about 20% of the points are left out of each fit (`holdout_split`), and the
-fitted model is then called through the real hwmodels function on them; `FitResult.test_mape`
-is that mean absolute percentage error, the number a user should expect on shapes the
-calibration never ran.
+Held-out error: about 20% of the sizes are left out of a first fit (`holdout_split`; every point
+of a size goes together, so no twin of a held-out point is fitted), and that fit is called through
+the real hwmodels function on them; `FitResult.test_mape` is that mean absolute percentage error,
+the number a user should expect on shapes the calibration never ran. The curve written to the
+profile is then fitted again on every point: the check costs no measurement.
 
 Collectives are fitted to the alpha-beta (Hockney) model, t = alpha + f x S / B, with f the
 nccl-tests busbw factor of the op (hwmodels.network.busbw_factor): alpha is the latency, B the
@@ -50,12 +51,16 @@ ROBUST_SCALE = 0.05
 @dataclass(frozen=True, kw_only=True)
 class FitResult:
     curve: Curve
+    """fitted to every point."""
     n_train: int
+    """points the curve is fitted to: all of them."""
     n_test: int
+    """points a first fit left out to measure the error on unseen sizes."""
     train_mape: float
-    """percent, the fitted model through hwmodels on the points it was fitted to."""
+    """percent, the curve through hwmodels on every point."""
     test_mape: float
-    """percent, on the held-out points (nan when there were too few points to hold any out)."""
+    """percent, the first fit (without them) on the held-out points (nan when there were too few
+    points to hold any out)."""
     test_max_ape: float
     """percent, the worst held-out point."""
 
@@ -94,17 +99,28 @@ def _max_ape(predicted, measured) -> float:
     return float(np.max(np.abs(p - m) / m) * 100.0) if p.size else math.nan
 
 
-def holdout_split(xs: Sequence[float], *, fraction: float = HOLDOUT_FRACTION, seed: int = 0) -> tuple[list[int], list[int]]:
-    """(train, test) indices: round(fraction x n) points held out, drawn by a seeded RNG from all
-    but the smallest and largest x (a curve is clamped outside its knots, so holding out an end
-    would test an extrapolation the model never makes), leaving at least two to fit."""
-    n = len(xs)
-    order = [int(i) for i in np.argsort(np.asarray(xs, float), kind="stable")]
-    inner = order[1:-1]
-    k = min(int(round(fraction * n)), len(inner), max(0, n - 2))
-    test = sorted(int(i) for i in np.random.default_rng(seed).choice(inner, size=k, replace=False)) if k > 0 else []
+def holdout_split(xs: Sequence[float], *, fraction: float = HOLDOUT_FRACTION, seed: int = 0,
+                  keys: Sequence | None = None) -> tuple[list[int], list[int]]:
+    """(train, test) indices: round(fraction x units) units held out, a unit being every point of
+    one key (default: of one x). Points of one key get the same prediction from the model (a
+    repeated GEMM shape; attention configurations of equal FLOPs, which is all attention_time
+    reads), so a fitted twin would turn the held-out error into a training error. Units are drawn
+    by a seeded RNG from all but those holding the smallest and largest x (a curve is clamped
+    outside its knots, so holding out an end would test an extrapolation the model never makes),
+    leaving at least two units to fit."""
+    x = np.asarray(xs, float)
+    keys = [float(v) for v in x] if keys is None else list(keys)
+    units: dict = {}
+    for i, key in enumerate(keys):
+        units.setdefault(key, []).append(i)
+    lo, hi = (float(x.min()), float(x.max())) if len(x) else (0.0, 0.0)
+    inner = [key for key, idx in units.items() if not {float(x[i]) for i in idx} & {lo, hi}]
+    inner.sort(key=lambda key: (min(float(x[i]) for i in units[key]), units[key][0]))
+    k = min(int(round(fraction * len(units))), len(inner), max(0, len(units) - 2))
+    picked = np.random.default_rng(seed).choice(len(inner), size=k, replace=False) if k > 0 else []
+    test = sorted(i for j in picked for i in units[inner[int(j)]])
     held = set(test)
-    return [i for i in range(n) if i not in held], test
+    return [i for i in range(len(x)) if i not in held], test
 
 
 def choose_knots(xs: Sequence[float], *, per_knot: int = 3, max_knots: int = 16, min_gap: float = 0.1) -> np.ndarray:
@@ -170,16 +186,29 @@ def _fit_knot_values(predict: Callable[[np.ndarray], np.ndarray], measured: np.n
     return np.clip(sol.x, EFF_MIN, EFF_MAX)
 
 
-def _result(curve: Curve, model: Callable[[Curve, int], float], seconds: Sequence[float], train, test) -> FitResult:
-    """Errors of the fitted `curve` through the real hwmodels function `model(curve, i)`."""
-    pred_train = [model(curve, i) for i in train]
-    pred_test = [model(curve, i) for i in test]
+def _validated(fit_on: Callable[[list[int]], Curve], model: Callable[[Curve, int], float], seconds: Sequence[float],
+               train, test) -> FitResult:
+    """Fit on `train`, measure that curve through the real hwmodels function `model(curve, i)` on
+    `test`, then fit again on every point for the curve to keep (its error over all of them is
+    `train_mape`)."""
+    held = fit_on(train)
+    pred_test = [model(held, i) for i in test]
+    everything = sorted(train + test)
+    curve = fit_on(everything) if test else held
     return FitResult(
-        curve=curve, n_train=len(train), n_test=len(test),
-        train_mape=mape(pred_train, [seconds[i] for i in train]),
+        curve=curve, n_train=len(everything), n_test=len(test),
+        train_mape=mape([model(curve, i) for i in everything], [seconds[i] for i in everything]),
         test_mape=mape(pred_test, [seconds[i] for i in test]),
         test_max_ape=_max_ape(pred_test, [seconds[i] for i in test]),
     )
+
+
+def _above_floor(x: np.ndarray, t: np.ndarray) -> np.ndarray:
+    """The sizes to place knots at: those whose time is above one kernel's overhead (5% margin).
+    A kernel timed at the floor says only that it is fast; a knot there could take any value
+    (even efficiency 1 at a few MFLOP), and the curve is clamped below its first knot anyway."""
+    keep = x[t > 1.05 * KERNEL_OVERHEAD]
+    return keep if keep.size else x
 
 
 def _split(n: int, xs, train, test):
@@ -201,15 +230,18 @@ def fit_hbm(nbytes: Sequence[float], seconds: Sequence[float], *, bandwidth: flo
     efficiency bound 1 for it and the error says so."""
     b, t = np.asarray(nbytes, float), np.asarray(seconds, float)
     train, test = _split(len(b), b, train, test)
-    bt, tt = b[train], t[train]
-    knots = choose_knots(bt, per_knot=1)  # one copy per size, ~4x apart: a knot at each, an efficiency table
-    raw = bt / (bandwidth * np.maximum(tt - KERNEL_OVERHEAD, 0.1 * tt))
-    ys = _fit_knot_values(lambda ys: KERNEL_OVERHEAD + bt / (bandwidth * _interp(bt, knots, ys)), tt,
-                          _initial(bt, raw, knots))
-    curve = Curve(tuple(knots), tuple(ys))
-    probe = _bare_profile(bandwidth=bandwidth, hbm=curve)
-    return _result(curve, lambda c, i: memory_bound_time(dataclasses.replace(probe, hbm_efficiency=c), b[i]),
-                   t, train, test)
+
+    def fit_on(idx: list[int]) -> Curve:
+        bt, tt = b[idx], t[idx]
+        knots = choose_knots(bt, per_knot=1)  # one copy per size, ~4x apart: a knot at each, an efficiency table
+        raw = bt / (bandwidth * np.maximum(tt - KERNEL_OVERHEAD, 0.1 * tt))
+        ys = _fit_knot_values(lambda ys: KERNEL_OVERHEAD + bt / (bandwidth * _interp(bt, knots, ys)), tt,
+                              _initial(bt, raw, knots))
+        return Curve(tuple(knots), tuple(ys))
+
+    probe = _bare_profile(bandwidth=bandwidth, hbm=Curve((1.0,), (1.0,)))
+    return _validated(fit_on, lambda c, i: memory_bound_time(dataclasses.replace(probe, hbm_efficiency=c), b[i]),
+                      t, train, test)
 
 
 def _bare_profile(*, bandwidth: float, hbm: Curve) -> GpuProfile:
@@ -237,21 +269,26 @@ def fit_gemm(shapes: Sequence[tuple[int, int, int]], seconds: Sequence[float], *
     peak = profile.peak(dtype)
     nbytes = (m * k + k * n + m * n) * dtype_bytes(dtype)
     t_mem = nbytes / (profile.hbm_bandwidth * np.array([profile.hbm_efficiency(x) for x in nbytes]))
+    if train is None:  # a repeated shape is one unit of the hold-out
+        train, test = holdout_split(flops, keys=[tuple(sh) for sh in shapes])
     train, test = _split(len(t), flops, train, test)
-    ft, tt, mt = flops[train], t[train], t_mem[train]
-    knots = choose_knots(ft)
-    raw = ft / (peak * np.sqrt(np.maximum(tt**2 - mt**2, (0.1 * tt) ** 2)))
-    # gemm_time's own form: the roofline of compute and HBM time, floored at one kernel's overhead
-    ys = _fit_knot_values(lambda ys: np.maximum(np.hypot(_compute_times(ft, peak, knots, ys), mt), KERNEL_OVERHEAD),
-                          tt, _initial(ft, raw, knots))
-    curve = Curve(tuple(knots), tuple(ys))
+
+    def fit_on(idx: list[int]) -> Curve:
+        ft, tt, mt = flops[idx], t[idx], t_mem[idx]
+        knots = choose_knots(_above_floor(ft, tt))
+        raw = ft / (peak * np.sqrt(np.maximum(tt**2 - mt**2, (0.1 * tt) ** 2)))
+        # gemm_time's own form: the roofline of compute and HBM time, floored at one kernel's overhead
+        ys = _fit_knot_values(lambda ys: np.maximum(np.hypot(_compute_times(ft, peak, knots, ys), mt), KERNEL_OVERHEAD),
+                              tt, _initial(ft, raw, knots))
+        return Curve(tuple(knots), tuple(ys))
+
     key = "tf32" if dtype == "fp32" else dtype  # fp32 GEMMs run on the TF32 curve (hwmodels.profile)
 
     def model(c: Curve, i: int) -> float:
         curves = tuple((d, c if d == key else cv) for d, cv in profile.gemm_efficiency)
         return gemm_time(dataclasses.replace(profile, gemm_efficiency=curves), int(m[i]), int(n[i]), int(k[i]), dtype)
 
-    return _result(curve, model, t, train, test)
+    return _validated(fit_on, model, t, train, test)
 
 
 # ----------------------------------------------------------------------------- attention
@@ -269,17 +306,20 @@ def fit_attention(configs: Sequence[dict], seconds: Sequence[float], *, backward
     flops = np.array([attention_flops(**c, backward=backward) for c in configs])
     peak = profile.peak(_attention_dtype(dtype))
     train, test = _split(len(t), flops, train, test)
-    ft, tt = flops[train], t[train]
-    knots = choose_knots(ft, per_knot=2)  # few configurations, each a smooth average over many tiles
-    ys = _fit_knot_values(lambda ys: np.maximum(_compute_times(ft, peak, knots, ys), KERNEL_OVERHEAD), tt,
-                          _initial(ft, ft / (peak * tt), knots))
-    curve = Curve(tuple(knots), tuple(ys))
+
+    def fit_on(idx: list[int]) -> Curve:
+        ft, tt = flops[idx], t[idx]
+        knots = choose_knots(_above_floor(ft, tt), per_knot=2)  # few configurations, each a smooth average over many tiles
+        ys = _fit_knot_values(lambda ys: np.maximum(_compute_times(ft, peak, knots, ys), KERNEL_OVERHEAD), tt,
+                              _initial(ft, ft / (peak * tt), knots))
+        return Curve(tuple(knots), tuple(ys))
+
     field = "attention_bwd_efficiency" if backward else "attention_fwd_efficiency"
 
     def model(c: Curve, i: int) -> float:
         return attention_time(dataclasses.replace(profile, **{field: c}), **configs[i], dtype=dtype, backward=backward)
 
-    return _result(curve, model, t, train, test)
+    return _validated(fit_on, model, t, train, test)
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -291,22 +331,29 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float], *, factor:
     time ratio (so small, latency-bound messages weigh as much as large ones)."""
     b, t = np.asarray(nbytes, float), np.asarray(seconds, float)
     train, test = _split(len(b), b, train, test)
-    bt, tt = b[train], t[train]
-    logm = np.log(tt)
-    bw0 = float(np.max(factor * bt / tt))
-    a0 = max(float(np.min(tt)) * 0.5, 1e-9)
 
-    def residuals(p):
-        alpha, logbw = p[0] * 1e-6, p[1]
-        return np.log(alpha + factor * bt / np.exp(logbw)) - logm
+    def fit_on(idx: list[int]) -> tuple[float, float]:
+        bt, tt = b[idx], t[idx]
+        logm = np.log(tt)
+        bw0 = float(np.max(factor * bt / tt))
+        a0 = max(float(np.min(tt)) * 0.5, 1e-9)
 
-    sol = least_squares(residuals, [a0 * 1e6, math.log(bw0)], bounds=([0.0, -np.inf], [np.inf, np.inf]),
-                        loss="soft_l1", f_scale=ROBUST_SCALE, x_scale="jac", max_nfev=2000)
-    alpha, busbw = float(sol.x[0]) * 1e-6, float(math.exp(sol.x[1]))
-    ab = AlphaBeta(alpha=alpha, busbw=busbw, factor=factor, n_train=len(train), n_test=len(test),
-                   train_mape=math.nan, test_mape=math.nan)
+        def residuals(p):
+            alpha, logbw = p[0] * 1e-6, p[1]
+            return np.log(alpha + factor * bt / np.exp(logbw)) - logm
+
+        sol = least_squares(residuals, [a0 * 1e6, math.log(bw0)], bounds=([0.0, -np.inf], [np.inf, np.inf]),
+                            loss="soft_l1", f_scale=ROBUST_SCALE, x_scale="jac", max_nfev=2000)
+        return float(sol.x[0]) * 1e-6, float(math.exp(sol.x[1]))
+
+    # as the curves: the held-out error of a fit without the test sizes, then the fit of all points
+    held = AlphaBeta(alpha=0.0, busbw=1.0, factor=factor, n_train=0, n_test=0, train_mape=math.nan, test_mape=math.nan)
+    held = dataclasses.replace(held, **dict(zip(("alpha", "busbw"), fit_on(train))))
+    everything = sorted(train + test)
+    alpha, busbw = fit_on(everything) if test else (held.alpha, held.busbw)
+    ab = dataclasses.replace(held, alpha=alpha, busbw=busbw, n_train=len(everything), n_test=len(test))
     return dataclasses.replace(
         ab,
-        train_mape=mape([ab.time(x) for x in bt], tt),
-        test_mape=mape([ab.time(b[i]) for i in test], [t[i] for i in test]),
+        train_mape=mape([ab.time(b[i]) for i in everything], [t[i] for i in everything]),
+        test_mape=mape([held.time(b[i]) for i in test], [t[i] for i in test]),
     )

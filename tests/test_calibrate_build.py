@@ -85,7 +85,7 @@ def test_gpu_profile_recovers_the_base_it_was_measured_on(tmp_path):
     assert built.fits["collective.intra.all_reduce"]["alpha_us"] == pytest.approx(15.0, rel=0.02)
     prov = dict(p.provenance)
     assert "NVIDIA H100 80GB HBM3" in prov["calibration"] and "driver 550.54.15" in prov["calibration"]
-    assert "held-out MAPE" in prov["gemm_efficiency.bf16"] and prov["gemm_efficiency.tf32"] == dict(H100.provenance)[
+    assert "it predicted those with MAPE" in prov["gemm_efficiency.bf16"] and prov["gemm_efficiency.tf32"] == dict(H100.provenance)[
         "gemm_efficiency.tf32"]
     assert "nccl" in prov["collectives.intra"] and "measured" in prov["nvlink.allreduce_busbw"]
     # the file round trip a scenario depends on
@@ -176,3 +176,16 @@ def test_cpu_profile_names_say_whose_fields_they_hold():
     assert (alone.name, again.name) == ("cpu-some-cpu-8-core", "cpu-some-cpu-8-core")
     assert hybrid.name == on_hybrid.name == "cpu-some-cpu-8-core-with-h100-sxm-80gb"
     assert not any(v.startswith("inherited") for v in dict(again.provenance).values())
+
+
+def test_a_measurement_that_is_not_a_positive_time_is_left_out_with_a_note():
+    """One timer reading of 0 or NaN used to abort the whole fit (and lose every measurement)."""
+    rates = rates_from_profile(H100, ("bf16",), memory_budget=40 * 2**30)
+    plan = build_plan(device="cuda", quick=True, dtypes=("bf16",), rates=rates)
+    ms = _measure(H100, plan, ("bf16",))
+    gemms = [i for i, m in enumerate(ms) if m.kind == "gemm"]
+    ms[gemms[3]] = dataclasses.replace(ms[gemms[3]], seconds=0.0)
+    ms[gemms[5]] = dataclasses.replace(ms[gemms[5]], seconds=float("nan"))
+    built = _build(GPU, H100, ms)
+    assert any(n.startswith("2 measurement(s) with a time that is not a positive number were left out") for n in built.notes)
+    assert built.fits["gemm.bf16"]["n_train"] == len(gemms) - 2

@@ -38,6 +38,36 @@ def test_holdout_split_keeps_the_ends_and_is_deterministic():
     assert holdout_split([1.0, 2.0]) == ([0, 1], [])  # too few to hold any out
 
 
+def test_holdout_split_holds_out_every_point_of_a_size_together():
+    """Equal x (attention configurations of equal FLOPs, a repeated shape): the curve cannot tell
+    them apart, so a fitted twin would turn the held-out error into a training error."""
+    xs = [float(2**i) for i in range(10) for _ in range(3)]  # each size three times
+    train, test = holdout_split(xs)
+    held = {xs[i] for i in test}
+    assert test and not held & {xs[i] for i in train}
+    assert len(test) == 3 * len(held) == 6
+
+
+def test_the_written_curve_is_fitted_to_every_point():
+    """The hold-out only measures the procedure; the profile's curve uses all the measurements."""
+    shapes = _shapes(60, seed=5)
+    times = _noisy([gemm_time(H100, m, n, k, "bf16") for m, n, k in shapes])
+    checked = fit_gemm(shapes, times, dtype="bf16", profile=H100)
+    everything = fit_gemm(shapes, times, dtype="bf16", profile=H100, train=list(range(60)), test=[])
+    assert checked.n_test == 12 and checked.curve == everything.curve
+
+
+def test_knots_start_above_the_launch_floor():
+    """GEMMs timed at the 3 us floor say only that they are fast: no knot there (a quick plan's
+    fp8 curve had put efficiency 1.0 at 4 MFLOP), the curve clamps below its first knot."""
+    shapes = [(s, s, s) for s in (64, 96, 128, 160, 192, 256)] + _shapes(40, seed=2, lo=9, hi=14)
+    times = [gemm_time(H100, m, n, k, "fp8") for m, n, k in shapes]
+    fit = fit_gemm(shapes, times, dtype="fp8", profile=H100)
+    timed = [2.0 * m * n * k for (m, n, k), t in zip(shapes, times) if t > 1.05 * 3e-6]
+    assert fit.curve.xs[0] == pytest.approx(min(timed), rel=1e-6)
+    assert max(fit.curve.ys) < 0.75  # H100 fp8 GEMMs peak near 0.70 of the datasheet
+
+
 def test_choose_knots_span_the_data_and_stay_apart():
     xs = np.geomspace(1e6, 1e13, 40)
     k = choose_knots(xs)
@@ -51,7 +81,7 @@ def test_fit_gemm_recovers_the_bundled_h100_curve(dtype):
     shapes = _shapes(120)
     truth = [gemm_time(H100, m, n, k, dtype) for m, n, k in shapes]
     fit = fit_gemm(shapes, _noisy(truth), dtype=dtype, profile=H100)
-    assert fit.n_test == 24 and fit.n_train == 96
+    assert fit.n_test == 24 and fit.n_train == 120  # the written curve is fitted to every point
     # the held-out error is the 2% noise plus the knot mismatch at the true curve's corners, no more
     assert fit.test_mape < 3.0, fit
     # the recovered profile predicts 200 fresh shapes, noise-free, within 2.5% on average

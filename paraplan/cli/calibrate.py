@@ -75,7 +75,7 @@ def format_summary(o) -> str:
     lines = [f"wrote {o.path}: {p.name} (calibrated in {o.wall_s:.1f} s)", f"  device      {o.info.describe()}"]
     gemm = [(d, f[f"gemm.{d}"]) for d in ("tf32", "fp16", "bf16", "fp8") if f"gemm.{d}" in f]
     if gemm:
-        lines.append("  GEMM        shapes  best TFLOP/s  peak TFLOP/s  best eff  median eff  held-out MAPE (n)  train MAPE")
+        lines.append("  GEMM        shapes  best TFLOP/s  peak TFLOP/s  best eff  median eff  held-out MAPE (n)    fit MAPE")
         for d, g in gemm:
             lines.append(f"    {d:<8} {g['shapes']:>8}  {g['best_tflops']:>12.4g}  {p.peak(d) / 1e12:>12.4g}  "
                          f"{g['best_efficiency']:>8.3f}  {g['median_efficiency']:>10.3f}  "
