@@ -166,6 +166,9 @@ class Refit:
     predicted_before_s: float
     predicted_after_s: float
     measured_s: float
+    note: str = ""
+    """Why the measurement was not reached, when it was not (every efficiency capped at 1, or the
+    residual is in time the compute curves do not set)."""
 
     @property
     def error_before_pct(self) -> float:
@@ -177,18 +180,30 @@ class Refit:
 
 
 def scaled_profile(profile, k: float):
-    """`profile` with its GEMM and attention efficiencies times k, kept in (0, 1]."""
+    """`profile` with its GEMM and attention efficiencies (FlashAttention-2-class and, where the
+    profile has them, FlashAttention-3-class) times k, kept in (0, 1]."""
     from hwmodels.curves import Curve
 
     def scale(c):
         return Curve(c.xs, tuple(min(1.0, max(1e-9, y * k)) for y in c.ys))
 
+    flash3 = profile.attention_flash3_efficiency
     return dataclasses.replace(
         profile,
         gemm_efficiency=tuple((d, scale(c)) for d, c in profile.gemm_efficiency),
         attention_fwd_efficiency=scale(profile.attention_fwd_efficiency),
         attention_bwd_efficiency=scale(profile.attention_bwd_efficiency),
+        attention_flash3_efficiency=None if flash3 is None else tuple(scale(c) for c in flash3),
     )
+
+
+def _saturating_factor(profile) -> float:
+    """The k beyond which every scaled efficiency sits at 1: more changes nothing."""
+    ys = [y for _, c in profile.gemm_efficiency for y in c.ys]
+    ys += list(profile.attention_fwd_efficiency.ys) + list(profile.attention_bwd_efficiency.ys)
+    for c in profile.attention_flash3_efficiency or ():
+        ys += list(c.ys)
+    return 1.0 / min(ys)
 
 
 def refit(sc, measured_s: float, *, config: str = "", when: _dt.datetime | None = None,
@@ -245,8 +260,24 @@ def refit(sc, measured_s: float, *, config: str = "", when: _dt.datetime | None 
             if not bracket_lo < x2 < bracket_hi:
                 x2 = (bracket_lo + bracket_hi) / 2
             x0, g0, x1 = x1, g1, x2
-        best = min(cache, key=lambda kk: abs(math.log(cache[kk] / measured_s)))
-        after = cache[best]
+        closest = min(abs(math.log(t / measured_s)) for t in cache.values())
+        # of the factors that come as close, the smallest: past saturation every k predicts alike
+        best = min(kk for kk, t in cache.items() if abs(math.log(t / measured_s)) <= closest + 1e-12)
+        saturating = _saturating_factor(base)
+        if best > saturating:  # every efficiency is at 1 from there on: report that factor, not the bracket's end
+            best = saturating
+        after = sim(best)
+    note = ""
+    if abs(math.log(after / measured_s)) > 2 * rel_tol:
+        if measured_s < after:
+            capped = best >= saturating
+            note = (f"the measurement ({measured_s * 1e3:.4g} ms) is faster than any compute efficiency reaches: "
+                    + ("every GEMM and attention efficiency is at 1 (peak), " if capped else "")
+                    + f"the remaining {after * 1e3:.4g} ms is time the compute curves do not set (communication, "
+                    "memory-bound kernels, the pipeline); the refit profile holds the closest it got")
+        else:
+            note = (f"the measurement ({measured_s * 1e3:.4g} ms) is slower than the lowest efficiency tried "
+                    f"reaches ({after * 1e3:.4g} ms)")
 
     when = when or _dt.datetime.now(_dt.timezone.utc)
     what = (f"refit by paraplan validate on {when.strftime('%Y-%m-%d %H:%M UTC')} from run of {config or sc.name} "
@@ -254,12 +285,12 @@ def refit(sc, measured_s: float, *, config: str = "", when: _dt.datetime | None 
             f"{sc.model.hidden_size}, seq {sc.training.seq_length}, {sc.training.precision}): measured step "
             f"{measured_s * 1e3:.4g} ms vs predicted {before * 1e3:.4g} ms; efficiency x{best:.4g} (capped at 1), "
             f"re-predicted {after * 1e3:.4g} ms; base profile {base.name}")
-    prov = dict(base.provenance)
-    prov["gemm_efficiency"] = what
-    prov["attention_efficiency"] = what
-    prov["refit"] = what
+    prov = {key: (f"{text} [then scaled x{best:.4g} by a refit, see 'refit']"
+                  if key.startswith(("gemm_efficiency", "attention_efficiency")) else text)
+            for key, text in base.provenance}
+    prov["refit"] = what + (f"; {note}" if note else "")
     name = base.name if base.name.endswith("-refit") else f"{base.name}-refit"
     profile = dataclasses.replace(scaled_profile(base, best), name=name, calibrated=True,
                                   provenance=tuple(prov.items()))
     return Refit(profile=profile, factor=best, predicted_before_s=before, predicted_after_s=after,
-                 measured_s=measured_s)
+                 measured_s=measured_s, note=note)

@@ -186,3 +186,36 @@ def test_resolve_profile_keeps_bundled_names_and_makes_paths_absolute(profile, m
     assert resolve_profile("h100-sxm-80gb") == "h100-sxm-80gb"
     monkeypatch.chdir(Path(profile).parent)
     assert resolve_profile(Path(profile).name) == str(Path(profile).resolve())
+
+
+def _hopper_tiny():
+    from paraplan.loader import load_scenario
+
+    return load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml",
+                         ["cluster.gpu=h100-sxm-80gb", "training.attention=flash3"])
+
+
+def test_refit_scales_the_attention_kernel_the_plan_runs():
+    """A plan on the Hopper attention kernel (flash3) is refit through that kernel's curves too,
+    and every curve's provenance says it was scaled (no stale held-out figures)."""
+    sc = _hopper_tiny()
+    before = simulate(sc).step_time_s
+    fit = refit(sc, 1.5 * before, config="tiny")
+    assert fit.note == "" and abs(fit.error_after_pct) < 1.0
+    base = load_profile("h100-sxm-80gb")
+    for old, new in zip(base.attention_flash3_efficiency, fit.profile.attention_flash3_efficiency):
+        assert new.ys == pytest.approx([y * fit.factor for y in old.ys])
+    prov = dict(fit.profile.provenance)
+    assert prov["gemm_efficiency.bf16"].endswith(f"[then scaled x{fit.factor:.4g} by a refit, see 'refit']")
+
+
+def test_refit_says_when_no_efficiency_reaches_the_measurement():
+    """Five times faster than predicted: every efficiency capped at 1 cannot get there; the refit
+    says so and reports the smallest factor that gets as close, not an arbitrary 1e4."""
+    sc = _hopper_tiny()
+    before = simulate(sc).step_time_s
+    fit = refit(sc, 0.2 * before, config="tiny")
+    assert "is faster than any compute efficiency reaches" in fit.note and "at 1 (peak)" in fit.note
+    assert fit.factor < 1e3 and fit.error_after_pct > 10
+    assert all(y == 1.0 for _, c in fit.profile.gemm_efficiency for y in c.ys)
+    assert fit.note in dict(fit.profile.provenance)["refit"]

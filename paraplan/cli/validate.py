@@ -67,7 +67,8 @@ def run(args) -> int:
         r = refit(sc, m["step_time_s"], config=args.config, simulated=sim)
         write_profile(r.profile, args.refit)
         report["refit"] = {"out": args.refit, "profile": r.profile.name, "factor": r.factor,
-                           "predicted_step_time_s": r.predicted_after_s, "error_pct": r.error_after_pct}
+                           "predicted_step_time_s": r.predicted_after_s, "error_pct": r.error_after_pct,
+                           "note": r.note}
     print(json.dumps(report, indent=1) if args.json else format_report(report))
     return 0 if report["within_tolerance"] else 1  # a check that failed, as diff and pytest report it
 
@@ -95,5 +96,7 @@ def format_report(r: dict) -> str:
         f = r["refit"]
         lines.append(f"  refit: efficiency x{f['factor']:.3g} -> {f['out']} ({f['profile']}); "
                      f"re-predicted {f['predicted_step_time_s'] * 1e3:.2f} ms, error {f['error_pct']:+.1f} %")
+        if f.get("note"):
+            lines.append(f"  refit note: {f['note']}")
     lines += [f"  note: {n}" for n in r["notes"]]
     return "\n".join(x for x in lines if x is not None)
