@@ -336,7 +336,8 @@ def megatron_notes(sc: Scenario) -> list[str]:
     if m.moe is not None and p.moe_shared_expert_overlap and m.moe.num_shared_experts \
             and not _shared_expert_overlap_runs(sc):
         notes.append(f"Megatron-LM overlaps the shared experts with the dispatch only under the alltoall "
-                     f"dispatcher; with {p.moe_dispatcher} they run before the router (slower than simulated).")
+                     f"dispatcher and refuses the flag with {p.moe_dispatcher}, so it is left out (the simulator "
+                     f"refuses this plan for the same reason).")
     return notes
 
 

@@ -138,6 +138,11 @@ def _moe_problems(sc: Scenario) -> list[str]:
         # Megatron-Core TransformerConfig: "moe_shared_expert_overlap only works with shared expert model."
         out.append("plan.moe_shared_expert_overlap: needs shared experts (model.moe.num_shared_experts > 0); "
                    "this model has none")
+    if p.moe_shared_expert_overlap and p.moe_dispatcher != "alltoall":
+        # Megatron-Core TransformerConfig: "moe_shared_expert_overlap only works with alltoall token
+        # dispatcher" (the flex/DeepEP dispatcher's set_shared_experts raises NotImplementedError)
+        out.append(f"plan.moe_shared_expert_overlap: works with moe_dispatcher alltoall only, not {p.moe_dispatcher} "
+                   "(Megatron-Core); set it false")
     if e.num_experts % p.ep:
         out.append(f"plan.ep: {p.ep} does not divide model.moe.num_experts ({e.num_experts})")
     block = p.tp * p.cp * p.dp

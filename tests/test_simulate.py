@@ -663,3 +663,11 @@ def test_zero3_and_cross_node_context_parallel_traffic_holds_the_nic(monkeypatch
     assert all(v == 0 for v in nic_of(pp=8, dp=8).values())  # DP group of 8 consecutive ranks: one node
     ring = nic_of(pp=1, cp=16, dp=4, zero_stage=1)            # CP ring of 16 ranks over 2 nodes
     assert ring[("F", 0)] > 0
+
+
+def test_shared_expert_overlap_needs_the_alltoall_dispatcher():
+    """Megatron-Core: "moe_shared_expert_overlap only works with alltoall token dispatcher"."""
+    sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml", ["plan.moe_shared_expert_overlap=true"])
+    with pytest.raises(InfeasiblePlanError, match="plan.moe_shared_expert_overlap: works with moe_dispatcher "
+                                                  "alltoall only, not deepep"):
+        simulate(sc)
