@@ -280,6 +280,14 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     # Permute copies by expert before dispatch; unpermute and weight-sum after combine.
     permute = memory_bound_time(ctx.gpu, factor * 2 * copies * h * b)
     unpermute = memory_bound_time(ctx.gpu, factor * (2 * copies * h * b + routed * h * b))
+    if ctx.plan.moe_dispatcher == "alltoall" and ctx.plan.ep > 1 and experts // ctx.plan.ep > 1:
+        # the received tokens arrive grouped by source rank: Megatron-Core's alltoall dispatcher sorts
+        # them by local expert after the exchange and back before the combine (token_dispatcher.py
+        # dispatch_postprocess "Permutation 2: Sort tokens by local expert", combine_preprocess
+        # "Unpermutation 2", sort_chunks_by_idxs), each a read and a write of the received tokens
+        sort = memory_bound_time(ctx.gpu, factor * 2 * load * h * b)
+        permute += sort
+        unpermute += sort
     experts_t = expert_compute_time(ctx, busiest, backward)
     # All-to-all-v: every rank sends copies x h; the busiest receives load x h. The exchange ends
     # when the largest of those has moved (dispatch and combine move the same bytes; backward the
