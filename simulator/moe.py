@@ -238,8 +238,10 @@ def deepep_time(ctx, routed: float, skew: float, ep_layout) -> float:
     same local index there) and is forwarded over NVLink to that node's experts. Network bytes per
     rank: routed tokens x expected remote nodes reached x h. NVLink: every copy a GPU receives crosses
     NVLink once, sent directly by a peer in its node or forwarded by the peer that took it off the
-    network, so the NVLink leg moves all copies, as a one-node all-to-all would. The two overlap;
-    `skew` scales both for the busiest rank's receive side."""
+    network, so the NVLink leg moves a token once per destination rank (DeepEP's is_token_in_rank:
+    a rank receives each token once however many of its experts chose it, and expands it to those
+    experts itself), as a one-node DeepEP dispatch would. The two overlap; `skew` scales both for
+    the busiest rank's receive side."""
     m, b = ctx.model, ctx.act_bytes
     h, nodes = m.hidden_size, ep_layout.num_nodes
     remote_nodes = nodes_reached(m.moe.num_experts, m.moe.top_k, nodes) * (nodes - 1) / nodes
@@ -247,9 +249,19 @@ def deepep_time(ctx, routed: float, skew: float, ep_layout) -> float:
     # one network hop per destination node, each a point-to-point transfer of its share
     rdma = collective_time(ctx.network, "send_recv", net_bytes, GroupLayout(size=2, ranks_per_node=1, num_nodes=2))
     ppn = ep_layout.ranks_per_node
-    nvl_bytes = routed * m.moe.top_k * h * b * skew
+    nvl_bytes = routed * m.moe.top_k * deepep_rank_share(ctx, ep_layout) * h * b * skew
     nvl = collective_time(ctx.network, "all_to_all", nvl_bytes, GroupLayout(size=ppn, ranks_per_node=ppn, num_nodes=1))
     return max(rdma, nvl)
+
+
+def deepep_rank_share(ctx, ep_layout) -> float:
+    """The fraction of a token's top_k copies DeepEP moves: one per distinct destination rank,
+    E[ranks reached] / top_k with the experts spread evenly over the EP ranks and picked uniformly
+    (nodes_reached with ranks for nodes; Megatron-Core fused_a2a FusedDispatch builds
+    is_token_in_rank with get_dispatch_layout, DeepEP Buffer.intranode_dispatch receives
+    num_recv_tokens distinct tokens). Qwen3-235B, 128 experts top-8 on EP 8: 5.3 of 8."""
+    e = ctx.model.moe
+    return nodes_reached(e.num_experts, e.top_k, ep_layout.size) / e.top_k
 
 
 def _shared_experts(ctx, backward: bool) -> tuple[float, float]:
@@ -295,6 +307,8 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     a2a_bytes = max(copies, load) * h * b
     if ctx.plan.moe_dispatcher == "deepep" and ep_layout.num_nodes > 1:
         a2a = deepep_time(ctx, routed, max(1.0, load / copies), ep_layout)
+    elif ctx.plan.moe_dispatcher == "deepep":  # inside one node: each token once per destination rank
+        a2a = collective_time(ctx.network, "all_to_all", a2a_bytes * deepep_rank_share(ctx, ep_layout), ep_layout)
     else:
         a2a = collective_time(ctx.network, "all_to_all", a2a_bytes, ep_layout)
     etp_comm = 0.0

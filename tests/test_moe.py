@@ -347,3 +347,22 @@ def test_alltoall_dispatcher_sorts_received_tokens_by_local_expert(h100_net):
         extra = (moe_block(a2a, draw, ep, etp, overlap_shared=False)(a2a, backward).parts["compute"]
                  - moe_block(flex, draw, ep, etp, overlap_shared=False)(flex, backward).parts["compute"])
         assert extra == pytest.approx(2 * memory_bound_time(gpu, factor * 2 * load * h * 2), rel=1e-9)
+
+
+def test_deepep_moves_a_token_once_per_destination_rank(h100_net):
+    """DeepEP sends a token to a rank once however many of that rank's experts chose it; the rank
+    expands it to its experts. Qwen3's 128 experts top-8 on EP 8 reach 5.34 ranks: 2/3 of the copies."""
+    from simulator.moe import deepep_rank_share
+
+    sc, gpu, net = h100_net
+    qwen = replace(sc.model, moe=replace(sc.model.moe, num_experts=128, top_k=8))
+    base = dict(tp=1, pp=1, dp=64, ep=8, virtual_pipeline_stages=1, schedule="1f1b")
+    _, a2a = _ctx(replace(sc, model=qwen), gpu, net, **base, moe_dispatcher="alltoall")
+    _, flex = _ctx(replace(sc, model=qwen), gpu, net, **base, moe_dispatcher="deepep")
+    etp, ep, _ = expert_group_layouts(a2a.plan, 8)
+    assert ep.num_nodes == 1 and deepep_rank_share(flex, ep) == pytest.approx(5.3394 / 8, rel=1e-4)
+    draw = draw_routing(qwen.moe, 8, a2a.tokens, balanced=True)
+    ep_comm = lambda ctx: moe_block(ctx, draw, ep, etp, overlap_shared=False)(ctx, False).parts["ep_comm"]  # noqa: E731
+    copies = draw.sent_per_rank * qwen.hidden_size * 2
+    assert ep_comm(a2a) == pytest.approx(2 * collective_time(net, "all_to_all", copies, ep), rel=1e-6)
+    assert ep_comm(flex) == pytest.approx(2 * collective_time(net, "all_to_all", copies * 5.3394 / 8, ep), rel=1e-4)
