@@ -153,11 +153,14 @@ def busbw_factor(op: str, n: int) -> float:
 
 
 def _crosses_spine(net: Network, group: GroupLayout) -> bool:
-    """The group's nodes are taken as packed under leaves (the placement fills nodes in rank
-    order); it leaves its leaf when it spans more nodes than a leaf holds. Rail-optimized: every
+    """Where the placement says (GroupLayout.crosses_leaf: its nodes under two leaves, e.g. a
+    pipeline hop between stages on neighbouring leaves), that; otherwise the group's nodes are
+    taken as packed under one leaf until it spans more nodes than a leaf holds. Rail-optimized: every
     rail has its own leaf over the same nodes_per_leaf nodes and NCCL keeps rings and trees on one
     rail (PXN moves cross-rail traffic over NVLink first), so the rule is the same for both
     topologies; with fat-tree the user's nodes_per_leaf should count nodes whose NICs share a leaf."""
+    if group.crosses_leaf is not None:
+        return group.crosses_leaf and group.num_nodes > 1
     return group.num_nodes > net.nodes_per_leaf
 
 

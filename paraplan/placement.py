@@ -78,71 +78,97 @@ class GroupLayout:
     that node can draw on, ranks_per_node NIC shares (the same on every node where the group is
     spread evenly)."""
     num_nodes: int
+    crosses_leaf: bool | None = None
+    """Whether the group's nodes sit under more than one leaf switch (its traffic then crosses the
+    spine), read off the placement where the leaf size was given; None: not placed, the network
+    model judges by the node count."""
 
 
-def _layout_at(residue: int, offsets: list[int], gpus_per_node: int) -> GroupLayout:
-    """Layout of the group whose members sit at rank base + offset, base = residue (mod a node):
-    shifting the base by whole nodes shifts every member's node alike, so the residue decides."""
+def _layout_at(residue: int, offsets: list[int], gpus_per_node: int, nodes_per_leaf: int | None) -> GroupLayout:
+    """Layout of the group whose members sit at rank base + offset, base = residue (mod a node, or
+    mod a leaf when nodes_per_leaf is given): shifting the base by whole nodes (leaves) shifts every
+    member's node (leaf) alike, so the residue decides."""
     nodes: dict[int, int] = {}
     for off in offsets:
         node = (residue + off) // gpus_per_node
         nodes[node] = nodes.get(node, 0) + 1
-    return GroupLayout(size=len(offsets), ranks_per_node=min(nodes.values()), num_nodes=len(nodes))
+    leaves = None if nodes_per_leaf is None else len({n // nodes_per_leaf for n in nodes}) > 1
+    return GroupLayout(size=len(offsets), ranks_per_node=min(nodes.values()), num_nodes=len(nodes),
+                       crosses_leaf=leaves)
 
 
-def _slowest_layout(residues: set[int], offsets: list[int], gpus_per_node: int) -> GroupLayout:
+def _slowest_layout(residues: set[int], offsets: list[int], gpus_per_node: int,
+                    nodes_per_leaf: int | None = None) -> GroupLayout:
     """Of the layouts the groups take, the one whose collectives take longest (they all run at
-    once, so the step waits on it): crossing nodes first, then the fewest members on one node (the
-    smallest share of NICs a ring crossing gets), then the most nodes."""
-    layouts = {_layout_at(r, offsets, gpus_per_node) for r in residues}
-    return max(layouts, key=lambda g: (g.num_nodes > 1, -g.ranks_per_node, g.num_nodes))
+    once, so the step waits on it): crossing nodes first, then crossing leaves (the spine's
+    oversubscription), then the fewest members on one node (the smallest share of NICs a ring
+    crossing gets), then the most nodes."""
+    layouts = {_layout_at(r, offsets, gpus_per_node, nodes_per_leaf) for r in residues}
+    return max(layouts, key=lambda g: (g.num_nodes > 1, bool(g.crosses_leaf), -g.ranks_per_node, g.num_nodes))
 
 
-def _residues(strides_sizes: list[tuple[int, int]], gpus_per_node: int) -> set[int]:
-    """Group bases mod a node: every sum of i x stride over the (stride, size) dimensions the
-    groups differ in, i in range(size); at most gpus_per_node values, so cheap at any world size."""
+def _residues(strides_sizes: list[tuple[int, int]], period: int) -> set[int]:
+    """Group bases mod `period` (a node's ranks, or a leaf's): every sum of i x stride over the
+    (stride, size) dimensions the groups differ in, i in range(size); at most `period` values, so
+    cheap at any world size."""
     out = {0}
     for stride, size in strides_sizes:
-        out = {(r + i * stride) % gpus_per_node for r in out for i in range(min(size, gpus_per_node))}
+        out = {(r + i * stride) % period for r in out for i in range(min(size, period))}
     return out
 
 
-def group_layout(dims: tuple[str, ...], plan: PlanSpec, gpus_per_node: int) -> GroupLayout:
+def _period(gpus_per_node: int, nodes_per_leaf: int | None) -> int:
+    return gpus_per_node * (nodes_per_leaf or 1)
+
+
+def group_layout(dims: tuple[str, ...], plan: PlanSpec, gpus_per_node: int, *,
+                 nodes_per_leaf: int | None = None) -> GroupLayout:
     """Layout of the groups along `dims`, the slowest where they sit differently. Every group is a
     translate of rank 0's in rank space, but not in node space when a stage's block or the groups
     in it straddle nodes unevenly (tp 2 x dp 3 x pp 4 on 8-GPU nodes: stage 0's DP groups sit in
-    node 0, stage 1's take 1 + 2 ranks of nodes 0 and 1)."""
+    node 0, stage 1's take 1 + 2 ranks of nodes 0 and 1), nor in leaf space when a group straddles
+    a leaf boundary (`nodes_per_leaf` given: crosses_leaf is set)."""
     offsets = group_ranks(0, dims, plan)
     sizes, stride, others = _sizes(plan), 1, []
     for dim in ORDER:
         if dim not in dims:
             others.append((stride, sizes[dim]))
         stride *= sizes[dim]
-    return _slowest_layout(_residues(others, gpus_per_node), offsets, gpus_per_node)
+    return _slowest_layout(_residues(others, _period(gpus_per_node, nodes_per_leaf)), offsets, gpus_per_node,
+                           nodes_per_leaf)
 
 
-def pp_hop_layouts(plan: PlanSpec, gpus_per_node: int) -> list[GroupLayout]:
+def pp_hop_layouts(plan: PlanSpec, gpus_per_node: int, *, nodes_per_leaf: int | None = None) -> list[GroupLayout]:
     """Layout of each pipeline link: entry s joins stage s and stage (s + 1) % pp, so the last
     entry is the wrap-around from the last stage to the first (interleaved schedules' chunk
     boundary, the tied-embedding all-reduce). A stage's ranks are a block of tp x cp x dp
     consecutive ranks (pp varies slowest), and each rank sends to the rank with the same
     coordinates one stage on; a link leaves the node if any of those pairs does. Where a block is
     smaller than a node, some links stay inside one (tp 2 x dp 2 on 8-GPU nodes: stages 0-1 share
-    node 0, the hop 1 -> 2 crosses to node 1)."""
+    node 0, the hop 1 -> 2 crosses to node 1). With `nodes_per_leaf`, a link crosses the spine if
+    any pair sits under two leaves (tp 8 x dp 16 on 32-node leaves: stages 0 and 1 share leaf 0,
+    the hop 1 -> 2 leaves it)."""
     if plan.pp == 1:
         return [GroupLayout(size=1, ranks_per_node=1, num_nodes=1)]
     block = plan.tp * plan.cp * plan.dp
+    # ranks of one node share its node and leaf: one per node suffices when blocks are whole nodes
+    firsts = range(0, block, gpus_per_node) if block % gpus_per_node == 0 else range(block)
+    leaf_ranks = gpus_per_node * (nodes_per_leaf or 1)
     out = []
     for s in range(plan.pp):
         nxt = (s + 1) % plan.pp
         # paired ranks are a whole block or more apart, so a block of a node or more always crosses
         crosses = block >= gpus_per_node or any(
             (s * block + j) // gpus_per_node != (nxt * block + j) // gpus_per_node for j in range(block))
-        out.append(GroupLayout(size=2, ranks_per_node=1 if crosses else 2, num_nodes=2 if crosses else 1))
+        leaf = None if nodes_per_leaf is None else any(
+            (s * block + j) // leaf_ranks != (nxt * block + j) // leaf_ranks for j in firsts)
+        out.append(GroupLayout(size=2, ranks_per_node=1 if crosses else 2, num_nodes=2 if crosses else 1,
+                               crosses_leaf=leaf))
     return out
 
 
-def expert_group_layouts(plan: PlanSpec, gpus_per_node: int) -> tuple[GroupLayout, GroupLayout, GroupLayout]:
+def expert_group_layouts(plan: PlanSpec, gpus_per_node: int, *,
+                         nodes_per_leaf: int | None = None) -> tuple[GroupLayout, GroupLayout, GroupLayout]:
     """(expert-TP, expert-parallel, expert-data-parallel) group layouts of MoE layers.
 
     Megatron-Core "MoE parallel folding" (Liu et al. 2025, megatron/core/parallel_state.py,
@@ -159,6 +185,7 @@ def expert_group_layouts(plan: PlanSpec, gpus_per_node: int) -> tuple[GroupLayou
         # blocks start at s x block (one per stage). The slowest of them sets the pace.
         others = [(1, stride)] + [(stride * size, block // (stride * size)), (block, plan.pp)]
         offsets = [i * stride for i in range(size)]
-        return _slowest_layout(_residues(others, gpus_per_node), offsets, gpus_per_node)
+        return _slowest_layout(_residues(others, _period(gpus_per_node, nodes_per_leaf)), offsets, gpus_per_node,
+                               nodes_per_leaf)
 
     return layout(1, etp), layout(etp, ep), layout(etp * ep, edp)

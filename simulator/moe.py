@@ -247,7 +247,8 @@ def deepep_time(ctx, routed: float, skew: float, ep_layout) -> float:
     remote_nodes = nodes_reached(m.moe.num_experts, m.moe.top_k, nodes) * (nodes - 1) / nodes
     net_bytes = routed * remote_nodes * h * b * skew
     # one network hop per destination node, each a point-to-point transfer of its share
-    rdma = collective_time(ctx.network, "send_recv", net_bytes, GroupLayout(size=2, ranks_per_node=1, num_nodes=2))
+    rdma = collective_time(ctx.network, "send_recv", net_bytes,
+                           GroupLayout(size=2, ranks_per_node=1, num_nodes=2, crosses_leaf=ep_layout.crosses_leaf))
     ppn = ep_layout.ranks_per_node
     nvl_bytes = routed * m.moe.top_k * deepep_rank_share(ctx, ep_layout) * h * b * skew
     nvl = collective_time(ctx.network, "all_to_all", nvl_bytes, GroupLayout(size=ppn, ranks_per_node=ppn, num_nodes=1))

@@ -68,14 +68,15 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
         raise InfeasiblePlanError(problems)
     net = build_network(sc.cluster, gpu)
     m, p, tr = sc.model, sc.plan, sc.training
-    gpn = sc.cluster.gpus_per_node
+    gpn, leaf = sc.cluster.gpus_per_node, net.nodes_per_leaf
     ctx = LayerContext(
         model=m, plan=p, gpu=gpu, network=net, seq_length=tr.seq_length,
         dtype=compute_dtype(tr.precision), attention_kernel=tr.attention,
-        tp_layout=group_layout(("tp",), p, gpn), cp_layout=group_layout(("cp",), p, gpn),
+        tp_layout=group_layout(("tp",), p, gpn, nodes_per_leaf=leaf),
+        cp_layout=group_layout(("cp",), p, gpn, nodes_per_leaf=leaf),
     )
-    dp_layout = group_layout(("cp", "dp"), p, gpn)
-    etp_layout, ep_layout, edp_layout = expert_group_layouts(p, gpn)
+    dp_layout = group_layout(("cp", "dp"), p, gpn, nodes_per_leaf=leaf)
+    etp_layout, ep_layout, edp_layout = expert_group_layouts(p, gpn, nodes_per_leaf=leaf)
     shard = p.dp * p.cp
     vpp = p.virtual_pipeline_stages
     layers = layers_per_chunk(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers)
@@ -177,7 +178,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
         ))
 
     p2p_bytes = ctx.tokens * m.hidden_size * ctx.act_bytes / p.tp  # scatter-gather (SC'21 Sec. 4.1)
-    hops = pp_hop_layouts(p, gpn)
+    hops = pp_hop_layouts(p, gpn, nodes_per_leaf=leaf)
     p2p = [collective_time(net, "send_recv", p2p_bytes, hop) if p.pp > 1 else 0.0 for hop in hops]
     sync = _sync_time(sc, net, emb_params, hops[-1])
     eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce,
@@ -417,7 +418,8 @@ def _sync_time(sc: Scenario, net, emb_params: float, first_last: GroupLayout) ->
     of its gradient between the first and last stage (Megatron _allreduce_word_embedding_grads),
     whose pair of ranks is `first_last`."""
     p = sc.plan
-    t = collective_time(net, "all_reduce", 4, group_layout(("tp", "pp"), p, sc.cluster.gpus_per_node))
+    t = collective_time(net, "all_reduce", 4, group_layout(("tp", "pp"), p, sc.cluster.gpus_per_node,
+                                                          nodes_per_leaf=net.nodes_per_leaf))
     if (sc.model.tied_embeddings or sc.model.mtp_layers) and p.pp > 1:
         t += collective_time(net, "all_reduce", emb_params * 4, first_last)
     return t

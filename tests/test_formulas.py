@@ -158,3 +158,39 @@ def test_the_flop_formula_names_only_what_the_model_has():
     for clause in ("MLA", "multi-token prediction", "MoE layers"):
         assert clause not in dense and clause in deepseek
     assert "capacity_factor" not in deepseek  # dropless
+
+
+def test_leaf_crossing_is_read_off_the_placement():
+    """With the leaf size known, a group or a pipeline hop crosses the spine when its nodes sit
+    under two leaves, however few nodes it spans (2 nodes of a hop; a DP group straddling a leaf
+    boundary), and not when many nodes share one leaf."""
+    from paraplan.placement import pp_hop_layouts
+
+    plan = PlanSpec(tp=8, pp=4, dp=16)  # 16-node stages on 32-node leaves
+    hops = pp_hop_layouts(plan, 8, nodes_per_leaf=32)
+    assert [h.crosses_leaf for h in hops] == [False, True, False, True]  # 0-1 leaf 0, 1-2 leaves 0/1, wrap 3-0
+    assert [h.num_nodes for h in hops] == [2, 2, 2, 2]
+    assert pp_hop_layouts(plan, 8)[1].crosses_leaf is None  # no leaf size: left to the network model
+    assert group_layout(("dp",), plan, 8, nodes_per_leaf=32).crosses_leaf is False  # 16 nodes inside a leaf
+    # 24-node DP groups on 32-node leaves: the second stage's group (nodes 24-47) straddles leaves
+    assert group_layout(("dp",), PlanSpec(tp=8, pp=2, dp=24), 8, nodes_per_leaf=32).crosses_leaf is True
+
+
+def test_a_hop_between_leaves_pays_the_spine_oversubscription():
+    from hwmodels.network import build_network, collective_time
+    from hwmodels.profile import load_profile
+    from paraplan.placement import pp_hop_layouts
+    from paraplan.specs import ClusterSpec, InterNodeSpec
+
+    def cluster(over):
+        return ClusterSpec(gpu="h100-sxm-80gb", num_nodes=64, gpus_per_node=8,
+                           inter_node=InterNodeSpec(nics_per_node=8, nic_bandwidth=50e9, oversubscription=over,
+                                                    latency=2.7e-6, nodes_per_leaf=32))
+
+    gpu = load_profile("h100-sxm-80gb")
+    flat, over = build_network(cluster(1.0), gpu), build_network(cluster(4.0), gpu)
+    same_leaf, across = pp_hop_layouts(PlanSpec(tp=8, pp=4, dp=16), 8, nodes_per_leaf=32)[:2]
+    big = 256e6  # bandwidth-bound
+    assert collective_time(over, "send_recv", big, same_leaf) == collective_time(flat, "send_recv", big, same_leaf)
+    ratio = collective_time(over, "send_recv", big, across) / collective_time(flat, "send_recv", big, across)
+    assert 3.9 < ratio <= 4.0
