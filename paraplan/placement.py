@@ -8,7 +8,8 @@ slowest, so stages are spread across nodes. Expert parallelism is carved out of 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 
 from paraplan.specs import PlanSpec
 
@@ -84,41 +85,44 @@ class GroupLayout:
     model judges by the node count."""
 
 
-def _layout_at(residue: int, offsets: list[int], gpus_per_node: int, nodes_per_leaf: int | None) -> GroupLayout:
-    """Layout of the group whose members sit at rank base + offset, base = residue (mod a node, or
-    mod a leaf when nodes_per_leaf is given): shifting the base by whole nodes (leaves) shifts every
-    member's node (leaf) alike, so the residue decides."""
+def _layout_at(residue: int, offsets: list[int], gpus_per_node: int) -> GroupLayout:
+    """Layout of the group whose members sit at rank base + offset, base = residue (mod a node):
+    shifting the base by whole nodes shifts every member's node alike, so the residue decides."""
     nodes: dict[int, int] = {}
     for off in offsets:
         node = (residue + off) // gpus_per_node
         nodes[node] = nodes.get(node, 0) + 1
-    leaves = None if nodes_per_leaf is None else len({n // nodes_per_leaf for n in nodes}) > 1
-    return GroupLayout(size=len(offsets), ranks_per_node=min(nodes.values()), num_nodes=len(nodes),
-                       crosses_leaf=leaves)
+    return GroupLayout(size=len(offsets), ranks_per_node=min(nodes.values()), num_nodes=len(nodes))
 
 
-def _slowest_layout(residues: set[int], offsets: list[int], gpus_per_node: int,
+def _slowest_layout(others: list[tuple[int, int]], offsets: list[int], gpus_per_node: int,
                     nodes_per_leaf: int | None = None) -> GroupLayout:
-    """Of the layouts the groups take, the one whose collectives take longest (they all run at
-    once, so the step waits on it): crossing nodes first, then crossing leaves (the spine's
-    oversubscription), then the fewest members on one node (the smallest share of NICs a ring
-    crossing gets), then the most nodes."""
-    layouts = {_layout_at(r, offsets, gpus_per_node, nodes_per_leaf) for r in residues}
-    return max(layouts, key=lambda g: (g.num_nodes > 1, bool(g.crosses_leaf), -g.ranks_per_node, g.num_nodes))
+    """Of the layouts the groups take (their bases the sums over `others`, see _residues), the one
+    whose collectives take longest (they all run at once, so the step waits on it): crossing nodes
+    first, then the fewest members on one node (the smallest share of NICs a ring crossing gets),
+    then the most nodes. With `nodes_per_leaf`, crosses_leaf says whether any group's members sit
+    under two leaves (leaves are runs of consecutive ranks, so its first and last member tell)."""
+    layouts = {_layout_at(r, offsets, gpus_per_node) for r in _residues(others, gpus_per_node)}
+    worst = max(layouts, key=lambda g: (g.num_nodes > 1, -g.ranks_per_node, g.num_nodes))
+    if nodes_per_leaf is None:
+        return worst
+    leaf = gpus_per_node * nodes_per_leaf
+    lo, hi = min(offsets), max(offsets)
+    crosses = any((r + lo) // leaf != (r + hi) // leaf for r in _residues(others, leaf))
+    return replace(worst, crosses_leaf=crosses)
 
 
 def _residues(strides_sizes: list[tuple[int, int]], period: int) -> set[int]:
     """Group bases mod `period` (a node's ranks, or a leaf's): every sum of i x stride over the
     (stride, size) dimensions the groups differ in, i in range(size); at most `period` values, so
-    cheap at any world size."""
+    cheap at any world size. A dimension's multiples of its stride repeat after period / gcd(stride,
+    period) steps, so no more are taken."""
     out = {0}
     for stride, size in strides_sizes:
-        out = {(r + i * stride) % period for r in out for i in range(min(size, period))}
+        steps = {(i * stride) % period for i in range(min(size, period // math.gcd(stride, period)))}
+        if len(steps) > 1:
+            out = {(r + x) % period for r in out for x in steps}
     return out
-
-
-def _period(gpus_per_node: int, nodes_per_leaf: int | None) -> int:
-    return gpus_per_node * (nodes_per_leaf or 1)
 
 
 def group_layout(dims: tuple[str, ...], plan: PlanSpec, gpus_per_node: int, *,
@@ -134,8 +138,7 @@ def group_layout(dims: tuple[str, ...], plan: PlanSpec, gpus_per_node: int, *,
         if dim not in dims:
             others.append((stride, sizes[dim]))
         stride *= sizes[dim]
-    return _slowest_layout(_residues(others, _period(gpus_per_node, nodes_per_leaf)), offsets, gpus_per_node,
-                           nodes_per_leaf)
+    return _slowest_layout(others, offsets, gpus_per_node, nodes_per_leaf)
 
 
 def pp_hop_layouts(plan: PlanSpec, gpus_per_node: int, *, nodes_per_leaf: int | None = None) -> list[GroupLayout]:
@@ -151,8 +154,6 @@ def pp_hop_layouts(plan: PlanSpec, gpus_per_node: int, *, nodes_per_leaf: int | 
     if plan.pp == 1:
         return [GroupLayout(size=1, ranks_per_node=1, num_nodes=1)]
     block = plan.tp * plan.cp * plan.dp
-    # ranks of one node share its node and leaf: one per node suffices when blocks are whole nodes
-    firsts = range(0, block, gpus_per_node) if block % gpus_per_node == 0 else range(block)
     leaf_ranks = gpus_per_node * (nodes_per_leaf or 1)
     out = []
     for s in range(plan.pp):
@@ -160,8 +161,10 @@ def pp_hop_layouts(plan: PlanSpec, gpus_per_node: int, *, nodes_per_leaf: int | 
         # paired ranks are a whole block or more apart, so a block of a node or more always crosses
         crosses = block >= gpus_per_node or any(
             (s * block + j) // gpus_per_node != (nxt * block + j) // gpus_per_node for j in range(block))
-        leaf = None if nodes_per_leaf is None else any(
-            (s * block + j) // leaf_ranks != (nxt * block + j) // leaf_ranks for j in firsts)
+        # rank a + j pairs with rank a + j + d for j < block: some pair straddles a leaf boundary
+        # exactly when one lies in (a, a + block - 1 + d], i.e. a and a + block - 1 + d differ in leaf
+        a, d = min(s, nxt) * block, abs(nxt - s) * block
+        leaf = None if nodes_per_leaf is None else a // leaf_ranks != (a + block - 1 + d) // leaf_ranks
         out.append(GroupLayout(size=2, ranks_per_node=1 if crosses else 2, num_nodes=2 if crosses else 1,
                                crosses_leaf=leaf))
     return out
@@ -185,7 +188,6 @@ def expert_group_layouts(plan: PlanSpec, gpus_per_node: int, *,
         # blocks start at s x block (one per stage). The slowest of them sets the pace.
         others = [(1, stride)] + [(stride * size, block // (stride * size)), (block, plan.pp)]
         offsets = [i * stride for i in range(size)]
-        return _slowest_layout(_residues(others, _period(gpus_per_node, nodes_per_leaf)), offsets, gpus_per_node,
-                               nodes_per_leaf)
+        return _slowest_layout(others, offsets, gpus_per_node, nodes_per_leaf)
 
     return layout(1, etp), layout(etp, ep), layout(etp * ep, edp)
