@@ -332,8 +332,11 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
 
 def moe_activation_bytes(ctx, draw: RoutingDraw, *, recomputed: tuple[str, ...] | None = None) -> float:
     """Tensors one MoE FFN keeps for its backward on the busiest rank, one microbatch: fp32 router
-    logits and probabilities (tokens x E each), the expert outputs kept for the probability-weighted
-    combine (copies x h), the received expert inputs for the weight gradients (load x h), the
+    logits and probabilities (tokens x E each), each copy's fp32 routing probability (Megatron-Core
+    applies it inside the expert activation, TEGroupedMLP's weighted_bias_swiglu_impl with
+    permuted_probs, and unpermutes without it, so no expert output is kept for a weighted combine;
+    releases of 2024, e.g. v0.8, weighted in the unpermute and kept copies x h), the received
+    expert inputs for the weight gradients (load x h), the
     expert intermediates (up/gate outputs and activation output: load x f x ffn_matrices), and
     the shared experts' like a dense MLP of their width. The all-to-all inputs are not kept (its
     backward is another all-to-all). Selective recompute frees what it re-runs: moe everything
@@ -348,7 +351,7 @@ def moe_activation_bytes(ctx, draw: RoutingDraw, *, recomputed: tuple[str, ...] 
     h, f = m.hidden_size, _expert_width(ctx)
     routed = routed_tokens_per_rank(ctx)
     load = float(draw.rank_loads.max()) * p.expert_tp
-    out = 2 * routed * m.moe.num_experts * 4 + draw.sent_per_rank * h * b
+    out = 2 * routed * m.moe.num_experts * 4 + draw.sent_per_rank * 4
     kept_mats = m.ffn_matrices - ("moe_act" in recomputed)
     out += load * h * b + load * f * kept_mats * b
     if "shared_experts" not in recomputed:

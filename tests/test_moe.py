@@ -366,3 +366,20 @@ def test_deepep_moves_a_token_once_per_destination_rank(h100_net):
     copies = draw.sent_per_rank * qwen.hidden_size * 2
     assert ep_comm(a2a) == pytest.approx(2 * collective_time(net, "all_to_all", copies, ep), rel=1e-6)
     assert ep_comm(flex) == pytest.approx(2 * collective_time(net, "all_to_all", copies * 5.3394 / 8, ep), rel=1e-4)
+
+
+def test_moe_activations_keep_each_copys_probability_not_its_output(h100_net):
+    """Megatron-Core weights each copy inside the expert activation (TEGroupedMLP,
+    weighted_bias_swiglu_impl with permuted_probs) and unpermutes unweighted: the backward keeps a
+    4-byte probability per copy, not its h-wide expert output. By hand for Mixtral at EP 8."""
+    from simulator.moe import moe_activation_bytes
+
+    sc, gpu, net = h100_net
+    _, ctx = _ctx(sc, gpu, net, tp=1, pp=1, dp=64, ep=8, virtual_pipeline_stages=1, schedule="1f1b",
+                  recompute="none")
+    e, h, f = sc.model.moe, sc.model.hidden_size, sc.model.moe.expert_ffn_hidden_size
+    draw = draw_routing(e, 8, ctx.tokens, balanced=True)
+    load = float(draw.rank_loads.max())
+    by_hand = (2 * ctx.tokens * e.num_experts * 4 + draw.sent_per_rank * 4
+               + load * h * 2 + load * f * sc.model.ffn_matrices * 2)
+    assert moe_activation_bytes(ctx, draw) == pytest.approx(by_hand, rel=1e-12)
