@@ -80,8 +80,8 @@ def refit(profile_name: str) -> None:
         rows = [r for r in table if r["dtype"] == dtype and r["b"] == 1]
         res = fit_gemm([(r["m"], r["n"], r["k"]) for r in rows], [r["seconds"] for r in rows],
                        dtype=dtype, profile=profile)
-        print(f"{dtype}: {res.n_train} shapes fitted, {res.n_test} held out; train MAPE {res.train_mape:.1f}%, "
-              f"held-out MAPE {res.test_mape:.1f}% (worst {res.test_max_ape:.1f}%)")
+        print(f"{dtype}: fitted to all {res.n_train} shapes (MAPE {res.train_mape:.1f}%); a fit without {res.n_test} "
+              f"of them predicted those with MAPE {res.test_mape:.1f}% (worst {res.test_max_ape:.1f}%)")
         print(f"  gflops: {[round(x / 1e9, 4) for x in res.curve.xs]}")
         print(f"  efficiency: {[round(y, 4) for y in res.curve.ys]}")
 

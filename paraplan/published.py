@@ -8,6 +8,7 @@ same way for every row.
 from __future__ import annotations
 
 import functools
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -364,12 +365,14 @@ def check_record_fields(rec: dict) -> None:
             if required:
                 raise ConfigError(where, f"{dotted}: {'required' if present else 'missing'}, expected an integer")
             continue
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 0:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+                or value != int(value) or value < 0:
             allowed = "an integer" if required else "an integer or null"
             raise ConfigError(where, f"{dotted}: expected {allowed}, got {value!r}")
     for dotted in _NUMBER_FIELDS:
         value = _field(rec, dotted)[1]
-        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
+                                  or not math.isfinite(value) or value <= 0):
             raise ConfigError(where, f"{dotted}: expected a positive number or null, got {value!r}")
 
 

@@ -270,7 +270,9 @@ def run_iteration(
     def prepared(stage: int, work: StageWork):
         """Per op, everything the stream needs, computed once: its dependency, duration, NIC time,
         the event it produces for another stage, whether it starts a chunk's gradient flow."""
-        totals = {key: (cost.total, cost.nic, cost.dp_spans) for key, cost in work.op_cost.items()}
+        # the NIC is held at most for the whole op (traffic of several kinds inside one op, e.g. a
+        # ZeRO-3 gather and a cross-node CP ring, can add up to more than its duration)
+        totals = {key: (cost.total, min(cost.nic, cost.total), cost.dp_spans) for key, cost in work.op_cost.items()}
         final_b, launch_after, _ = launches[stage]
         out = []
         for i, op in enumerate(work.ops):

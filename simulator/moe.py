@@ -290,7 +290,7 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     factor = 2 if backward else 1
     # Router: (tokens, h) x (h, E) logits, then softmax and top-k over fp32 logits.
     router = _gemm(outside_fp8(ctx), routed, h, experts, backward) + memory_bound_time(ctx.gpu, factor * 3 * routed * experts * 4)
-    # Permute copies by expert before dispatch; unpermute and weight-sum after combine.
+    # Permute copies by expert before dispatch; unpermute (sum the copies per token) after combine.
     permute = memory_bound_time(ctx.gpu, factor * 2 * copies * h * b)
     unpermute = memory_bound_time(ctx.gpu, factor * (2 * copies * h * b + routed * h * b))
     if ctx.plan.moe_dispatcher == "alltoall" and ctx.plan.ep > 1 and experts // ctx.plan.ep > 1:

@@ -356,6 +356,7 @@ def selective_recompute(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
         # Attention._checkpointed_attention_forward around TE's AttnFuncWithCPAndKVP2P)
         cost.add("recompute", _attention_core(ctx, False))
         cost.add("cp_comm", _cp_comm(ctx, False))
+        cost.nic += _cp_nic(ctx, False)
     if "layernorm" in mods:
         cost.add("recompute", 2 * memory_bound_time(ctx.gpu, _norm_bytes(ctx)))
     if ffn is dense_ffn_block:

@@ -221,6 +221,14 @@ def test_validate_published_bad_files_are_one_line(tmp_path):
     rec_mbs["batch"]["micro_batch_size"] = 1.5
     bad_mbs = tmp_path / "bad_mbs.yaml"
     bad_mbs.write_text(yaml.safe_dump([rec_mbs]))
+    rec_inf = copy.deepcopy(rec_mbs)
+    rec_inf["parallelism"]["tp"] = float("inf")
+    infinite = tmp_path / "inf.yaml"
+    infinite.write_text(yaml.safe_dump([rec_inf]))
+    rec_nan = copy.deepcopy(next(r for r in records if r["id"] == "korthikanti_t5_22B_sp_selective"))
+    rec_nan["metrics"]["iteration_time_s"] = float("nan")
+    nan_time = tmp_path / "nan.yaml"
+    nan_time.write_text(yaml.safe_dump([rec_nan]))
     broken = tmp_path / "broken.yaml"
     broken.write_text("- id: [a\n")
     no_model = tmp_path / "no_model.yaml"
@@ -232,6 +240,9 @@ def test_validate_published_bad_files_are_one_line(tmp_path):
         ([str(bad)], "error: record megatron_sc21_t1_1.7B: parallelism.tp: expected an integer, got 'eight'\n"),
         ([str(bad_mbs)], "error: record megatron_sc21_t1_1.7B: batch.micro_batch_size: expected an integer or null, "
                          "got 1.5\n"),
+        ([str(infinite)], "error: record megatron_sc21_t1_1.7B: parallelism.tp: expected an integer, got inf\n"),
+        ([str(nan_time)], "error: record korthikanti_t5_22B_sp_selective: metrics.iteration_time_s: expected a positive "
+                          "number or null, got nan\n"),
         ([str(broken)], f"error: {broken}: invalid YAML: line 2, column 1: expected ',' or ']', but got '<stream end>'\n"),
         ([str(twice)], f"error: {twice}: record 2: id {records[0]['id']!r} is used twice"),
         ([str(no_model)], f"error: record {records[0]['id']}: model.num_layers: missing, expected an integer\n"),

@@ -382,3 +382,19 @@ def test_torchtitan_export_splits_the_layers_as_simulated(name, overrides):
     layers = layers_per_chunk(sc.model.num_layers, p.pp, p.virtual_pipeline_stages, p.first_stage_layers,
                               p.last_stage_layers)
     assert (layers[0][0], layers[-1][-1]) == (per - first_less, per - last_less)
+
+
+def test_local_refinement_moves_to_zero_bubble_with_virtual_stages():
+    """The schedule axis of the refining search holds every (schedule, virtual stages) pair the
+    space admits: zero-bubble at one stage per rank and at the listed counts >= 2."""
+    import optuna
+
+    from planner.strategies import RefiningSampler
+
+    sp = space("search.schedule=[1f1b, interleaved-1f1b, zero-bubble]", "search.virtual_pipeline_stages=[1, 2, 4]",
+               "search.pp=[2]")
+    choices = {"schedule": ("1f1b", "interleaved-1f1b", "zero-bubble"), "virtual_pipeline_stages": (1, 2, 4)}
+    sampler = RefiningSampler(optuna.samplers.RandomSampler(seed=0), sp, choices=choices, fixed={}, refine_from=0, seed=0)
+    _, values = sampler._axes()["pipeline"]
+    assert sorted(values) == [("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4),
+                              ("zero-bubble", 1), ("zero-bubble", 2), ("zero-bubble", 4)]

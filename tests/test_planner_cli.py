@@ -251,3 +251,13 @@ def test_a_best_plan_the_executor_refuses_gets_its_reasons_not_a_launch_line(tmp
     assert best["launch"] is None and best["executor_refuses"][0].startswith("training.precision")
     assert "# Launch: not with the bundled executor, which refuses it: training.precision" in \
         (out / "best_plan.yaml").read_text()
+
+
+def test_too_small_is_judged_on_the_largest_cluster_searched(tmp_path):
+    """search.num_nodes lists 1 and 3 nodes: the states are sharded over the 24 GPUs of the larger,
+    which is still short of the 25 they need, and the error says 24, not the scenario's 8."""
+    over = ["model.num_layers=64", "model.hidden_size=12288", "model.num_attention_heads=96",
+            "search.num_nodes=[1, 3]", "search.recompute=[none]", "search.tp=[8]", "search.micro_batch_size=[1]"]
+    args = [a for o in over for a in ("--set", o)]
+    r = paraplan("plan", TINY, "--out", str(tmp_path / "o"), "--quiet", "--no-plots", "--trials", "5", *args)
+    assert r.returncode == 2 and "even sharded over all 24 GPUs; at least 25 GPUs" in r.stderr, r.stderr

@@ -671,3 +671,22 @@ def test_shared_expert_overlap_needs_the_alltoall_dispatcher():
     with pytest.raises(InfeasiblePlanError, match="plan.moe_shared_expert_overlap: works with moe_dispatcher "
                                                   "alltoall only, not deepep"):
         simulate(sc)
+
+
+def test_recomputed_context_parallel_ring_holds_the_nic_too():
+    """Selective recompute of core_attn re-runs the whole CP attention, its ring included: across
+    nodes that ring's sends hold the NIC as the forward's do."""
+    from hwmodels.network import build_network
+    from hwmodels.profile import load_profile
+    from paraplan.placement import group_layout
+    from simulator.workload import LayerContext, attention_block, selective_recompute
+
+    sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml",
+                       ["plan.pp=1", "plan.cp=16", "plan.dp=4", "plan.tp=1", "plan.recompute=selective"])
+    p, gpu = sc.plan, load_profile(sc.cluster.gpu)
+    ctx = LayerContext(model=sc.model, plan=p, gpu=gpu, network=build_network(sc.cluster, gpu),
+                       seq_length=sc.training.seq_length, dtype="bf16", attention_kernel="flash",
+                       tp_layout=group_layout(("tp",), p, 8), cp_layout=group_layout(("cp",), p, 8))
+    assert ctx.cp_layout.num_nodes == 2 and "core_attn" in p.recompute_modules
+    fwd = attention_block(ctx, False)
+    assert selective_recompute(ctx).nic == pytest.approx(fwd.nic) and fwd.nic > 0

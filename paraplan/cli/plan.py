@@ -270,15 +270,15 @@ def _unused_flags(args, result) -> list[str]:
     return out
 
 
-def _too_few_gpus(scenario, capacity: float) -> str | None:
-    """Why no plan of any degrees can fit, when that is so: the model states alone (weights,
-    gradients, Adam; memory.state_bytes_per_param), sharded over every GPU of the cluster as ZeRO-3
-    across all parallel dimensions would, plus the fixed reservation, exceed one GPU's memory."""
+def _too_few_gpus(scenario, capacity: float, gpus: int) -> str | None:
+    """Why no plan of any degrees can fit on `gpus` GPUs (the largest cluster the search tried),
+    when that is so: the model states alone (weights, gradients, Adam; memory.state_bytes_per_param),
+    sharded over every GPU as ZeRO-3 across all parallel dimensions would, plus the fixed
+    reservation, exceed one GPU's memory."""
     from simulator.memory import RESERVED_BYTES, state_bytes_per_param
 
     params = scenario.model.total_params()
     per_param = sum(state_bytes_per_param(scenario.training.precision))
-    gpus = scenario.cluster.world_size
     usable = capacity - RESERVED_BYTES
     if usable <= 0 or params * per_param / gpus <= usable:
         return None
@@ -287,6 +287,12 @@ def _too_few_gpus(scenario, capacity: float) -> str | None:
             f"weights, gradients and Adam states) need {params * per_param / gpus / 2**30:,.1f} GiB per GPU even "
             f"sharded over all {gpus:,} GPUs; at least {need:,} GPUs of {capacity / 2**30:.0f} GiB are needed, "
             f"before activations")
+
+
+def _largest_cluster(scenario, result) -> int:
+    """GPUs of the largest cluster the search evaluated (search.num_nodes may list several)."""
+    nodes = max((r.evaluation.candidate.num_nodes for r in result.records), default=scenario.cluster.num_nodes)
+    return max(nodes, scenario.cluster.num_nodes) * scenario.cluster.gpus_per_node
 
 
 def _failure(rep, result, scenario) -> ParaplanError | None:
@@ -303,6 +309,6 @@ def _failure(rep, result, scenario) -> ParaplanError | None:
         p = c.candidate.plan
         detail = (f"; the closest, tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}, needs "
                   f"{c.peak_memory_bytes / 2**30:.1f} of {c.memory_capacity_bytes / 2**30:.1f} GiB per GPU: "
-                  + (_too_few_gpus(scenario, c.memory_capacity_bytes)
+                  + (_too_few_gpus(scenario, c.memory_capacity_bytes, _largest_cluster(scenario, result))
                      or "allow more pp, recompute or zero_stage in the search section"))
     return ParaplanError(f"no plan fits in memory among the {rep.distinct} plans evaluated{detail}")
