@@ -241,10 +241,6 @@ def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
         out.append("plan.overlap_grad_reduce false: DDP / FSDP2 always overlap the gradient reduction with backward")
     if p.overlap_param_gather and effective_zero_stage(p) == 1 and p.dp * p.cp > 1:
         out.append("plan.overlap_param_gather: the ZeRO-1 parameter gather after the optimizer step is not overlapped")
-    if sc.model.moe is not None:
-        out.append("MoE: the executor weights each expert output by its routing probability after the experts, "
-                   "so its backward keeps copies x hidden per MoE layer that Megatron-Core (weighting inside the "
-                   "expert activation) and the simulator do not: measured activation memory reads higher")
     if sc.model.moe is not None and sc.model.moe.routing.distribution != "uniform":
         out.append("model.moe.routing is the simulator's routing assumption; the executor's router is learned "
                    "(its measured tokens per expert are in the measurement)")

@@ -34,16 +34,21 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, ffn))
         self.w3 = nn.Parameter(torch.empty(num_local, ffn, hidden)) if self.swiglu else None
 
-    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
+        """Each row's routing probability `probs` (fp32) weights its activation before the down
+        projection, as Megatron-Core's TEGroupedMLP does (weighted_bias_swiglu_impl with
+        permuted_probs): the same product as weighting the expert output (no bias), but the
+        backward keeps no expert output for a weighted combine."""
         outs, start = [], 0
         for e, n in enumerate(counts):
             seg = x[start:start + n]
+            w = probs[start:start + n, None]
             start += n
             if self.swiglu:
                 a = F.silu(seg @ self.w1[e].t()) * (seg @ self.w3[e].t())
             else:
                 a = F.gelu(seg @ self.w1[e].t(), approximate="tanh")
-            outs.append(a @ self.w2[e].t())
+            outs.append((a * w).to(a.dtype) @ self.w2[e].t())
         if not outs:
             return x[:0]
         return torch.cat(outs)
@@ -102,13 +107,12 @@ class MoE(nn.Module):
         order = torch.argsort(flat_e, stable=True)
         token_of = (keep[order] if keep is not None else order) // self.top_k
         counts = torch.bincount(flat_e, minlength=self.num_experts)
-        routed = x[token_of]
+        routed, routed_w = x[token_of], flat_w[order]
         if self.ep_size > 1:
-            y = self._expert_parallel(routed, counts)
+            y = self._expert_parallel(routed, routed_w, counts)
         else:
-            y = self.experts(routed, counts.tolist())
-        y = (y * flat_w[order, None]).to(x.dtype)
-        out = torch.zeros_like(x).index_add(0, token_of, y)
+            y = self.experts(routed, counts.tolist(), routed_w)
+        out = torch.zeros_like(x).index_add(0, token_of, y.to(x.dtype))
         if self.shared is not None:
             if self.shared_recompute:
                 out = out + checkpoint(self.shared, x, use_reentrant=False)
@@ -116,7 +120,7 @@ class MoE(nn.Module):
                 out = out + self.shared(x)
         return out.reshape(shape)
 
-    def _expert_parallel(self, routed: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def _expert_parallel(self, routed: torch.Tensor, routed_w: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         import torch.distributed as dist
         import torch.distributed._functional_collectives as funcol
 
@@ -127,10 +131,12 @@ class MoE(nn.Module):
         recv_counts = recv_counts.view(ep, n_local)
         recv_splits = recv_counts.sum(1).tolist()
         received = funcol.all_to_all_single_autograd(routed.contiguous(), recv_splits, send_splits, self.ep_group)
+        # each copy's probability travels with it (Megatron-Core's dispatchers send permuted_probs)
+        received_w = funcol.all_to_all_single_autograd(routed_w.contiguous(), recv_splits, send_splits, self.ep_group)
         # rows arrive grouped by source rank, then expert: regroup by expert
         local_expert = torch.repeat_interleave(
             torch.arange(n_local, device=routed.device).repeat(ep), recv_counts.reshape(-1))
         regroup = torch.argsort(local_expert, stable=True)
-        y = self.experts(received[regroup], recv_counts.sum(0).tolist())
+        y = self.experts(received[regroup], recv_counts.sum(0).tolist(), received_w[regroup])
         y = y[torch.argsort(regroup)]
         return funcol.all_to_all_single_autograd(y.contiguous(), send_splits, recv_splits, self.ep_group)
