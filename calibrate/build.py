@@ -113,13 +113,15 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
     cpu = info.kind == "cpu"
     foreign_base = cpu and base is not None and not _describes_this_cpu(base, info)
     by_kind: dict[str, list] = {}
-    unusable = [m for m in measurements if not (math.isfinite(m.seconds) and m.seconds > 0)]
-    if unusable:  # a timer that read 0 (or a NaN) for one item: fit the rest, say which were left out
+    unusable = []  # a timer that read 0 (or a NaN) for one item: fit the rest, say which were left out
+    for m in measurements:
+        if math.isfinite(m.seconds) and m.seconds > 0:
+            by_kind.setdefault(m.kind, []).append(m)
+        else:
+            unusable.append(m)
+    if unusable:
         notes.append(f"{len(unusable)} measurement(s) with a time that is not a positive number were left out of the "
                      f"fits: " + ", ".join(f"{m.kind} {m.params}" for m in unusable[:3]) + (", ..." if len(unusable) > 3 else ""))
-    for m in measurements:
-        if m not in unusable:
-            by_kind.setdefault(m.kind, []).append(m)
     start = base if base is not None else _cpu_template(info)
     built = Built(profile=start, notes=notes)
     prov = dict(start.provenance) if base is not None else {}

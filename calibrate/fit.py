@@ -347,11 +347,11 @@ def fit_alpha_beta(nbytes: Sequence[float], seconds: Sequence[float], *, factor:
         return float(sol.x[0]) * 1e-6, float(math.exp(sol.x[1]))
 
     # as the curves: the held-out error of a fit without the test sizes, then the fit of all points
-    held = AlphaBeta(alpha=0.0, busbw=1.0, factor=factor, n_train=0, n_test=0, train_mape=math.nan, test_mape=math.nan)
-    held = dataclasses.replace(held, **dict(zip(("alpha", "busbw"), fit_on(train))))
     everything = sorted(train + test)
-    alpha, busbw = fit_on(everything) if test else (held.alpha, held.busbw)
-    ab = dataclasses.replace(held, alpha=alpha, busbw=busbw, n_train=len(everything), n_test=len(test))
+    alpha, busbw = fit_on(train)
+    held = AlphaBeta(alpha=alpha, busbw=busbw, factor=factor, n_train=len(everything), n_test=len(test),
+                     train_mape=math.nan, test_mape=math.nan)
+    ab = dataclasses.replace(held, **dict(zip(("alpha", "busbw"), fit_on(everything)))) if test else held
     return dataclasses.replace(
         ab,
         train_mape=mape([ab.time(b[i]) for i in everything], [t[i] for i in everything]),

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from paraplan.cli.torch_check import torch_version
 from paraplan.errors import ConfigError
 from paraplan.specs import (
     ClusterSpec, InterNodeSpec, LinkSpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario,
@@ -191,25 +192,14 @@ def executor_problems(sc: Scenario) -> list[str]:
         out.append(f"plan.cp: seq_length / cp = {t.seq_length // p.cp} must be even (two load-balanced chunks per rank)")
     if r.steps < 1:
         out.append("run.steps: needs at least 1 measured step")
-    if info is not None and info.style == "v" and p.pp > 1 and r.backend == "gloo" and _torch_before(2, 13):
+    torch_found = torch_version()  # None: not installed, which the launch itself then says
+    if info is not None and info.style == "v" and p.pp > 1 and r.backend == "gloo" \
+            and torch_found is not None and torch_found < (2, 13):
         # PyTorch before 2.13 exchanges a first message between neighbouring stages, which a V
         # placement puts on one rank: gloo cannot send to itself ("Pair is not connected")
         out.append(f"plan.schedule: {p.schedule} on gloo needs PyTorch >= 2.13 (earlier releases send "
                    "between a rank's own two stages at start-up)")
     return out
-
-
-def _torch_before(major: int, minor: int) -> bool:
-    """Whether the installed PyTorch is older than major.minor (False when none is installed: the
-    launch itself then says torch is missing)."""
-    import importlib.metadata
-    import re
-
-    try:
-        found = importlib.metadata.version("torch")
-    except importlib.metadata.PackageNotFoundError:
-        return False
-    return tuple(int(x) for x in re.findall(r"\d+", found)[:2]) < (major, minor)
 
 
 def effective_zero_stage(plan: PlanSpec) -> int:

@@ -108,8 +108,13 @@ def _slowest_layout(others: list[tuple[int, int]], offsets: list[int], gpus_per_
         return worst
     leaf = gpus_per_node * nodes_per_leaf
     lo, hi = min(offsets), max(offsets)
-    crosses = any((r + lo) // leaf != (r + hi) // leaf for r in _residues(others, leaf))
-    return replace(worst, crosses_leaf=crosses)
+    return replace(worst, crosses_leaf=any(_straddles(r + lo, r + hi, leaf) for r in _residues(others, leaf)))
+
+
+def _straddles(first: int, last: int, unit: int) -> bool:
+    """Whether ranks first..last (consecutive runs of `unit` ranks: a node's, a leaf's) lie in more
+    than one unit."""
+    return first // unit != last // unit
 
 
 def _residues(strides_sizes: list[tuple[int, int]], period: int) -> set[int]:
@@ -154,17 +159,15 @@ def pp_hop_layouts(plan: PlanSpec, gpus_per_node: int, *, nodes_per_leaf: int | 
     if plan.pp == 1:
         return [GroupLayout(size=1, ranks_per_node=1, num_nodes=1)]
     block = plan.tp * plan.cp * plan.dp
-    leaf_ranks = gpus_per_node * (nodes_per_leaf or 1)
     out = []
     for s in range(plan.pp):
         nxt = (s + 1) % plan.pp
-        # paired ranks are a whole block or more apart, so a block of a node or more always crosses
-        crosses = block >= gpus_per_node or any(
-            (s * block + j) // gpus_per_node != (nxt * block + j) // gpus_per_node for j in range(block))
-        # rank a + j pairs with rank a + j + d for j < block: some pair straddles a leaf boundary
-        # exactly when one lies in (a, a + block - 1 + d], i.e. a and a + block - 1 + d differ in leaf
+        # rank a + j pairs with rank a + j + d for j < block: some pair straddles a node (leaf)
+        # boundary exactly when one lies in (a, a + block - 1 + d], i.e. when ranks a and
+        # a + block - 1 + d sit in different nodes (leaves)
         a, d = min(s, nxt) * block, abs(nxt - s) * block
-        leaf = None if nodes_per_leaf is None else a // leaf_ranks != (a + block - 1 + d) // leaf_ranks
+        crosses = _straddles(a, a + block - 1 + d, gpus_per_node)
+        leaf = None if nodes_per_leaf is None else _straddles(a, a + block - 1 + d, gpus_per_node * nodes_per_leaf)
         out.append(GroupLayout(size=2, ranks_per_node=1 if crosses else 2, num_nodes=2 if crosses else 1,
                                crosses_leaf=leaf))
     return out

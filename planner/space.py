@@ -88,6 +88,18 @@ VIRTUAL_SCHEDULES = {"interleaved-1f1b": 2, "zero-bubble": 1}
 two (one is plain 1F1B); zero-bubble runs one (ZB-H1) or more, its B/W split walking the chunks as
 the interleaved order does (Qi et al. 2024; torchtitan's InterleavedZeroBubble)."""
 
+
+def vpp_options(schedule: str, candidates, *, one: int = 1) -> list[int]:
+    """The virtual stages per rank a schedule is searched at: `one` unless it takes virtual
+    stages; interleaved-1f1b the candidates >= 2; zero-bubble `one` (a stage per rank) and the
+    candidates >= 2. `one` is how one stage per rank is spelled: 1 for a plan, the smallest
+    candidate where a sampler must pick among the candidates."""
+    if schedule not in VIRTUAL_SCHEDULES:
+        return [one]
+    least = VIRTUAL_SCHEDULES[schedule]
+    more = [v for v in candidates if v >= max(least, 2)]
+    return list(dict.fromkeys(([one] if least == 1 else []) + more))
+
 DEFAULT_TRIALS = 300
 # simulate() costs 1-150 ms per plan on the big scenarios (about 30 ms on average over a GPT-3
 # space, plus ~5 ms of journal writes): 3,000 plans is about a minute with two workers.
@@ -506,13 +518,9 @@ class PlanSpace:
         return self.scenario.model.moe is not None and tp * cp * dp > ep * self.scenario.plan.expert_tp
 
     def _vpps(self, schedule: str) -> list[int]:
-        """The canonical virtual stages per rank of a schedule: 1 unless it takes virtual stages;
-        zero-bubble's 1 counts once even where the candidates do not list it."""
-        if schedule not in VIRTUAL_SCHEDULES:
-            return [1]
-        least = VIRTUAL_SCHEDULES[schedule]
-        more = [v for v in self._cands["virtual_pipeline_stages"] if v >= max(least, 2)]
-        return ([1] if least == 1 else []) + more
+        """The canonical virtual stages per rank of a schedule (zero-bubble's 1 counts once even
+        where the candidates do not list it)."""
+        return vpp_options(schedule, self._cands["virtual_pipeline_stages"])
 
     def _inner_count(self, tp: int, pp: int, dp: int | None, cp: int) -> int:
         c = self._cands

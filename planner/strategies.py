@@ -184,21 +184,13 @@ class RefiningSampler(BaseSampler):
         virtual stages move together (1f1b, gpipe, interleaved x2, x4, ..., zero-bubble x1, x2,
         ...; planner.space.VIRTUAL_SCHEDULES): otherwise reaching an interleaved plan from a plain
         one would take two moves through an invalid plan."""
-        from planner.space import VIRTUAL_SCHEDULES
+        from planner.space import vpp_options
 
         axes = {k: ((k,), [(v,) for v in vals]) for k, vals in self._choices.items()}
         sched = self._choices.get("schedule", (self._fixed.get("schedule"),))
         vpps = self._choices.get("virtual_pipeline_stages", (self._fixed.get("virtual_pipeline_stages", 1),))
         if "schedule" in self._choices or "virtual_pipeline_stages" in self._choices:
-            values = []
-            for s in sched:
-                if s not in VIRTUAL_SCHEDULES:
-                    values.append((s, min(vpps)))
-                    continue
-                least = VIRTUAL_SCHEDULES[s]
-                # zero-bubble's one stage per rank is canonically vpp 1, listed or not
-                ones = [min(vpps)] if least == 1 else []
-                values += [(s, v) for v in dict.fromkeys(ones + [v for v in vpps if v >= max(least, 2)])]
+            values = [(s, v) for s in sched for v in vpp_options(s, vpps, one=min(vpps))]
             for k in ("schedule", "virtual_pipeline_stages"):
                 axes.pop(k, None)
             axes["pipeline"] = (("schedule", "virtual_pipeline_stages"), values)

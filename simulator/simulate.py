@@ -370,16 +370,16 @@ def _zero3_comm(net, parts: list[tuple[float, GroupLayout]], w_bytes: float) -> 
     """The all-gather and reduce-scatter of one ZeRO-3 unit whose parameters are `parts` (count,
     the group they are sharded over), `w_bytes` per gathered weight (0: ZeRO-2, which gathers
     nothing per unit); a group of one holds them whole and moves nothing."""
-    out = {"gather": 0.0, "scatter": 0.0, "gather_nic": 0.0, "scatter_nic": 0.0}
+    gather = scatter = gather_nic = scatter_nic = 0.0
     for n, lay in parts:
         if n <= 0 or lay.size <= 1:
             continue
-        for key, op, nbytes in (("gather", "all_gather", n * w_bytes), ("scatter", "reduce_scatter", n * GRAD_REDUCE_BYTES)):
-            t = collective_time(net, op, nbytes, lay) if nbytes else 0.0
-            out[key] += t
-            if lay.num_nodes > 1:
-                out[key + "_nic"] += t
-    return Zero3Comm(**out)
+        g = collective_time(net, "all_gather", n * w_bytes, lay) if w_bytes else 0.0
+        r = collective_time(net, "reduce_scatter", n * GRAD_REDUCE_BYTES, lay)
+        gather, scatter = gather + g, scatter + r
+        if lay.num_nodes > 1:
+            gather_nic, scatter_nic = gather_nic + g, scatter_nic + r
+    return Zero3Comm(gather=gather, scatter=scatter, gather_nic=gather_nic, scatter_nic=scatter_nic)
 
 
 def _zero3_chain(pieces: list[tuple[Cost, float, float]], name: str) -> Cost:

@@ -237,31 +237,23 @@ def mlp_collectives(ctx: LayerContext) -> list[float]:
     return _tp_collectives(ctx, [(h, 0, "column"), (h, h, "row")])
 
 
-def _cp_comm(ctx: LayerContext, backward: bool) -> float:
+def _cp_ring(ctx: LayerContext, backward: bool) -> Cost:
     """Ring attention KV exchange (Megatron-Core context parallelism): cp-1 steps, each sending
     this rank's K and V chunk to the next rank while computing on the current one; the backward
     also returns dK, dV (twice the bytes). Only the part not hidden behind the attention compute
-    of a step is exposed; the hidden part slows that compute by COMM_SM_SHARE of itself."""
-    p = ctx.plan
-    if p.cp == 1:
-        return 0.0
-    step_compute = _attention_step(ctx, backward)
-    return (p.cp - 1) * (overlapped(step_compute, _cp_step_comm(ctx, backward)) - step_compute)
-
-
-def _cp_step_comm(ctx: LayerContext, backward: bool) -> float:
-    """One ring step's K/V (backward: and dK/dV) send to the next context-parallel rank."""
+    of a step is exposed (cp_comm); the hidden part slows that compute by COMM_SM_SHARE of itself.
+    When the group leaves the node every step's send holds the NIC, hidden or not (Cost.nic), and
+    the engine shares the NIC with them."""
     p, m = ctx.plan, ctx.model
+    if p.cp == 1:
+        return Cost()
     kv_bytes = ctx.tokens * (m.k_channels + m.v_channels) // p.tp * ctx.act_bytes * (2 if backward else 1)
-    return collective_time(ctx.network, "send_recv", kv_bytes, ctx.cp_layout)
-
-
-def _cp_nic(ctx: LayerContext, backward: bool) -> float:
-    """Seconds the ring's sends hold the NIC when the context-parallel group leaves the node (all
-    cp - 1 steps, hidden behind attention or not): the engine shares the NIC with them."""
-    if ctx.plan.cp == 1 or ctx.cp_layout.num_nodes == 1:
-        return 0.0
-    return (ctx.plan.cp - 1) * _cp_step_comm(ctx, backward)
+    step_comm = collective_time(ctx.network, "send_recv", kv_bytes, ctx.cp_layout)
+    step_compute = _attention_step(ctx, backward)
+    cost = Cost().add("cp_comm", (p.cp - 1) * (overlapped(step_compute, step_comm) - step_compute))
+    if ctx.cp_layout.num_nodes > 1:
+        cost.nic = (p.cp - 1) * step_comm
+    return cost
 
 
 def _comm_exposed(ctx: LayerContext, comms: list[float], gemms: list[float]) -> float:
@@ -293,8 +285,8 @@ def attention_block(ctx: LayerContext, backward: bool) -> Cost:
     gemms = [_linear(ctx, k, n, backward, tokens) for k, n, tokens in shapes]
     compute = sum(gemms) + _attention_core(ctx, backward) + _attention_elementwise(ctx, backward)
     tp = _comm_exposed(ctx, attention_collectives(ctx), _hiding_gemms(ctx, shapes, gemms, backward))
-    cost = Cost().add("compute", compute).add("tp_comm", tp).add("cp_comm", _cp_comm(ctx, backward))
-    cost.nic += _cp_nic(ctx, backward)
+    cost = Cost().add("compute", compute).add("tp_comm", tp)
+    cost += _cp_ring(ctx, backward)
     return cost
 
 
@@ -355,8 +347,7 @@ def selective_recompute(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
         # the checkpointed call is the whole CP attention, its K/V ring included (Megatron-Core
         # Attention._checkpointed_attention_forward around TE's AttnFuncWithCPAndKVP2P)
         cost.add("recompute", _attention_core(ctx, False))
-        cost.add("cp_comm", _cp_comm(ctx, False))
-        cost.nic += _cp_nic(ctx, False)
+        cost += _cp_ring(ctx, False)
     if "layernorm" in mods:
         cost.add("recompute", 2 * memory_bound_time(ctx.gpu, _norm_bytes(ctx)))
     if ffn is dense_ffn_block:

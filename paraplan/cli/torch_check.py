@@ -13,12 +13,21 @@ against a single-process reference, CPU/gloo) were run on: 2.11 has every API it
 schedules, FSDP2, replicate_with_fsdp, DTensor parallel styles). CI runs 2.13."""
 
 
+def torch_version() -> tuple[int, int] | None:
+    """(major, minor) of the installed PyTorch, read from its package metadata without importing
+    it; None when it is not installed."""
+    try:
+        found = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+    return tuple(int(x) for x in re.findall(r"\d+", found)[:2])
+
+
 def require_torch(what: str, *, minimum: tuple[int, int] | None = MINIMUM) -> None:
     """One-line error naming `what` needs PyTorch when it is missing (or older than `minimum`)."""
     floor = ".".join(map(str, minimum or MINIMUM))
     need = f"PyTorch >= {floor}" if minimum else "PyTorch"
     if importlib.util.find_spec("torch") is None:
         raise ParaplanError(f"{what} needs {need}, which is not installed: pip install 'torch>={floor}'")
-    found = importlib.metadata.version("torch")
-    if minimum and tuple(int(x) for x in re.findall(r"\d+", found)[:2]) < minimum:
-        raise ParaplanError(f"{what} needs {need}, found {found}")
+    if minimum and torch_version() < minimum:
+        raise ParaplanError(f"{what} needs {need}, found {importlib.metadata.version('torch')}")
