@@ -150,6 +150,9 @@ def executor_problems(sc: Scenario) -> list[str]:
                    "latent attention")
     if m.mtp_layers:
         out.append("model.mtp_layers: the executor has no multi-token prediction modules; set 0")
+    if m.mla is None and m.head_dim % 2:
+        # rotary embeddings turn pairs of channels (RoFormer, Su et al. 2021, eq. 34)
+        out.append(f"model.head_dim: the executor's rotary position embedding needs an even head_dim, got {m.head_dim}")
     info = SCHEDULES.get(p.schedule)
     if info is None:
         out.append(f"plan.schedule: {p.schedule!r} is not one of {', '.join(SCHEDULES)}")

@@ -252,13 +252,13 @@ def apply_dp(stages: list[Stage], sc: Scenario, g: Groups, mp_policy) -> list[nn
     from torch.distributed.fsdp import fully_shard
 
     style = dp_style(sc)
-    if style == "none" and sc.model.moe is None:
+    if style == "none":  # experts replicated over TP ranks are averaged in finish_gradients
         return list(stages)
     if style == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         return [DDP(st, process_group=g.dp_group) for st in stages]
-    if style in ("replicate", "none"):  # "none": dp x cp = 1, but experts may still be replicated over TP
+    if style == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 
         def wrap(module, mesh, _reshard):
@@ -271,13 +271,9 @@ def apply_dp(stages: list[Stage], sc: Scenario, g: Groups, mp_policy) -> list[nn
         for block in stage.layers.values():
             # experts differ across an EP group: their own unit over the expert-data-parallel
             # ranks keeps them out of the block's (a one-rank unit when ep spans the whole stage)
-            if isinstance(block.ffn, MoE) and (style != "none" or g.edp_mesh.size() > 1):
+            if isinstance(block.ffn, MoE):
                 wrap(block.ffn.experts, g.edp_mesh, zero3)
-            if style == "none":
-                continue
             wrap(block, g.dp_mesh, zero3)
-        if style == "none":
-            continue
         # the root unit (embedding, final norm, head) is needed right after the last block's
         # forward and at the start of backward: keep it unsharded in between
         wrap(stage, g.dp_mesh, False)
@@ -292,6 +288,8 @@ def finish_gradients(stages: list[Stage], sc: Scenario, g: Groups) -> None:
     - Experts: the all-to-all's backward already summed the contributions of the EP group's
       tokens, and the expert-data-parallel reduction averaged over tp x cp x dp / ep ranks; the
       loss is an average over the dp x cp ranks only (TP ranks share one loss), so scale by tp / ep.
+      With dp x cp = 1 no wrapper reduces them (a nested replicate unit under an unwrapped stage
+      root breaks torch's split-backward pipeline schedules): average over the tp / ep ranks here.
     - A tied embedding split over the first and last pipeline stage: sum the two gradients.
     """
     from torch.distributed.tensor import DTensor
@@ -305,6 +303,11 @@ def finish_gradients(stages: list[Stage], sc: Scenario, g: Groups) -> None:
         partial = [local(p.grad) for m in moes for name, p in m.named_parameters()
                    if p.grad is not None and not name.startswith("experts.")]
         _all_reduce_flat(partial, g.tp_group)
+    if dp_style(sc) == "none" and moes and g.edp_mesh.size() > 1:
+        replicas = [local(p.grad) for m in moes for p in m.experts.parameters() if p.grad is not None]
+        _all_reduce_flat(replicas, g.edp_mesh.get_group())
+        for t in replicas:
+            t.div_(g.edp_mesh.size())
     if tp != ep:
         for m in moes:
             for p in m.experts.parameters():

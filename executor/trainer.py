@@ -31,6 +31,11 @@ from executor.parallel import (
 from paraplan.specs import Scenario
 
 
+TRACKED_STEPS = 2
+"""CPU memory is measured on the first steps only: the second is the first steady one (Adam's
+states exist from the first optimizer step on), and the default warm-up is two steps."""
+
+
 def train(sc: Scenario, *, device: torch.device, fault: str | None = None, cpu_bf16: bool = False) -> dict:
     """Run sc.run.warmup_steps + sc.run.steps steps of sc.plan; return this rank's record.
 
@@ -43,12 +48,18 @@ def train(sc: Scenario, *, device: torch.device, fault: str | None = None, cpu_b
     tracker = None if on_gpu else LiveTensorTracker(exact=dp_style(sc) == "fsdp")
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
+    total = sc.run.warmup_steps + sc.run.steps
+    records: list[dict] = []
     with tracker if tracker is not None else contextlib.nullcontext():
         job = _Job(sc, device, bf16)
-        records = []
-        for step in range(sc.run.warmup_steps + sc.run.steps):
-            _maybe_fault(fault, job.g.rank, step)
-            records.append(job.step(step, tracker))
+        # the CPU tracker sees every operator (15-40% slower steps): it watches the first
+        # TRACKED_STEPS steps, the warm-up by default, and is off for the rest
+        while len(records) < (total if tracker is None else min(total, TRACKED_STEPS)):
+            _maybe_fault(fault, job.g.rank, len(records))
+            records.append(job.step(len(records), tracker))
+    while len(records) < total:
+        _maybe_fault(fault, job.g.rank, len(records))
+        records.append(job.step(len(records), None))
     out = job.record(records, tracker)
     out["compute_dtype"] = "bf16" if bf16 else ("tf32" if on_gpu else "fp32")
     return out
@@ -166,9 +177,10 @@ class _Job:
         self._sync()
         start = time.perf_counter()
         self.optimizer.zero_grad(set_to_none=True)
+        on_gpu = self.device.type == "cuda"
         if tracker is not None:
             tracker.reset_peak()
-        elif self.device.type == "cuda":  # the step's own peak, not model building's (unsharded stages)
+        elif on_gpu:  # the step's own peak, not model building's (unsharded stages)
             torch.cuda.reset_peak_memory_stats(self.device)
         losses = self._pipeline(x, y) if self.schedule is not None else self._accumulate(x, y)
         finish_gradients(self.stages, sc, g)
@@ -180,9 +192,14 @@ class _Job:
         if losses:
             total[0], total[1] = torch.stack(losses).double().sum(), len(losses)
         dist.all_reduce(total)
-        peak = tracker.peak if tracker is not None else torch.cuda.max_memory_allocated(self.device)
-        return {"time_s": elapsed, "loss": float(total[0] / total[1]), "peak_bytes": int(peak),
-                "static": static_bytes(self.stages, self.inner_optimizers)}
+        record = {"time_s": elapsed, "loss": float(total[0] / total[1]), "tracked": tracker is not None or on_gpu,
+                  "static": static_bytes(self.stages, self.inner_optimizers)}
+        if tracker is not None:
+            record["peak_bytes"] = tracker.peak
+        elif on_gpu:
+            record["peak_bytes"] = torch.cuda.max_memory_allocated(self.device)
+            record["peak_reserved"] = torch.cuda.max_memory_reserved(self.device)
+        return record
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -220,12 +237,12 @@ class _Job:
     def record(self, steps: list[dict], tracker) -> dict:
         g = self.g
         static = steps[-1]["static"]
-        peak = max(s["peak_bytes"] for s in steps)
-        memory = {**static, "peak_total": peak,
-                  "activations_and_buffers": max(0, peak - sum(static.values())),
+        peak = max(s["peak_bytes"] for s in steps if "peak_bytes" in s)
+        memory = {**static, "peak_total": int(peak),
+                  "activations_and_buffers": max(0, int(peak) - sum(static.values())),
                   "source": "cuda-allocator" if tracker is None else "live-tensor-tracker"}
-        if tracker is None:
-            memory["peak_reserved"] = int(torch.cuda.max_memory_reserved(self.device))
+        if tracker is None:  # every step's own peak, warm-up included, as for peak_total
+            memory["peak_reserved"] = int(max(s["peak_reserved"] for s in steps))
         return {
             "rank": g.rank,
             "coords": {"tp": g.coords.tp, "cp": g.coords.cp, "dp": g.coords.dp, "pp": g.coords.pp},
@@ -235,6 +252,7 @@ class _Job:
             "parameters": sum(p.numel() if not hasattr(p, "_local_tensor") else p._local_tensor.numel()
                               for st in self.stages for p in st.parameters()),
             "step_times_s": [s["time_s"] for s in steps],
+            "memory_tracked_steps": [i for i, s in enumerate(steps) if s["tracked"]],
             "losses": [s["loss"] for s in steps],
             "memory": memory,
             "tokens_per_expert": self._tokens_per_expert(),
@@ -287,6 +305,10 @@ def summary(sc: Scenario, ranks: list[dict], *, backend: str, device_name: str, 
         "peak_memory_bytes": max(r["memory"]["peak_total"] for r in ranks),
         "ranks": ranks,
     }
+    tracked_timed = [i for i in ranks[0]["memory_tracked_steps"] if i >= warm]
+    if tracked_timed and ranks[0]["memory"]["source"] == "live-tensor-tracker":
+        out["notes"].append(f"measured step(s) {', '.join(map(str, tracked_timed))} ran with the CPU memory tracker, "
+                            f"which slows a step by 15-40%: set run.warmup_steps >= {TRACKED_STEPS} to time none")
     if padded_vocab(sc.model, p.tp).vocab_size != sc.model.vocab_size:
         out["notes"].append(f"vocabulary padded from {sc.model.vocab_size} to "
                             f"{padded_vocab(sc.model, p.tp).vocab_size} (a multiple of tp)")
