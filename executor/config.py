@@ -230,6 +230,9 @@ def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
         out.append("training.precision bf16 runs in fp32 on CPU (bf16 mixed precision is for GPUs)")
     if p.zero_stage and p.dp * p.cp == 1:
         out.append(f"zero_stage {p.zero_stage} has nothing to shard with dp x cp = 1")
+    if p.tp > 1 and p.tp_backward_overlap and not p.tp_comm_overlap:
+        out.append("plan.tp_backward_overlap: the executor's tensor-parallel backward (DTensor) reduces each input "
+                   "gradient after its layer's weight gradient, not beside it")
     if not p.overlap_grad_reduce and p.dp * p.cp > 1:
         out.append("plan.overlap_grad_reduce false: DDP / FSDP2 always overlap the gradient reduction with backward")
     if p.overlap_param_gather and effective_zero_stage(p) == 1 and p.dp * p.cp > 1:

@@ -299,6 +299,7 @@ PLAN = _schema(
     overlap_grad_reduce=Key(_boolean),
     overlap_param_gather=Key(_boolean),
     tp_comm_overlap=Key(_boolean),
+    tp_backward_overlap=Key(_boolean),
     gradient_accumulation_fusion=Key(_optional(_boolean)),
     expert_tp=Key(POSITIVE),
     moe_shared_expert_overlap=Key(_boolean),

@@ -50,6 +50,10 @@ ASSUMPTIONS = (
     "separate kernel); earlier Megatron-LM runs and DeepSpeed-based ones add each microbatch's gradient in with a "
     "kernel of its own (Megatron's main_grad hook; DeepSpeed's fp16 engine adds into .grad, 6 bytes per element "
     "where the modelled hook moves 10)",
+    "backward tensor-parallel collectives: the same runs (from 2022 on, not DeepSpeed-based) overlap a column-parallel "
+    "layer's input-gradient reduce-scatter/all-reduce with its weight-gradient GEMM and the sequence-parallel input "
+    "re-gather with its input-gradient GEMM (the 'AsyncCommunication' of that port's "
+    "LinearWithGradAccumulationAndAsyncCommunication); the earlier ones expose every backward TP collective",
     "inter-node network from the record's text (NIC count x rate); unstated -> the GPU generation's typical node (8 NICs, HDR 200G for A100, NDR 400G for H100)",
     "virtual_pipeline_stages null -> 1 (1F1B); > 1 -> interleaved 1F1B",
 )
@@ -238,6 +242,9 @@ def record_to_scenario(rec: dict) -> dict:
     modern = date >= "2023"
     sp = bool(sp) if sp is not None else (tp > 1 and modern)
     flags = _flags(rec)
+    # Megatron's tensor-parallel layers as of early 2022 (LinearWithGradAccumulationAndAsyncCommunication,
+    # ported to apex in NVIDIA/apex PR #1297, 2022-02): fused wgrad accumulation, async backward collectives
+    megatron_2022 = date >= "2022" and "deepspeed" not in str(rec.get("framework")).lower()
     model = {
         "num_layers": m["num_layers"], "hidden_size": m["hidden_size"],
         "num_attention_heads": m["num_attention_heads"],
@@ -276,8 +283,8 @@ def record_to_scenario(rec: dict) -> dict:
             "overlap_param_gather": "--overlap-param-gather" in flags or _megatron_core_moe_defaults(rec),
             "tp_comm_overlap": "--tp-comm-overlap" in flags and sp and tp > 1,
             # null: the plan's default (fused, unfused under ZeRO-2/3)
-            "gradient_accumulation_fusion": None if date >= "2022" and "deepspeed" not in
-            str(rec.get("framework")).lower() else False,
+            "gradient_accumulation_fusion": None if megatron_2022 else False,
+            "tp_backward_overlap": megatron_2022,
             "ep": int(par.get("ep") or 1),
             "expert_tp": int(par.get("expert_tp") or 1),
             **({"moe_dispatcher": "deepep"} if "deepep" in str(par.get("moe_dispatcher")).lower() else {}),

@@ -301,6 +301,13 @@ class PlanSpec:
     tp_comm_overlap: bool = False
     """Overlap TP all-gather/reduce-scatter with the adjacent GEMMs (Megatron --tp-comm-overlap,
     Transformer Engine userbuffers); needs sequence parallelism."""
+    tp_backward_overlap: bool = True
+    """Backward TP collectives run asynchronously beside GEMMs (Megatron's default; Transformer
+    Engine's Linear alike): a column-parallel layer's input-gradient reduce-scatter (all-reduce
+    without sequence parallelism, TransformerConfig.async_tensor_model_parallel_allreduce) beside
+    its weight-gradient GEMM, and under sequence parallelism the re-gather of its input beside its
+    input-gradient GEMM. false: every backward TP collective is exposed (Megatron-LM before the
+    asynchronous all-reduce, and the Megatron-DeepSpeed forks of that code)."""
     gradient_accumulation_fusion: bool | None = None
     """Weight-gradient GEMMs accumulate straight into the fp32 main gradients (Megatron
     --gradient-accumulation-fusion); off (--no-gradient-accumulation-fusion), a separate kernel adds

@@ -327,6 +327,9 @@ def megatron_notes(sc: Scenario) -> list[str]:
                      "keeps the weight gradients in the backward (a larger bubble than predicted): simulate the "
                      "plan with --set plan.schedule=1f1b for its step time, or launch it with paraplan launch / "
                      "torchtitan.")
+    if p.tp > 1 and not p.tp_backward_overlap and not p.tp_comm_overlap:
+        notes.append("Megatron-LM always runs its backward tensor-parallel collectives beside the GEMMs (no flag "
+                     "turns that off), so it is faster than this plan's tp_backward_overlap: false predicts.")
     if m.moe is not None and not _grouped_gemm_runs(t.precision):
         notes.append(f"Megatron-LM's grouped expert GEMM needs bf16, so this {t.precision} plan runs one GEMM per "
                      "local expert (slower than simulated).")

@@ -18,8 +18,8 @@ from hwmodels.compute import gemm_time, memory_bound_time
 from hwmodels.network import collective_time, overlapped
 from paraplan.placement import GroupLayout
 from simulator.cost import Cost
-from simulator.workload import (activation_time, ffn_norm_residual, mlp_collectives, mlp_linear_shapes, outside_fp8,
-                                weight_grad_time)
+from simulator.workload import (activation_time, ffn_norm_residual, mlp_linear_shapes, mlp_transfers, outside_fp8,
+                                tp_exposed, weight_grad_time)
 
 
 @dataclass(frozen=True)
@@ -270,9 +270,11 @@ def _shared_experts(ctx, backward: bool) -> tuple[float, float]:
     tensor-parallel like the dense MLP (all-gather in, reduce-scatter out under SP)."""
     if not ctx.model.moe.num_shared_experts:
         return 0.0, 0.0
-    compute = sum(_gemm(ctx, ctx.tokens, k, w, backward) for k, w in _shared_linears(ctx))
-    compute += activation_time(ctx, ctx.tokens, _shared_width(ctx), backward)
-    return compute, sum(mlp_collectives(ctx))
+    shapes = [(k, w, ctx.tokens) for k, w in _shared_linears(ctx)]
+    gemms = [_gemm(ctx, ctx.tokens, k, w, backward) for k, w, _ in shapes]
+    compute = sum(gemms) + activation_time(ctx, ctx.tokens, _shared_width(ctx), backward)
+    # Transformer Engine's userbuffers serve the attention and dense MLP GEMMs, not the shared experts'
+    return compute, tp_exposed(ctx, mlp_transfers(ctx), shapes, gemms, backward, userbuffers=False)
 
 
 def _shared_forward(ctx) -> Cost:

@@ -197,19 +197,25 @@ def activation_time(ctx: LayerContext, tokens: float, width: int, backward: bool
     return _memory_bound(ctx, [tokens * act], backward)
 
 
-def _tp_collectives(ctx: LayerContext, linears: list[tuple[int, int, str]]) -> list[float]:
+def _tp_transfers(ctx: LayerContext, linears: list[tuple[int, int, str]]) -> list[tuple[str, float]]:
+    """(mode, bytes) of each linear layer's TP collective: the h-wide tokens after a row-parallel
+    layer, its k-wide input before a column-parallel one. A column-parallel layer fed by a
+    replicated one (MLA's latents) gathers that latent, not h (Megatron-Core MLASelfAttention: the
+    down-projections run on the sequence-parallel shard)."""
+    h = ctx.model.hidden_size
+    return [(mode, ctx.tokens * (h if mode == "row" else k) * ctx.act_bytes) for k, _, mode in linears]
+
+
+def _tp_collectives(ctx: LayerContext, transfers: list[tuple[str, float]]) -> list[float]:
     """Tensor-parallel collectives of a chain of linear layers in one direction, one per layer: with
     sequence parallelism an all-gather of the input before a column-parallel GEMM and a
     reduce-scatter after a row-parallel one (Korthikanti et al. 2022, Sec. 4.2.2, Fig. 5); without
-    it an all-reduce after each row-parallel GEMM (Shoeybi et al. 2019). A column-parallel layer
-    fed by a replicated one (MLA's latents) gathers that latent, not h (Megatron-Core
-    MLASelfAttention: the down-projections run on the sequence-parallel shard)."""
+    it an all-reduce after each row-parallel GEMM (Shoeybi et al. 2019). The backward mirrors them
+    (same sizes and algorithms)."""
     if ctx.plan.tp == 1:
-        return [0.0] * len(linears)
+        return [0.0] * len(transfers)
     out = []
-    for k, _, mode in linears:
-        width = ctx.model.hidden_size if mode == "row" else k
-        nbytes = ctx.tokens * width * ctx.act_bytes
+    for mode, nbytes in transfers:
         if mode == "replicated":
             out.append(0.0)
         elif ctx.plan.sequence_parallel:
@@ -220,21 +226,26 @@ def _tp_collectives(ctx: LayerContext, linears: list[tuple[int, int, str]]) -> l
     return out
 
 
-def attention_collectives(ctx: LayerContext) -> list[float]:
-    """TP collectives of the attention projections (model.attention_linears), one per layer; MLA's
-    key/value latent is gathered with the shared rotary key (kv_lora_rank + qk_rope_head_dim)."""
+def _attention_transfers(ctx: LayerContext) -> list[tuple[str, float]]:
+    """The attention projections' TP transfers (model.attention_linears); MLA's key/value latent is
+    gathered with the shared rotary key (kv_lora_rank + qk_rope_head_dim)."""
     linears = ctx.model.attention_linears()
     if ctx.model.mla is not None:  # [..., kv down, kv up, output]
         k, n, mode = linears[-2]
         linears[-2] = (k + ctx.model.mla.qk_rope_head_dim, n, mode)
-    return _tp_collectives(ctx, linears)
+    return _tp_transfers(ctx, linears)
 
 
-def mlp_collectives(ctx: LayerContext) -> list[float]:
-    """TP collectives of an MLP (column-parallel up, row-parallel down): the dense MLP's, and the
+def mlp_transfers(ctx: LayerContext) -> list[tuple[str, float]]:
+    """An MLP's TP transfers (column-parallel up, row-parallel down): the dense MLP's, and the
     shared experts' (the same tensor-parallel layout)."""
     h = ctx.model.hidden_size
-    return _tp_collectives(ctx, [(h, 0, "column"), (h, h, "row")])
+    return _tp_transfers(ctx, [(h, 0, "column"), (h, h, "row")])
+
+
+def attention_collectives(ctx: LayerContext) -> list[float]:
+    """TP collectives of the attention projections, one per layer."""
+    return _tp_collectives(ctx, _attention_transfers(ctx))
 
 
 def _cp_ring(ctx: LayerContext, backward: bool) -> Cost:
@@ -256,15 +267,63 @@ def _cp_ring(ctx: LayerContext, backward: bool) -> Cost:
     return cost
 
 
-def _comm_exposed(ctx: LayerContext, comms: list[float], gemms: list[float]) -> float:
-    """Exposed TP communication: every collective without --tp-comm-overlap; with it each is split
-    into tp chunks pipelined against its GEMM (Transformer Engine userbuffers; Wang et al. 2023,
-    "Overlap communication with dependent computation"): the first chunk is exposed, the rest
-    hides behind the GEMM, and while they overlap the collective takes COMM_SM_SHARE of the SMs."""
-    if not ctx.plan.tp_comm_overlap:
-        return sum(comms)
+def tp_exposed(ctx: LayerContext, transfers: list[tuple[str, float]], shapes: list[tuple[int, int, float]],
+               gemms: list[float], backward: bool, userbuffers: bool = True) -> float:
+    """Exposed TP communication of a chain of linear layers (their GEMM times `gemms`, shapes
+    (k, n, tokens)): with --tp-comm-overlap, for the layers it reaches (`userbuffers`), see
+    _chunked_exposed; else the backward's asynchronous collectives (_async_backward_exposed) when
+    plan.tp_backward_overlap, and every collective otherwise."""
+    p = ctx.plan
+    if p.tp_comm_overlap and userbuffers:
+        return _chunked_exposed(ctx, _tp_collectives(ctx, transfers), _hiding_gemms(ctx, shapes, gemms, backward))
+    if backward and p.tp_backward_overlap and p.tp > 1:
+        return _async_backward_exposed(ctx, transfers, shapes, gemms)
+    return sum(_tp_collectives(ctx, transfers))
+
+
+def _chunked_exposed(ctx: LayerContext, comms: list[float], gemms: list[float]) -> float:
+    """With --tp-comm-overlap each collective is split into tp chunks pipelined against its GEMM
+    (Transformer Engine userbuffers; Wang et al. 2023, "Overlap communication with dependent
+    computation"): the first chunk is exposed, the rest hides behind the GEMM, and while they
+    overlap the collective takes COMM_SM_SHARE of the SMs."""
     tp = ctx.plan.tp
     return sum(max(c / tp, c - g) + COMM_SM_SHARE * min(c, g) for c, g in zip(comms, gemms))
+
+
+def _async_backward_exposed(ctx: LayerContext, transfers: list[tuple[str, float]],
+                            shapes: list[tuple[int, int, float]], gemms: list[float]) -> float:
+    """The backward's TP communication as Megatron runs it without --tp-comm-overlap
+    (LinearWithGradAccumulationAndAsyncCommunication.backward, megatron/core/tensor_parallel/
+    layers.py; Transformer Engine's Linear/LayerNormLinear backward alike), in launch order on one
+    stream (CUDA_DEVICE_MAX_CONNECTIONS=1):
+    - a column-parallel layer's input gradient is reduce-scattered (all-reduced without sequence
+      parallelism: async_tensor_model_parallel_allreduce, "asynchronous execution of
+      tensor-model-parallel all-reduce with weight gradient computation of a column-linear
+      layer", TransformerConfig) while its weight-gradient GEMM runs;
+    - under sequence parallelism the same layer first re-gathers its saved input shard, needed
+      by that weight gradient, while its input-gradient GEMM runs;
+    - a row-parallel layer's output-gradient all-gather (sequence parallelism; nothing without)
+      feeds both its GEMMs and is exposed.
+    Each overlap costs the collective's excess over the GEMM plus COMM_SM_SHARE of the overlap
+    (hwmodels.network.overlapped). A split-backward schedule computes weight gradients later in
+    their W pass, so nothing hides the input gradient's collective there."""
+    p, net, lay = ctx.plan, ctx.network, ctx.tp_layout
+    split = p.schedule in SPLIT_BACKWARD_SCHEDULES
+    total = 0.0
+    for (mode, nbytes), (k, n, tokens), gemm in zip(transfers, shapes, gemms):
+        if mode == "replicated":
+            continue
+        if mode == "row":
+            total += collective_time(net, "all_gather", nbytes, lay) if p.sequence_parallel else 0.0
+            continue
+        wgrad = _weight_grad_gemm(ctx, k, n, tokens)
+        grad_input = collective_time(net, "reduce_scatter" if p.sequence_parallel else "all_reduce", nbytes, lay)
+        hiding = 0.0 if split else wgrad
+        total += overlapped(hiding, grad_input) - hiding
+        if p.sequence_parallel:
+            regather = collective_time(net, "all_gather", nbytes, lay)
+            total += overlapped(gemm - wgrad, regather) - (gemm - wgrad)
+    return total
 
 
 def _hiding_gemms(ctx: LayerContext, shapes: list[tuple[int, int, float]], gemms: list[float],
@@ -284,7 +343,7 @@ def attention_block(ctx: LayerContext, backward: bool) -> Cost:
     shapes = _attention_shapes(ctx)
     gemms = [_linear(ctx, k, n, backward, tokens) for k, n, tokens in shapes]
     compute = sum(gemms) + _attention_core(ctx, backward) + _attention_elementwise(ctx, backward)
-    tp = _comm_exposed(ctx, attention_collectives(ctx), _hiding_gemms(ctx, shapes, gemms, backward))
+    tp = tp_exposed(ctx, _attention_transfers(ctx), shapes, gemms, backward)
     cost = Cost().add("compute", compute).add("tp_comm", tp)
     cost += _cp_ring(ctx, backward)
     return cost
@@ -296,7 +355,7 @@ def mlp_block(ctx: LayerContext, backward: bool) -> Cost:
     shapes = [(k, n, ctx.tokens) for k, n in _mlp_shapes(ctx)]
     gemms = [_linear(ctx, k, n, backward) for k, n, _ in shapes]
     compute = sum(gemms) + activation_time(ctx, ctx.tokens, ctx.model.ffn_hidden_size // ctx.plan.tp, backward)
-    tp = _comm_exposed(ctx, mlp_collectives(ctx), _hiding_gemms(ctx, shapes, gemms, backward))
+    tp = tp_exposed(ctx, mlp_transfers(ctx), shapes, gemms, backward)
     return Cost().add("compute", compute).add("tp_comm", tp)
 
 

@@ -383,3 +383,13 @@ def test_gradient_accumulation_fusion_is_passed_as_simulated():
     from simulator.feasibility import structural_problems
     sc = scenario("tiny-gpt-8xa100", "plan.zero_stage=3", "plan.gradient_accumulation_fusion=true")
     assert any(p.startswith("plan.gradient_accumulation_fusion:") for p in structural_problems(sc))
+
+
+def test_exposed_backward_tp_collectives_are_said_to_be_slower_than_megatron():
+    # Megatron-Core's tensor-parallel layers always overlap the backward collectives
+    # (LinearWithGradAccumulationAndAsyncCommunication); no argument can ask for the exposed ones
+    exposed = megatron_args_text(scenario("gpt3-175b-1024xa100", "plan.tp_backward_overlap=false"))
+    assert "tp_backward_overlap: false" in exposed
+    assert "tp_backward_overlap" not in megatron_args_text(scenario("gpt3-175b-1024xa100"))
+    assert "tp_backward_overlap" not in megatron_args_text(
+        scenario("gpt3-175b-1024xa100", "plan.tp_backward_overlap=false", "plan.tp=1"))

@@ -136,7 +136,9 @@ def _bf16(sc: Scenario) -> Scenario:
 BF16_PLANS = [_bf16(sc) for sc in (
     scenario("dp2-zero2", dp=2, micro_batch_size=2, zero_stage=2, opt="adam"),
     scenario("pp2-zbv", pp=2, micro_batch_size=2, schedule="zbv", virtual_pipeline_stages=2, opt="adam"),
-    scenario("tp2-sp-dp-none", tp=2, micro_batch_size=2, sequence_parallel=True, opt="adam"),
+    # backward TP collectives exposed, as the executor runs them (no note expected)
+    scenario("tp2-sp-dp-none", tp=2, micro_batch_size=2, sequence_parallel=True, tp_backward_overlap=False,
+             opt="adam"),
     scenario("moe-ep2", "moe", dp=2, ep=2, micro_batch_size=2, opt="adam"),
 )]
 
@@ -343,6 +345,12 @@ def test_zero3_under_zero_bubble_is_said():
     sc = scenario("x", pp=2, dp=2, zero_stage=3, schedule="zbv", virtual_pipeline_stages=2)
     assert any("ZeRO-2" in n for n in notes(sc, on_gpu=True))
     assert not notes(scenario("x", pp=2, dp=2, zero_stage=3, schedule="1f1b"), on_gpu=True)
+
+
+def test_overlapped_backward_tp_collectives_are_said_to_run_exposed():
+    assert any("plan.tp_backward_overlap" in n for n in notes(scenario("x", tp=2), on_gpu=True))
+    assert not notes(scenario("x", tp=2, tp_backward_overlap=False), on_gpu=True)
+    assert not notes(scenario("x", dp=2), on_gpu=True)  # no TP, nothing to overlap
 
 
 def test_scenario_round_trip():

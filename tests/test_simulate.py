@@ -145,7 +145,12 @@ def test_zero_bubble_moves_weight_gradients_into_the_bubble(gpt3):
 def test_zero_bubble_interleaved_and_moe(gpt3):
     inter = simulate(gpt3)  # interleaved-1f1b with virtual stages
     zb = simulate(plan_variant(gpt3, schedule="zero-bubble"))
-    assert zb.step_time_s < inter.step_time_s
+    assert zb.breakdown["pp_bubble"] < inter.breakdown["pp_bubble"]
+    # W deferred: the input gradients' reduce-scatters lose the weight-gradient GEMMs that hid them
+    assert zb.breakdown["tp_comm"] > inter.breakdown["tp_comm"]
+    exposed = dict(tp_backward_overlap=False)  # nothing to lose: the smaller bubble wins
+    assert (simulate(plan_variant(gpt3, schedule="zero-bubble", **exposed)).step_time_s
+            < simulate(plan_variant(gpt3, **exposed)).step_time_s)
     moe = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml")
     assert simulate(plan_variant(moe, schedule="zero-bubble"), imbalance_reference=False).step_time_s > 0
 
@@ -551,6 +556,56 @@ def test_mla_projections_and_tp_collectives_by_hand(sp):
     want = ([0.0, coll("all_gather", 1536), 0.0, coll("all_gather", 576), coll("reduce_scatter", 7168)] if sp
             else [0.0, 0.0, 0.0, 0.0, coll("all_reduce", 7168)])
     assert attention_collectives(ctx) == pytest.approx(want, rel=1e-12)
+
+
+def _gpt3_context(gpt3, **plan):
+    from hwmodels.network import build_network
+    from hwmodels.profile import load_profile
+    from paraplan.placement import group_layout
+    from simulator.workload import LayerContext
+
+    p = replace(gpt3.plan, **plan)
+    gpu = load_profile(gpt3.cluster.gpu)
+    return LayerContext(model=gpt3.model, plan=p, gpu=gpu, network=build_network(gpt3.cluster, gpu),
+                        seq_length=gpt3.training.seq_length, dtype="bf16", attention_kernel="flash",
+                        tp_layout=group_layout(("tp",), p, 8), cp_layout=group_layout(("cp",), p, 8))
+
+
+@pytest.mark.parametrize("sp", [False, True])
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zero-bubble"])
+def test_backward_tp_collectives_of_the_mlp_by_hand(gpt3, sp, schedule):
+    """GPT-3's MLP at tp 8, backward (Megatron LinearWithGradAccumulationAndAsyncCommunication):
+    the up-projection's input gradient is reduce-scattered (all-reduced without SP) beside its
+    weight-gradient GEMM, and under SP its saved input shard is re-gathered beside its input-gradient
+    GEMM; the down-projection's output-gradient all-gather (SP only) is exposed. Under zero-bubble
+    the weight gradient runs later in W, so nothing hides the input gradient's collective. With
+    tp_backward_overlap off every mirrored collective is exposed; the forward never changes."""
+    from hwmodels.compute import gemm_time
+    from hwmodels.network import collective_time, overlapped
+    from simulator.workload import mlp_block, weight_grad_time
+
+    ctx = _gpt3_context(gpt3, sequence_parallel=sp, schedule=schedule)
+    off = _gpt3_context(gpt3, sequence_parallel=sp, schedule=schedule, tp_backward_overlap=False)
+    h, f, n = 12288, 49152 // 8, ctx.tokens
+    nbytes = n * h * 2
+
+    def coll(op):
+        return collective_time(ctx.network, op, nbytes, ctx.tp_layout)
+
+    wgrad = 0.0 if schedule == "zero-bubble" else weight_grad_time(ctx, h, f, n)
+    dgrad = gemm_time(ctx.gpu, n, h, f, "bf16")
+    if sp:
+        want = (overlapped(wgrad, coll("reduce_scatter")) - wgrad + overlapped(dgrad, coll("all_gather")) - dgrad
+                + coll("all_gather"))
+        want_off = coll("reduce_scatter") + coll("all_gather")
+    else:
+        want = overlapped(wgrad, coll("all_reduce")) - wgrad
+        want_off = coll("all_reduce")
+    assert mlp_block(ctx, backward=True).parts["tp_comm"] == pytest.approx(want, rel=1e-12)
+    assert mlp_block(off, backward=True).parts["tp_comm"] == pytest.approx(want_off, rel=1e-12)
+    assert mlp_block(ctx, backward=False).parts["tp_comm"] == mlp_block(off, backward=False).parts["tp_comm"]
+    if schedule != "zero-bubble":
+        assert want < want_off  # the overlap hides more than the re-gather adds
 
 
 def test_mla_model_flops_and_context_parallel_exchange_by_hand():
