@@ -243,11 +243,6 @@ def mlp_transfers(ctx: LayerContext) -> list[tuple[str, float]]:
     return _tp_transfers(ctx, [(h, 0, "column"), (h, h, "row")])
 
 
-def attention_collectives(ctx: LayerContext) -> list[float]:
-    """TP collectives of the attention projections, one per layer."""
-    return _tp_collectives(ctx, _attention_transfers(ctx))
-
-
 def _cp_ring(ctx: LayerContext, backward: bool) -> Cost:
     """Ring attention KV exchange (Megatron-Core context parallelism): cp-1 steps, each sending
     this rank's K and V chunk to the next rank while computing on the current one; the backward

@@ -542,7 +542,7 @@ def test_mla_projections_and_tp_collectives_by_hand(sp):
     all-gathered before the up-projections and h reduce-scattered after the output projection;
     without SP only the output projection's all-reduce remains."""
     from hwmodels.network import collective_time
-    from simulator.workload import _attention_shapes, attention_collectives
+    from simulator.workload import _attention_shapes, _attention_transfers, _tp_collectives
 
     ctx = _mla_context(8, sp)
     n = ctx.tokens
@@ -555,7 +555,7 @@ def test_mla_projections_and_tp_collectives_by_hand(sp):
 
     want = ([0.0, coll("all_gather", 1536), 0.0, coll("all_gather", 576), coll("reduce_scatter", 7168)] if sp
             else [0.0, 0.0, 0.0, 0.0, coll("all_reduce", 7168)])
-    assert attention_collectives(ctx) == pytest.approx(want, rel=1e-12)
+    assert _tp_collectives(ctx, _attention_transfers(ctx)) == pytest.approx(want, rel=1e-12)
 
 
 def _gpt3_context(gpt3, **plan):
