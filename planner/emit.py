@@ -383,6 +383,10 @@ def torchtitan_toml(sc: Scenario) -> str:
     local_batch = t.global_batch_size // p.dp if p.pp > 1 else p.micro_batch_size
     if not p.sequence_parallel and p.tp > 1:
         notes.append("torchtitan always shards activations along the sequence under TP (sequence parallel)")
+    if p.tp > 1 and p.tp_backward_overlap and not p.tp_comm_overlap:
+        # DTensor's redistribute backward runs after the matmul's backward node (dgrad and wgrad)
+        notes.append("torchtitan's eager tensor parallelism (DTensor) reduce-scatters each layer's input gradient "
+                     "after its weight gradient, not beside it as simulated (plan.tp_backward_overlap)")
     if p.recomputed_modules not in ((), ("core_attn",)):
         notes.append(f"the plan recomputes {', '.join(p.recompute_modules)}; torchtitan's selective "
                      "checkpointing chooses by op, not by module, so its memory and recompute time differ")

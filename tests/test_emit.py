@@ -393,3 +393,10 @@ def test_exposed_backward_tp_collectives_are_said_to_be_slower_than_megatron():
     assert "tp_backward_overlap" not in megatron_args_text(scenario("gpt3-175b-1024xa100"))
     assert "tp_backward_overlap" not in megatron_args_text(
         scenario("gpt3-175b-1024xa100", "plan.tp_backward_overlap=false", "plan.tp=1"))
+
+
+def test_torchtitan_config_says_its_backward_tp_collectives_are_not_overlapped():
+    note = "reduce-scatters each layer's input gradient after its weight gradient"
+    assert note in torchtitan_toml(scenario("gpt3-175b-1024xa100"))
+    assert note not in torchtitan_toml(scenario("gpt3-175b-1024xa100", "plan.tp_backward_overlap=false"))
+    assert note not in torchtitan_toml(scenario("llama3-8b-64xh100", "plan.tp=1"))
