@@ -205,21 +205,14 @@ def test_embedding_and_head_collectives_follow_megatrons_mappings(gpt3, sp):
     """Embedding: all-reduce forward, nothing backward; with SP reduce-scatter forward, all-gather
     backward. LM head input: nothing forward, all-reduce backward; with SP all-gather forward,
     reduce-scatter backward (Megatron-Core tensor_parallel/mappings.py)."""
-    from hwmodels.network import build_network, collective_time
-    from hwmodels.profile import load_profile
-    from paraplan.placement import group_layout
-    from simulator.workload import LayerContext, embedding_cost, head_cost
+    from hwmodels.network import collective_time
+    from simulator.workload import embedding_cost, head_cost
 
-    gpu = load_profile(gpt3.cluster.gpu)
-    p, m = replace(gpt3.plan, sequence_parallel=sp), gpt3.model
-    net = build_network(gpt3.cluster, gpu)
-    tp_layout = group_layout(("tp",), p, 8)
-    ctx = LayerContext(model=m, plan=p, gpu=gpu, network=net, seq_length=gpt3.training.seq_length, dtype="bf16",
-                       attention_kernel="flash", tp_layout=tp_layout, cp_layout=group_layout(("cp",), p, 8))
-    nbytes = p.micro_batch_size * gpt3.training.seq_length * m.hidden_size * 2
+    ctx = _layer_context(gpt3, sequence_parallel=sp)
+    nbytes = ctx.plan.micro_batch_size * gpt3.training.seq_length * gpt3.model.hidden_size * 2
 
     def coll(op):
-        return collective_time(net, op, nbytes, tp_layout) if op else 0.0
+        return collective_time(ctx.network, op, nbytes, ctx.tp_layout) if op else 0.0
 
     want = {False: (("all_reduce", None), (None, "all_reduce")),
             True: (("reduce_scatter", "all_gather"), ("all_gather", "reduce_scatter"))}[sp]
@@ -232,20 +225,13 @@ def test_head_final_norm_runs_on_the_sequence_parallel_shard(gpt3):
     """Under sequence parallelism the final norm sees tokens/tp (it runs before the head's
     all-gather); everything else in the head's compute is the same with or without SP."""
     from hwmodels.compute import memory_bound_time
-    from hwmodels.network import build_network
     from hwmodels.profile import load_profile
-    from paraplan.placement import group_layout
-    from simulator.workload import LayerContext, head_cost
+    from simulator.workload import head_cost
 
     gpu, m = load_profile(gpt3.cluster.gpu), gpt3.model
-    net = build_network(gpt3.cluster, gpu)
 
     def compute(sp, backward):
-        p = replace(gpt3.plan, sequence_parallel=sp)
-        ctx = LayerContext(model=m, plan=p, gpu=gpu, network=net, seq_length=gpt3.training.seq_length,
-                           dtype="bf16", attention_kernel="flash", tp_layout=group_layout(("tp",), p, 8),
-                           cp_layout=group_layout(("cp",), p, 8))
-        return head_cost(ctx, backward).parts["compute"]
+        return head_cost(_layer_context(gpt3, sequence_parallel=sp), backward).parts["compute"]
 
     tp = gpt3.plan.tp
     norm = gpt3.plan.micro_batch_size * gpt3.training.seq_length * 2 * m.hidden_size * 2  # read + write h, bf16
@@ -520,18 +506,23 @@ def test_overlapping_the_weight_gather_never_costs_more_than_gathering_after_the
     assert step("true") <= step("false")
 
 
-def _mla_context(tp: int, sp: bool, cp: int = 1):
+def _layer_context(sc, **plan):
+    """A bf16 flash-attention LayerContext of `sc` with these plan fields replaced."""
     from hwmodels.network import build_network
     from hwmodels.profile import load_profile
     from paraplan.placement import group_layout
     from simulator.workload import LayerContext
 
-    sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml")
-    p = replace(sc.plan, tp=tp, sequence_parallel=sp, cp=cp)
+    p = replace(sc.plan, **plan)
     gpu = load_profile(sc.cluster.gpu)
     return LayerContext(model=sc.model, plan=p, gpu=gpu, network=build_network(sc.cluster, gpu),
                         seq_length=sc.training.seq_length, dtype="bf16", attention_kernel="flash",
                         tp_layout=group_layout(("tp",), p, 8), cp_layout=group_layout(("cp",), p, 8))
+
+
+def _mla_context(tp: int, sp: bool, cp: int = 1):
+    sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml")
+    return _layer_context(sc, tp=tp, sequence_parallel=sp, cp=cp)
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -558,19 +549,6 @@ def test_mla_projections_and_tp_collectives_by_hand(sp):
     assert _tp_collectives(ctx, _attention_transfers(ctx)) == pytest.approx(want, rel=1e-12)
 
 
-def _gpt3_context(gpt3, **plan):
-    from hwmodels.network import build_network
-    from hwmodels.profile import load_profile
-    from paraplan.placement import group_layout
-    from simulator.workload import LayerContext
-
-    p = replace(gpt3.plan, **plan)
-    gpu = load_profile(gpt3.cluster.gpu)
-    return LayerContext(model=gpt3.model, plan=p, gpu=gpu, network=build_network(gpt3.cluster, gpu),
-                        seq_length=gpt3.training.seq_length, dtype="bf16", attention_kernel="flash",
-                        tp_layout=group_layout(("tp",), p, 8), cp_layout=group_layout(("cp",), p, 8))
-
-
 @pytest.mark.parametrize("sp", [False, True])
 @pytest.mark.parametrize("schedule", ["interleaved-1f1b", "zero-bubble"])
 def test_backward_tp_collectives_of_the_mlp_by_hand(gpt3, sp, schedule):
@@ -584,8 +562,8 @@ def test_backward_tp_collectives_of_the_mlp_by_hand(gpt3, sp, schedule):
     from hwmodels.network import collective_time, overlapped
     from simulator.workload import mlp_block, weight_grad_time
 
-    ctx = _gpt3_context(gpt3, sequence_parallel=sp, schedule=schedule)
-    off = _gpt3_context(gpt3, sequence_parallel=sp, schedule=schedule, tp_backward_overlap=False)
+    ctx = _layer_context(gpt3, sequence_parallel=sp, schedule=schedule)
+    off = _layer_context(gpt3, sequence_parallel=sp, schedule=schedule, tp_backward_overlap=False)
     h, f, n = 12288, 49152 // 8, ctx.tokens
     nbytes = n * h * 2
 
