@@ -41,6 +41,12 @@ class RoutingDraw:
         return int(np.argmax(self.rank_loads))
 
     @property
+    def busiest_tokens(self) -> list[float]:
+        """Token copies per local expert of the busiest rank, as Python floats: the costs built
+        from them feed the engine's arithmetic, which NumPy scalars would slow several-fold."""
+        return self.expert_tokens[self.busiest_rank].tolist()
+
+    @property
     def imbalance(self) -> float:
         """Most loaded rank's tokens over the mean (1.0 = balanced)."""
         loads = self.rank_loads
@@ -149,7 +155,7 @@ def moe_block(ctx, draw: RoutingDraw, ep_layout, etp_layout, *, overlap_shared: 
         module_forward=module,
         weight_grad=_moe_weight_grad(ctx, draw),
         expert_activation=sum(_expert_activation(ctx, n * ctx.plan.expert_tp, False)
-                              for n in draw.expert_tokens[draw.busiest_rank] if n > 0),
+                              for n in draw.busiest_tokens if n > 0),
         shared_forward=_shared_forward(ctx),
     )
 
@@ -160,7 +166,7 @@ def _moe_weight_grad(ctx, draw: RoutingDraw) -> float:
     that `_gemm(..., backward=True)` prices."""
     m, etp = ctx.model, ctx.plan.expert_tp
     total = _wgrad(outside_fp8(ctx), routed_tokens_per_rank(ctx), m.hidden_size, m.moe.num_experts)
-    for n in draw.expert_tokens[draw.busiest_rank]:
+    for n in draw.busiest_tokens:
         if n > 0:
             total += sum(_wgrad(ctx, n * etp, k, w) for k, w in _expert_linears(ctx))
     if m.moe.num_shared_experts:
@@ -287,8 +293,8 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     h, experts = m.hidden_size, m.moe.num_experts
     routed = routed_tokens_per_rank(ctx)
     copies = draw.sent_per_rank
-    busiest = draw.expert_tokens[draw.busiest_rank]
-    load = float(busiest.sum())
+    busiest = draw.busiest_tokens
+    load = sum(busiest)
     factor = 2 if backward else 1
     # Router: (tokens, h) x (h, E) logits, then softmax and top-k over fp32 logits.
     router = _gemm(outside_fp8(ctx), routed, h, experts, backward) + memory_bound_time(ctx.gpu, factor * 3 * routed * experts * 4)

@@ -228,7 +228,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
 
 def _dropped_fraction(draw) -> float:
     """Share of the routed token copies dropped at expert capacity."""
-    return draw.dropped / max(1.0, draw.expert_tokens.sum() + draw.dropped)
+    return draw.dropped / max(1.0, float(draw.expert_tokens.sum()) + draw.dropped)
 
 
 def _critical_stage(eng) -> int:

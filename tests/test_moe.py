@@ -120,6 +120,15 @@ def test_simulated_imbalance_report_and_step(h100_net):
     assert r.moe.moe_layer_time_s > r.moe.balanced_moe_layer_time_s
 
 
+def test_an_moe_result_holds_python_floats_not_numpy_scalars(h100_net):
+    """The routing draw is a NumPy array; what reaches the result (and the engine) is plain floats."""
+    r = simulate(h100_net[0])
+    numbers = [r.step_time_s, r.tokens_per_s, r.mfu, *r.breakdown.values(), *vars(r.moe).values()]
+    for st in r.stages:
+        numbers += [st.end_time_s, *st.breakdown.values()]
+    assert not [x for x in numbers if isinstance(x, np.generic)]
+
+
 def test_ep_leaving_the_node_costs_more():
     sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml")
     inside = simulate(replace(sc, plan=replace(sc.plan, ep=8)))
