@@ -227,7 +227,8 @@ def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
         out.append(f"zero_stage 3 runs as ZeRO-2 under schedule {p.schedule}: FSDP2 resharding after forward "
                    "gives wrong weight gradients with split-backward schedules in PyTorch 2.13")
     if sc.training.precision == "bf16" and not on_gpu:
-        out.append("training.precision bf16 runs in fp32 on CPU (bf16 mixed precision is for GPUs)")
+        out.append("training.precision bf16 runs in fp32 on CPU (bf16 mixed precision is for GPUs)"
+                   + ("; gradients are reduced in fp32 too" if sc.training.grad_reduce_dtype == "bf16" else ""))
     if p.zero_stage and p.dp * p.cp == 1:
         out.append(f"zero_stage {p.zero_stage} has nothing to shard with dp x cp = 1")
     if p.tp > 1 and p.tp_backward_overlap and not p.tp_comm_overlap:

@@ -247,6 +247,21 @@ def dp_style(sc: Scenario) -> str:
     return "replicate"
 
 
+def _bf16_all_reduce(group, bucket):
+    """DDP communication hook: all-reduce the bucket in bf16 and average it back into the fp32
+    gradients (DDP keeps fp32 gradients under autocast). The behaviour of PyTorch's
+    bf16_compress_hook, which refuses backends other than NCCL and XCCL; this one runs on gloo too."""
+    buffer = bucket.buffer()
+    reduced = buffer.to(torch.bfloat16).div_(dist.get_world_size(group))
+    future = dist.all_reduce(reduced, group=group, async_op=True).get_future()
+
+    def back_to_fp32(fut):
+        buffer.copy_(fut.value()[0])
+        return buffer
+
+    return future.then(back_to_fp32)
+
+
 def apply_dp(stages: list[Stage], sc: Scenario, g: Groups, mp_policy) -> list[nn.Module]:
     """Wrap each stage for data parallelism; returns the modules to run (a DDP wrapper or the stage)."""
     from torch.distributed.fsdp import fully_shard
@@ -257,7 +272,11 @@ def apply_dp(stages: list[Stage], sc: Scenario, g: Groups, mp_policy) -> list[nn
     if style == "ddp":
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        return [DDP(st, process_group=g.dp_group) for st in stages]
+        wrapped = [DDP(st, process_group=g.dp_group) for st in stages]
+        if mp_policy.reduce_dtype == torch.bfloat16:
+            for ddp in wrapped:
+                ddp.register_comm_hook(g.dp_group, _bf16_all_reduce)
+        return wrapped
     if style == "replicate":
         from torch.distributed._composable.replicate_with_fsdp import replicate
 

@@ -98,7 +98,9 @@ class _Job:
                 block.attn.cp_group = cp_group
             if p.tp > 1:
                 apply_tp(st, sc, self.g)
-        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else MixedPrecisionPolicy()
+        # gradients reduced in training.grad_reduce_dtype: bf16 or fp32 (FSDP2's reduce_dtype)
+        reduce_dtype = torch.bfloat16 if sc.training.grad_reduce_dtype == "bf16" else torch.float32
+        mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype) if bf16 else MixedPrecisionPolicy()
         self.modules = apply_dp(self.stages, sc, self.g, mp)
         self.optimizer, self.inner_optimizers = self._optimizer()
         self.n_micro = sc.num_microbatches
@@ -307,7 +309,8 @@ def summary(sc: Scenario, ranks: list[dict], *, backend: str, device_name: str, 
     }
     tracked_timed = [i for i in ranks[0]["memory_tracked_steps"] if i >= warm]
     if tracked_timed and ranks[0]["memory"]["source"] == "live-tensor-tracker":
-        out["notes"].append(f"measured step(s) {', '.join(map(str, tracked_timed))} ran with the CPU memory tracker, "
+        out["notes"].append(f"measured step(s) {', '.join(str(i + 1) for i in tracked_timed)} (counting from 1) ran "
+                            "with the CPU memory tracker, "
                             f"which slows a step by 15-40%: set run.warmup_steps >= {TRACKED_STEPS} to time none")
     if padded_vocab(sc.model, p.tp).vocab_size != sc.model.vocab_size:
         out["notes"].append(f"vocabulary padded from {sc.model.vocab_size} to "

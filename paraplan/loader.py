@@ -32,7 +32,7 @@ import yaml
 from paraplan.errors import ConfigError
 from paraplan.fileio import read_text, yaml_problem
 from paraplan.specs import (
-    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, MOE_DISPATCHERS, ROUTING_DISTRIBUTIONS, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
+    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, GRAD_REDUCE_DTYPES, MOE_DISPATCHERS, ROUTING_DISTRIBUTIONS, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
     ClusterSpec, InterNodeSpec, LinkSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
 )
 
@@ -270,6 +270,7 @@ TRAINING = _schema(
     global_batch_size=Key(POSITIVE, required=True),
     precision=Key(_one_of(PRECISIONS), required=True),
     attention=Key(_one_of(ATTENTION_KERNELS)),
+    grad_reduce_dtype=Key(_one_of(GRAD_REDUCE_DTYPES)),
 )
 
 RUN = _schema(

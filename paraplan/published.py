@@ -56,6 +56,10 @@ ASSUMPTIONS = (
     "LinearWithGradAccumulationAndAsyncCommunication); the earlier ones expose every backward TP collective",
     "inter-node network from the record's text (NIC count x rate); unstated -> the GPU generation's typical node (8 NICs, HDR 200G for A100, NDR 400G for H100)",
     "virtual_pipeline_stages null -> 1 (1F1B); > 1 -> interleaved 1F1B",
+    "precision: fp16 where the record or its launch script names it (SC'21: --fp16 in examples/sc21/CONFIG.sh), "
+    "else bf16 ('mixed 16-bit' included); gradients accumulated and reduced in fp16 under Megatron's --fp16 "
+    "without --accumulate-allreduce-grads-in-fp32 (SC'21), in bf16 under Composer's FSDP mixed precision PURE, "
+    "in fp32 otherwise (Megatron forces it under bf16)",
 )
 
 _GPUS = (("a100", "40gb", "a100-sxm-40gb"), ("a100", "", "a100-sxm-80gb"), ("h100", "", "h100-sxm-80gb"),
@@ -212,7 +216,18 @@ def _uneven_stages(num_layers: int, pp: int, vpp: int) -> dict:
     return {"first_stage_layers": edge, "last_stage_layers": edge}
 
 
-_SCRIPT_KEYS = {"micro_batch_size", "layers_per_virtual_stage", "ddp_impl"}
+_SCRIPT_KEYS = {"micro_batch_size", "layers_per_virtual_stage", "ddp_impl", "precision", "grad_reduce_dtype"}
+
+
+def _precision(rec: dict, script: dict) -> tuple[str, str]:
+    """(training.precision, training.grad_reduce_dtype) of a record: the launch script's where it
+    gives them; else fp16 where the record's precision names it ('fp16', 'amp_fp16'), bf16 otherwise
+    ('mixed 16-bit' included); gradients reduced in bf16 under Composer's FSDP mixed precision
+    PURE (param, reduce and buffer dtypes all bf16), in fp32 otherwise."""
+    text = str(rec.get("precision")).lower()
+    precision = script.get("precision") or ("fp16" if re.match(r"(amp_)?fp16\b", text) else "bf16")
+    grads = script.get("grad_reduce_dtype") or ("bf16" if "pure" in text and precision == "bf16" else "fp32")
+    return precision, grads
 
 
 @functools.lru_cache(maxsize=1)
@@ -225,7 +240,7 @@ def launch_script_settings() -> dict[str, dict]:
             unknown = set(settings) - _SCRIPT_KEYS
             if unknown or settings.get("ddp_impl", "torch") not in ("torch", "local"):
                 raise ConfigError(f"launch_scripts.yaml: {rid}", f"unknown setting {sorted(unknown) or settings['ddp_impl']!r}")
-            out[rid] = settings
+            out.setdefault(rid, {}).update(settings)  # a record's settings may come from several scripts
     return out
 
 
@@ -263,14 +278,15 @@ def record_to_scenario(rec: dict) -> dict:
                         "num_shared_experts": e.get("num_shared_experts") or 0,
                         "first_dense_layers": e.get("num_dense_layers") or 0}
     gpn = int(h.get("gpus_per_node") or 8)
-    precision = "fp16" if "fp16" in str(rec.get("precision")).lower() else "bf16"
+    precision, grad_reduce_dtype = _precision(rec, script)
     return {
         "name": rec["id"],
         "model": model,
         "cluster": {"gpu": _gpu_name(h["gpu"]), "num_nodes": int(h["num_gpus"]) // gpn,
                     "gpus_per_node": gpn, "inter_node": _inter_node(h.get("inter_node"))},
         "training": {"seq_length": m["seq_length"], "global_batch_size": b["global_batch_size"],
-                     "precision": precision, "attention": _attention_kernel(rec, modern)},
+                     "precision": precision, "grad_reduce_dtype": grad_reduce_dtype,
+                     "attention": _attention_kernel(rec, modern)},
         "plan": {
             "tp": tp, "pp": int(par["pp"]), "dp": int(par["dp"]), "cp": int(par.get("cp") or 1),
             "micro_batch_size": int(b.get("micro_batch_size") or script.get("micro_batch_size") or 1),

@@ -18,6 +18,7 @@ MOE_RECOMPUTE_MODULES = ("moe_act", "moe", "shared_experts")
 ZERO_STAGES = (0, 1, 2, 3)
 TOPOLOGIES = ("fat-tree", "rail-optimized")
 ATTENTION_KERNELS = ("flash", "flash3", "unfused")
+GRAD_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 
 # bytes per element of the compute dtype (weights/activations as the kernels see them)
 DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
@@ -264,6 +265,12 @@ class TrainingSpec:
     attention: str = "flash"
     """Attention kernel: flash (fused, FlashAttention-2 style) or unfused (QK^T, softmax, AV as separate kernels; Megatron before 2023)."""
     optimizer: str = "adam"
+    grad_reduce_dtype: str = "fp32"
+    """The dtype gradients are accumulated in across microbatches and reduced in over data
+    parallelism: fp32 (Megatron's default under bf16, accumulate_allreduce_grads_in_fp32; FSDP and
+    torchtitan's reduce_dtype default) or the 16-bit training dtype (Megatron --grad-reduce-in-bf16,
+    Megatron under fp16 without --accumulate-allreduce-grads-in-fp32, FSDP MixedPrecision
+    reduce_dtype bf16 as Composer's PURE mode sets it, DeepSpeed fp16)."""
 
 
 @dataclass(frozen=True, kw_only=True)

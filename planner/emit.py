@@ -82,7 +82,7 @@ def megatron_args(sc: Scenario) -> list[str]:
         a.append("--no-gradient-accumulation-fusion")
     a += _megatron_model(sc)
     a += _megatron_moe(sc)
-    a += _megatron_precision(sc.training.precision)
+    a += _megatron_precision(sc.training.precision, sc.training.grad_reduce_dtype)
     a += ["--attention-backend", _megatron_attention_backend(sc)]
     return a
 
@@ -278,16 +278,18 @@ def _shared_expert_overlap_runs(sc: Scenario) -> bool:
     return bool(p.moe_shared_expert_overlap and sc.model.moe.num_shared_experts and p.moe_dispatcher == "alltoall")
 
 
-def _megatron_precision(precision: str) -> list[str]:
-    """The simulator reduces and accumulates gradients in fp32 (simulate.GRAD_REDUCE_BYTES, the
-    fp32 main grads of memory.py). arguments.py turns accumulate_allreduce_grads_in_fp32 on for
-    bf16 itself; under fp16 it stays off (grads reduced in fp16) unless asked for."""
+def _megatron_precision(precision: str, grad_reduce_dtype: str) -> list[str]:
+    """The simulator accumulates and reduces gradients in training.grad_reduce_dtype (the main
+    grads of memory.py, simulate._grad_buckets). arguments.py turns accumulate_allreduce_grads_in_fp32
+    on for bf16 itself unless --grad-reduce-in-bf16 is given; under fp16 it stays off (grads
+    reduced in fp16) unless asked for."""
+    bf16_grads = ["--grad-reduce-in-bf16"] if grad_reduce_dtype == "bf16" else []
     if precision == "bf16":
-        return ["--bf16"]
+        return ["--bf16", *bf16_grads]
     if precision == "fp16":
-        return ["--fp16", "--accumulate-allreduce-grads-in-fp32"]
+        return ["--fp16"] if grad_reduce_dtype == "fp16" else ["--fp16", "--accumulate-allreduce-grads-in-fp32"]
     if precision == "fp8":
-        return ["--bf16", "--fp8-format", "hybrid"]
+        return ["--bf16", "--fp8-format", "hybrid", *bf16_grads]
     return []
 
 
@@ -387,6 +389,12 @@ def torchtitan_toml(sc: Scenario) -> str:
         # DTensor's redistribute backward runs after the matmul's backward node (dgrad and wgrad)
         notes.append("torchtitan's eager tensor parallelism (DTensor) reduce-scatters each layer's input gradient "
                      "after its weight gradient, not beside it as simulated (plan.tp_backward_overlap)")
+    if t.grad_reduce_dtype == "bf16" and shard == 1:
+        # torchtitan config: mixed_precision_reduce "only takes effect when data_parallel_shard_degree > 1"
+        notes.append("torchtitan applies mixed_precision_reduce under FSDP only; with data_parallel_shard_degree 1 "
+                     "it reduces gradients in fp32, not in bf16 as simulated (training.grad_reduce_dtype)")
+    if t.precision == "fp16":
+        notes.append("torchtitan has no fp16 training (no loss scaling); mixed_precision_param is bf16")
     if p.recomputed_modules not in ((), ("core_attn",)):
         notes.append(f"the plan recomputes {', '.join(p.recompute_modules)}; torchtitan's selective "
                      "checkpointing chooses by op, not by module, so its memory and recompute time differ")
@@ -416,6 +424,7 @@ def torchtitan_toml(sc: Scenario) -> str:
         f"global_batch_size = {t.global_batch_size}",
         f"seq_len = {t.seq_length}",
         f'mixed_precision_param = "{"float32" if t.precision == "fp32" else "bfloat16"}"',
+        f'mixed_precision_reduce = "{"bfloat16" if t.grad_reduce_dtype == "bf16" else "float32"}"',
         "",
         "[parallelism]",
         f"data_parallel_replicate_degree = {replicate}",

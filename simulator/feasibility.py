@@ -8,6 +8,12 @@ from paraplan.specs import MOE_RECOMPUTE_MODULES, Scenario
 MAX_MICROBATCHES = 65_536
 
 
+def _gradient_dtype(precision: str) -> str:
+    """The dtype the backward computes weight gradients in: the 16-bit weights' (fp8 GEMMs write
+    bf16 gradients, Transformer Engine), fp32 in fp32 training."""
+    return {"fp8": "bf16"}.get(precision, precision)
+
+
 def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
     """Reasons a plan cannot run at all, each naming the key at fault. Empty when it can."""
     m, p, t, c = sc.model, sc.plan, sc.training, sc.cluster
@@ -54,6 +60,11 @@ def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
         out.append("plan.gradient_accumulation_fusion: zero_stage 2 and 3 (Megatron-FSDP) accumulate "
                    "gradients outside the GEMMs; set it false or leave it out")
     out += _moe_problems(sc)
+    native = _gradient_dtype(t.precision)
+    if t.grad_reduce_dtype not in ("fp32", native):
+        allowed = "fp32" if native == "fp32" else f"fp32 or {native}"
+        out.append(f"training.grad_reduce_dtype: {t.grad_reduce_dtype} is not a dtype precision {t.precision} "
+                   f"computes gradients in; allowed: {allowed}")
     if t.precision == "fp8" and gpu_arch == "ampere":
         out.append("training.precision: fp8 needs Hopper or newer; this GPU is Ampere")
     if t.attention == "flash3" and gpu_arch not in (None, "hopper"):

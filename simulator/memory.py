@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from paraplan.specs import DTYPE_BYTES
+
 GiB = 1024**3
 
 # Fixed reservation on every GPU: CUDA context (~0.5 GiB), NCCL communicator buffers and cuBLAS
@@ -42,11 +44,14 @@ class StageMemory:
         }
 
 
-def state_bytes_per_param(precision: str) -> tuple[float, float, float]:
-    """(weights, gradients, optimizer) bytes per parameter before ZeRO sharding."""
+def state_bytes_per_param(precision: str, grad_dtype: str = "fp32") -> tuple[float, float, float]:
+    """(weights, gradients, optimizer) bytes per parameter before ZeRO sharding; the gradients in
+    `grad_dtype` (training.grad_reduce_dtype: Megatron-Core's grad buffer is in the reduce dtype,
+    param_and_grad_buffer.py)."""
     if precision == "fp32":
         return 4.0, 4.0, 8.0  # fp32 weights and grads, Adam m and v
-    return 2.0, 4.0, 12.0  # fp16/bf16 weights (also under fp8: FP8_WEIGHT_CACHE), fp32 main grads, K=12
+    # fp16/bf16 weights (also under fp8: FP8_WEIGHT_CACHE), main grads, K=12
+    return 2.0, float(DTYPE_BYTES[grad_dtype]), 12.0
 
 
 # Under fp8 Transformer Engine keeps, per weight of its linear layers, an fp8 copy and (Hopper's
@@ -99,6 +104,7 @@ def stage_memory(
     *,
     plan,
     precision: str,
+    grad_dtype: str = "fp32",
     dense_params: float,
     expert_params: float = 0.0,
     max_layer_params: float,
@@ -117,8 +123,10 @@ def stage_memory(
     reduces (ZeRO-3: and gathers): a layer, or the embedding / LM head on the stages holding them;
     0 where nothing is sharded;
     `prefetched_params`: the unit gathered beside it (a layer; default the same size);
-    `embedding_params`: the part of `dense_params` that is the embedding / LM head (no fp8 cache)."""
-    w, g, o = state_bytes_per_param(precision)
+    `embedding_params`: the part of `dense_params` that is the embedding / LM head (no fp8 cache);
+    `grad_dtype`: training.grad_reduce_dtype, the gradients' dtype (the fp32 copy of its shard the
+    optimizer makes of 16-bit gradients lives only during the step, when activations are freed)."""
+    w, g, o = state_bytes_per_param(precision, grad_dtype)
     shard = plan.dp * plan.cp
     expert_shard = max(1, plan.tp * plan.cp * plan.dp // (plan.ep * plan.expert_tp))
     zero = plan.zero_stage

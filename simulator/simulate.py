@@ -10,7 +10,7 @@ from hwmodels.network import build_network, collective_time, overlapped, tier_na
 from hwmodels.profile import load_profile
 from paraplan.errors import InfeasiblePlanError
 from paraplan.placement import GroupLayout, expert_group_layouts, group_layout, pp_hop_layouts
-from paraplan.specs import Scenario
+from paraplan.specs import DTYPE_BYTES, Scenario
 from simulator.cost import Cost
 from simulator.engine import StageWork, run_iteration
 from simulator.feasibility import structural_problems
@@ -37,8 +37,15 @@ BUCKET_PARAMS = 40_000_000
 # read grad, master, m, v (16), write master, m, v (12), write the 16-bit weight copy (2), plus the
 # gradient-norm read (4) and the grad-buffer zeroing (4) (Megatron clip_grad_norm + zero_grad).
 ADAM_BYTES_PER_PARAM = 38
-# fp32 gradient reduction (Megatron accumulate_allreduce_grads_in_fp32): the main-gradient buffer is what is reduced
-GRAD_REDUCE_BYTES = MAIN_GRAD_BYTES
+
+
+def adam_bytes_per_param(precision: str, grad_bytes: int) -> int:
+    """ADAM_BYTES_PER_PARAM, less the 16-bit weight copy in fp32 training. 16-bit main gradients
+    are cast to an fp32 copy first (Megatron _copy_model_grads_to_main_grads: main_param.grad =
+    model_grad.float(); read g, write 4), which the norm and Adam read, and the buffer zeroing
+    writes g bytes: 2 x g more than fp32 main gradients move."""
+    base = ADAM_BYTES_PER_PARAM - (2 if precision == "fp32" else 0)
+    return base + (2 * grad_bytes if grad_bytes < MAIN_GRAD_BYTES else 0)
 
 
 def compute_dtype(precision: str) -> str:
@@ -74,6 +81,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
         dtype=compute_dtype(tr.precision), attention_kernel=tr.attention,
         tp_layout=group_layout(("tp",), p, gpn, nodes_per_leaf=leaf),
         cp_layout=group_layout(("cp",), p, gpn, nodes_per_leaf=leaf),
+        grad_bytes=DTYPE_BYTES[tr.grad_reduce_dtype],
     )
     dp_layout = group_layout(("cp", "dp"), p, gpn, nodes_per_leaf=leaf)
     etp_layout, ep_layout, edp_layout = expert_group_layouts(p, gpn, nodes_per_leaf=leaf)
@@ -96,9 +104,9 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
     per_unit = {}
     if p.zero_stage >= 2 and (shard > 1 or edp_layout.size > 1):
         gather_bytes = w_bytes if p.zero_stage == 3 else 0.0
-        per_unit = {kind: _zero3_comm(net, [(dense, dp_layout), (expert, edp_layout)], gather_bytes)
+        per_unit = {kind: _zero3_comm(net, [(dense, dp_layout), (expert, edp_layout)], gather_bytes, ctx.grad_bytes)
                     for kind, (dense, expert) in kinds.params.items()}
-        per_unit["embedding"] = _zero3_comm(net, [(emb_params, dp_layout)], gather_bytes)
+        per_unit["embedding"] = _zero3_comm(net, [(emb_params, dp_layout)], gather_bytes, ctx.grad_bytes)
     # per layer kind, the parameters ZeRO-3 gathers (the parts that are sharded)
     gathered_of = {kind: dense * (shard > 1) + expert * (edp_layout.size > 1)
                    for kind, (dense, expert) in kinds.params.items()}
@@ -135,8 +143,8 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
             expert_params += c_expert
             chunk_acts.append(acts)
             if p.zero_stage < 2:  # ZeRO-2/3 reduce per microbatch, in the backward (per_unit)
-                buckets[c] = (_grad_buckets(net, p, c_dense, dp_layout, shard)
-                              + _grad_buckets(net, p, c_expert, edp_layout, edp_layout.size))
+                buckets[c] = (_grad_buckets(net, p, c_dense, dp_layout, shard, ctx.grad_bytes)
+                              + _grad_buckets(net, p, c_expert, edp_layout, edp_layout.size, ctx.grad_bytes))
             if p.zero_stage in (1, 2) and p.overlap_param_gather:
                 # Megatron buckets only the first stage's first chunk (DistributedDataParallel:
                 # bucket_size None on pipeline ranks > 0; training.py get_model: disable_bucketing
@@ -149,7 +157,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
                     for j, (t, nic) in enumerate(bl)), key=lambda b: b[2])
         local_opt = dense_params / (shard if p.zero_stage >= 1 else 1) \
             + expert_params / (edp_layout.size if p.zero_stage >= 1 else 1)
-        opt_bytes = ADAM_BYTES_PER_PARAM - (2 if tr.precision == "fp32" else 0)
+        opt_bytes = adam_bytes_per_param(tr.precision, ctx.grad_bytes)
         param_gather = 0.0
         if p.zero_stage in (1, 2) and not p.overlap_param_gather:  # gathered whole after the step
             param_gather = (collective_time(net, "all_gather", dense_params * w_bytes, dp_layout)
@@ -170,7 +178,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
         gathered_layer = max((gathered_of[k] for k in stage_kinds), default=0.0)
         gathered = max(gathered_layer, emb_params * (shard > 1) if holds_embedding else 0.0)
         mems.append(stage_memory(
-            plan=p, precision=tr.precision, dense_params=dense_params, expert_params=expert_params,
+            plan=p, precision=tr.precision, grad_dtype=tr.grad_reduce_dtype, dense_params=dense_params, expert_params=expert_params,
             max_layer_params=gathered, working_set=working,
             activations=peak_in_flight(schedule[s], chunk_acts, freed_by_b=freed_by_b),
             prefetched_params=gathered_layer,
@@ -331,12 +339,14 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
     return f, b, wgrad, dense, expert, acts
 
 
-def _grad_buckets(net, p, params: float, layout: GroupLayout, group: int) -> list[tuple[float, float]]:
-    """(seconds, seconds of it on the NIC) per gradient bucket of `params` over `layout`:
-    all-reduce without ZeRO, reduce-scatter with ZeRO-1 (Megatron distributed optimizer); ZeRO-2/3
-    reduce per unit instead (_zero3_comm)."""
+def _grad_buckets(net, p, params: float, layout: GroupLayout, group: int,
+                  grad_bytes: int) -> list[tuple[float, float]]:
+    """(seconds, seconds of it on the NIC) per gradient bucket of `params` over `layout`, reduced
+    in the main-gradient buffer's dtype (`grad_bytes` per parameter: Megatron reduces the buffer
+    itself, accumulate_allreduce_grads_in_fp32 under bf16): all-reduce without ZeRO, reduce-scatter
+    with ZeRO-1 (Megatron distributed optimizer); ZeRO-2/3 reduce per unit instead (_zero3_comm)."""
     op = "all_reduce" if p.zero_stage == 0 else "reduce_scatter"
-    return _buckets(net, p, params, layout, group, op, GRAD_REDUCE_BYTES)
+    return _buckets(net, p, params, layout, group, op, grad_bytes)
 
 
 def _buckets(net, p, params: float, layout: GroupLayout, group: int, op: str,
@@ -366,16 +376,17 @@ class Zero3Comm:
 NO_ZERO3_COMM = Zero3Comm()
 
 
-def _zero3_comm(net, parts: list[tuple[float, GroupLayout]], w_bytes: float) -> Zero3Comm:
+def _zero3_comm(net, parts: list[tuple[float, GroupLayout]], w_bytes: float, grad_bytes: int) -> Zero3Comm:
     """The all-gather and reduce-scatter of one ZeRO-3 unit whose parameters are `parts` (count,
     the group they are sharded over), `w_bytes` per gathered weight (0: ZeRO-2, which gathers
-    nothing per unit); a group of one holds them whole and moves nothing."""
+    nothing per unit), `grad_bytes` per reduced gradient (FSDP MixedPrecision reduce_dtype); a
+    group of one holds them whole and moves nothing."""
     gather = scatter = gather_nic = scatter_nic = 0.0
     for n, lay in parts:
         if n <= 0 or lay.size <= 1:
             continue
         g = collective_time(net, "all_gather", n * w_bytes, lay) if w_bytes else 0.0
-        r = collective_time(net, "reduce_scatter", n * GRAD_REDUCE_BYTES, lay)
+        r = collective_time(net, "reduce_scatter", n * grad_bytes, lay)
         gather, scatter = gather + g, scatter + r
         if lay.num_nodes > 1:
             gather_nic, scatter_nic = gather_nic + g, scatter_nic + r

@@ -29,6 +29,9 @@ class LayerContext:
     attention_kernel: str
     tp_layout: object
     cp_layout: object
+    grad_bytes: int = 4
+    """Bytes per element of the main gradient every microbatch adds into (training.grad_reduce_dtype):
+    4 for fp32 (Megatron's DDP grad buffer under bf16), 2 when gradients accumulate in 16 bits."""
 
     @property
     def tokens(self) -> int:
@@ -56,32 +59,33 @@ def _weight_grad_gemm(ctx: LayerContext, k: int, n: int, tokens: float | None = 
 
 
 MAIN_GRAD_BYTES = 4
-"""Bytes per element of the main gradient every microbatch adds into: fp32 (memory.py's gradient
-bytes, Megatron's DDP grad buffer)."""
+"""Bytes per element of an fp32 main gradient (memory.py's gradient bytes, Megatron's DDP grad
+buffer), the default; LayerContext.grad_bytes is the scenario's."""
 
 
-def main_grad_add_bytes(grad_bytes: int) -> int:
-    """Bytes per element of the hook that adds a gradient of `grad_bytes` per element into the fp32
-    main gradient (main_grad.add_(grad): read grad_bytes + 4, write 4)."""
-    return grad_bytes + 2 * MAIN_GRAD_BYTES
+def main_grad_add_bytes(grad_bytes: int, main_bytes: int) -> int:
+    """Bytes per element of the hook that adds a gradient of `grad_bytes` per element into a main
+    gradient of `main_bytes` (main_grad.add_(grad): read grad_bytes + main_bytes, write main_bytes;
+    with 16-bit main gradients it is autograd's accumulation into .grad, 3 x 2 bytes)."""
+    return grad_bytes + 2 * main_bytes
 
 
 def weight_grad_time(ctx: LayerContext, k: int, n: int, tokens: int) -> float:
     """dW = x^T dY of the linear layer x (tokens, k) @ W (k, n), a (k, tokens) x (tokens, n) GEMM,
-    and its accumulation into the fp32 main gradient:
+    and its accumulation into the main gradient (ctx.grad_bytes per element, fp32 by default):
     - plan.fused_grad_accumulation (Megatron --gradient-accumulation-fusion; Transformer Engine's
       fuse_wgrad_accumulation): the GEMM accumulates into main_grad itself (beta = 1,
-      megatron/core/tensor_parallel/layers.py: fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32),
-      reading and writing its 4 bytes per element;
+      megatron/core/tensor_parallel/layers.py: fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32,
+      wgrad_gemm_accum_fp16 for 16-bit main gradients), reading and writing it;
     - without it: the GEMM writes the gradient in the activation dtype and the parameter's gradient
-      hook adds it into main_grad in a kernel of its own (main_grad.add_(grad): read w + 4, write 4;
+      hook adds it into main_grad in a kernel of its own (main_grad.add_(grad): read w + g, write g;
       Megatron-LM before the fusion, e.g. megatron/mpu/layers.py of its 2021-22 sequence-parallel
       work, returns grad_weight = grad_output.t().matmul(input) to autograd)."""
     if ctx.plan.fused_grad_accumulation:
-        return gemm_time(ctx.gpu, k, n, tokens, ctx.dtype, out_bytes=2 * MAIN_GRAD_BYTES)
+        return gemm_time(ctx.gpu, k, n, tokens, ctx.dtype, out_bytes=2 * ctx.grad_bytes)
     w = ctx.act_bytes  # fp8 GEMMs write a 16-bit gradient
     return (gemm_time(ctx.gpu, k, n, tokens, ctx.dtype, out_bytes=w)
-            + memory_bound_time(ctx.gpu, k * n * main_grad_add_bytes(w)))
+            + memory_bound_time(ctx.gpu, k * n * main_grad_add_bytes(w, ctx.grad_bytes)))
 
 
 def _attention_shapes(ctx: LayerContext) -> list[tuple[int, int, float]]:
@@ -461,10 +465,10 @@ def embedding_weight_grad_kernels(ctx: LayerContext) -> list[int]:
     """Bytes per element of the (vocab/tp x h) embedding table that its weight gradient moves each
     microbatch, one kernel each: PyTorch's embedding backward (embedding_dense_backward) starts
     from a zero-filled gradient of the whole table in the weight's dtype (write w), and Megatron's
-    gradient hook adds it into the fp32 main_grad (main_grad.add_(grad): read w + 4, write 4;
+    gradient hook adds it into the main_grad (main_grad.add_(grad): read w + g, write g;
     megatron/core/distributed param hook). The scatter of the tokens' rows is tokens x h, small."""
     w = ctx.act_bytes  # the table's dtype: 16-bit, also under fp8 (it is no fp8 module); fp32 in fp32
-    return [w, main_grad_add_bytes(w)]
+    return [w, main_grad_add_bytes(w, ctx.grad_bytes)]
 
 
 def mtp_projection(ctx: LayerContext, backward: bool) -> Cost:

@@ -237,11 +237,28 @@ def test_zero1_is_the_distributed_optimizer_alone():
 
 
 
-@pytest.mark.parametrize("precision, flags", [("bf16", ["--bf16"]), ("fp16", ["--fp16", "--accumulate-allreduce-grads-in-fp32"])])
-def test_gradients_are_reduced_in_fp32_as_simulated(precision, flags):
-    """Megatron turns fp32 gradient accumulation and reduction on for bf16 by itself, not for fp16."""
-    args = megatron_args(scenario("tiny-gpt-8xa100", f"training.precision={precision}"))
-    assert [a for a in args if a in ("--bf16", "--fp16", "--accumulate-allreduce-grads-in-fp32")] == flags
+GRAD_FLAGS = ("--bf16", "--fp16", "--accumulate-allreduce-grads-in-fp32", "--grad-reduce-in-bf16")
+
+
+@pytest.mark.parametrize("precision, grads, flags", [
+    ("bf16", "fp32", ["--bf16"]), ("fp16", "fp32", ["--fp16", "--accumulate-allreduce-grads-in-fp32"]),
+    ("bf16", "bf16", ["--bf16", "--grad-reduce-in-bf16"]), ("fp16", "fp16", ["--fp16"])])
+def test_gradients_are_reduced_in_the_dtype_simulated(precision, grads, flags):
+    """Megatron turns fp32 gradient accumulation and reduction on for bf16 by itself (unless
+    --grad-reduce-in-bf16), not for fp16."""
+    args = megatron_args(scenario("tiny-gpt-8xa100", f"training.precision={precision}",
+                                  f"training.grad_reduce_dtype={grads}"))
+    assert [a for a in args if a in GRAD_FLAGS] == flags
+
+
+def test_torchtitan_reduces_in_bf16_under_fsdp_only():
+    fsdp = torchtitan_toml(scenario("llama3-8b-64xh100", "training.grad_reduce_dtype=bf16", "plan.zero_stage=3"))
+    assert 'mixed_precision_reduce = "bfloat16"' in fsdp and "applies mixed_precision_reduce under FSDP only" not in fsdp
+    assert 'mixed_precision_reduce = "float32"' in torchtitan_toml(scenario("llama3-8b-64xh100", "plan.zero_stage=3"))
+    replicated = torchtitan_toml(scenario("llama3-8b-64xh100", "training.grad_reduce_dtype=bf16", "plan.zero_stage=0",
+                                          "plan.tp=1", "plan.pp=1"))
+    assert "data_parallel_shard_degree = 1" in replicated
+    assert "applies mixed_precision_reduce under FSDP only" in replicated
 
 # -- the suggested launch line gives argparse exactly megatron_args ---------------------------------
 

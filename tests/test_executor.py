@@ -131,6 +131,10 @@ def _bf16(sc: Scenario) -> Scenario:
     return dataclasses.replace(sc, name=f"bf16-{sc.name}", training=dataclasses.replace(sc.training, precision="bf16"))
 
 
+def _bf16_grads(sc: Scenario) -> Scenario:
+    return dataclasses.replace(sc, training=dataclasses.replace(sc.training, grad_reduce_dtype="bf16"))
+
+
 # The GPU's mixed-precision code paths (autocast, FSDP2 MixedPrecisionPolicy, bf16 pipeline
 # activations, bf16 all-to-all) run on CPU too when asked: one extra job.
 BF16_PLANS = [_bf16(sc) for sc in (
@@ -140,6 +144,10 @@ BF16_PLANS = [_bf16(sc) for sc in (
     scenario("tp2-sp-dp-none", tp=2, micro_batch_size=2, sequence_parallel=True, tp_backward_overlap=False,
              opt="adam"),
     scenario("moe-ep2", "moe", dp=2, ep=2, micro_batch_size=2, opt="adam"),
+)] + [_bf16_grads(_bf16(sc)) for sc in (
+    # gradients reduced in bf16 (training.grad_reduce_dtype): DDP's communication hook, FSDP2's reduce_dtype
+    scenario("dp2-ddp-bf16-grads", dp=2, micro_batch_size=2, opt="adam"),
+    scenario("dp2-zero2-bf16-grads", dp=2, micro_batch_size=2, zero_stage=2, opt="adam"),
 )]
 
 
@@ -401,6 +409,32 @@ def test_zero1_shards_are_balanced_to_the_element():
         opt.step()
         want = 1 - SGD["lr"]  # one SGD step on a gradient of ones
         assert torch.allclose(params[0], torch.full((1000,), want)) and torch.allclose(params[1], torch.full((3,), want))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_bf16_all_reduce_hook_rounds_the_bucket_to_bf16():
+    """The DDP hook of training.grad_reduce_dtype bf16: the fp32 bucket comes back as its bf16
+    rounding averaged over the group (one rank here), written into the bucket's own buffer."""
+    import torch.distributed as dist
+
+    from executor.parallel import _bf16_all_reduce  # noqa: PLC2701
+
+    class Bucket:
+        def __init__(self, t):
+            self.t = t
+
+        def buffer(self):
+            return self.t
+
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        grads = torch.tensor([1.0 + 2**-10, 3.0, -0.1])
+        out = _bf16_all_reduce(dist.group.WORLD, Bucket(grads)).wait()
+        assert out is grads and out.dtype == torch.float32
+        assert torch.equal(out, torch.tensor([1.0 + 2**-10, 3.0, -0.1]).to(torch.bfloat16).float())
+        assert out[0].item() == 1.0  # 1 + 2^-10 is below bf16's resolution at 1
     finally:
         dist.destroy_process_group()
 

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from paraplan.loader import load_scenario
-from paraplan.published import launch_script_settings, published_step_time, record_to_scenario
+from paraplan.published import _precision, launch_script_settings, published_step_time, record_to_scenario  # noqa: PLC2701
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -84,6 +84,21 @@ def test_weight_gradient_accumulation_follows_the_framework_and_its_date(records
     assert fused("korthikanti_t5_175B_sp_selective") and fused("megatron_readme_h100_70B")
     assert fused("moe_modelzoo_qwen3_235b_h100_crossnode_ep32")
     assert not fused("mosaic_mpt_13b_h100_16gpu_seq2048")  # FSDP FULL_SHARD = ZeRO-3
+
+
+def test_precision_and_gradient_dtype_follow_the_record_and_its_scripts(records):
+    """SC'21's CONFIG.sh trains in fp16 without fp32 gradient accumulation; Composer's PURE mode
+    reduces in bf16; 'mixed 16-bit' is bf16 with Megatron's fp32 gradients."""
+    def training(rid):
+        t = load_scenario(record_to_scenario(records[rid])).training
+        return t.precision, t.grad_reduce_dtype
+
+    assert training("megatron_sc21_t1_1.7B") == ("fp16", "fp16")
+    assert training("mosaic_mpt_70b_a100_64gpu_seq2048") == ("bf16", "bf16")
+    assert training("mosaic_mpt_70b_h100_512gpu_seq2048") == ("bf16", "fp32")  # amp_bf16, FSDP DEFAULT
+    assert training("korthikanti_t5_175B_sp_selective") == training("mtnlg_530b_2240gpu") == ("bf16", "fp32")
+    # without its launch script, SC'21's 'fp16 vs bf16 not stated' names no precision
+    assert _precision(records["megatron_sc21_t1_1.7B"], {}) == ("bf16", "fp32")
 
 
 def test_attention_kernel_follows_the_framework_the_gpu_and_the_date(records):

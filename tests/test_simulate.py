@@ -182,6 +182,36 @@ def test_weight_gradient_pass_is_the_wgrad_gemms(gpt3):
     by_hand = sum(gemm_time(gpu, k, n, t, "bf16") + memory_bound_time(gpu, k * n * 10) for k, n in shapes)
     assert layer_weight_grad(unfused) == pytest.approx(by_hand, rel=1e-12)
     assert by_hand > layer_weight_grad(ctx)
+    # 16-bit main gradients (training.grad_reduce_dtype bf16): the fused GEMM reads and writes 2 bytes
+    # of C, the separate kernel is autograd's accumulation into .grad (read 2 + 2, write 2)
+    fused16 = sum(gemm_time(gpu, k, n, t, "bf16", out_bytes=4) for k, n in shapes)
+    assert layer_weight_grad(replace(ctx, grad_bytes=2)) == pytest.approx(fused16, rel=1e-12)
+    unfused16 = sum(gemm_time(gpu, k, n, t, "bf16") + memory_bound_time(gpu, k * n * 6) for k, n in shapes)
+    assert layer_weight_grad(replace(unfused, grad_bytes=2)) == pytest.approx(unfused16, rel=1e-12)
+
+
+def test_gradients_reduced_in_bf16_halve_the_buffer_and_the_buckets(gpt3):
+    """training.grad_reduce_dtype bf16 (Megatron --grad-reduce-in-bf16): the main-gradient buffer
+    holds 2 bytes per parameter and each DDP bucket reduces 2 bytes per parameter."""
+    from hwmodels.network import build_network, collective_time
+    from hwmodels.profile import load_profile
+    from paraplan.placement import group_layout
+    from simulator.simulate import _grad_buckets  # noqa: PLC2701
+
+    p = gpt3.plan
+    bf16 = replace(gpt3, training=replace(gpt3.training, grad_reduce_dtype="bf16"))
+    fp32_run, bf16_run = simulate(gpt3), simulate(bf16)
+    assert p.zero_stage == 1  # gradients unsharded: the whole buffer halves
+    for a, b in zip(fp32_run.stages, bf16_run.stages):
+        assert b.memory["gradients"] == pytest.approx(a.memory["gradients"] / 2, rel=1e-12)
+    assert bf16_run.breakdown["dp_comm"] < fp32_run.breakdown["dp_comm"]
+    net = build_network(gpt3.cluster, load_profile(gpt3.cluster.gpu))
+    dp = group_layout(("cp", "dp"), p, 8)
+    params = 3e8
+    b16, b32 = _grad_buckets(net, p, params, dp, p.dp, 2), _grad_buckets(net, p, params, dp, p.dp, 4)
+    assert len(b16) == len(b32) >= 2
+    assert b16[0][0] == pytest.approx(collective_time(net, "reduce_scatter", params / len(b16) * 2, dp), rel=1e-12)
+    assert b32[0][0] == pytest.approx(collective_time(net, "reduce_scatter", params / len(b32) * 4, dp), rel=1e-12)
 
 
 def test_zero_bubble_with_virtual_stages_needs_microbatches_a_multiple_of_pp(gpt3):
@@ -362,15 +392,19 @@ def test_zero3_gathers_experts_over_the_expert_data_parallel_group():
     net = build_network(sc.cluster, gpu)
     dp, (_, _, edp) = group_layout(("cp", "dp"), p, 8), expert_group_layouts(p, 8)
     assert (dp.size, edp.size, edp.num_nodes) == (16, 2, 2)
-    comm = _zero3_comm(net, [(1e8, dp), (2e8, edp)], 2)
+    comm = _zero3_comm(net, [(1e8, dp), (2e8, edp)], 2, 4)
     assert comm.gather == pytest.approx(collective_time(net, "all_gather", 2e8, dp)
                                         + collective_time(net, "all_gather", 4e8, edp), rel=1e-12)
     assert comm.scatter == pytest.approx(collective_time(net, "reduce_scatter", 4e8, dp)
                                          + collective_time(net, "reduce_scatter", 8e8, edp), rel=1e-12)
+    # gradients reduced in bf16 (FSDP reduce_dtype) move half the bytes
+    half = _zero3_comm(net, [(1e8, dp), (2e8, edp)], 2, 2)
+    assert half.scatter == pytest.approx(collective_time(net, "reduce_scatter", 2e8, dp)
+                                         + collective_time(net, "reduce_scatter", 4e8, edp), rel=1e-12)
     # the DP group (dp 16 with tp 2: 4 ranks on each of 4 nodes) and expert-dp both leave the node
     assert (comm.gather_nic, comm.scatter_nic) == (comm.gather, comm.scatter)
     # a group of one holds its weights whole: nothing to move
-    assert _zero3_comm(net, [(1e8, group_layout(("cp",), p, 8))], 2) == NO_ZERO3_COMM
+    assert _zero3_comm(net, [(1e8, group_layout(("cp",), p, 8))], 2, 4) == NO_ZERO3_COMM
     z0, z3 = simulate(plan_variant(sc, zero_stage=1)), simulate(plan_variant(sc, zero_stage=3))
     assert z3.breakdown["dp_comm"] > z0.breakdown["dp_comm"]
 

@@ -160,6 +160,7 @@ def run(args) -> int:
     if args.objective == "throughput-vs-gpus" and len(spec.values("num_nodes")) < 2:
         raise ConfigError("search.num_nodes", "--objective throughput-vs-gpus needs several cluster sizes "
                                               "to trade off: list them, e.g. num_nodes: [32, 64, 128]")
+    _refuse_a_hopeless_search(scenario, spec)
     stem = Path(args.scenario).stem
     out = Path(args.out) if args.out else _default_out(stem, args.resume, args.storage is not None)
     if args.resume and args.storage is None and not (out / JOURNAL).is_file():
@@ -270,6 +271,17 @@ def _unused_flags(args, result) -> list[str]:
     return out
 
 
+def _refuse_a_hopeless_search(scenario, spec) -> None:
+    """Before any plan is simulated: where even the largest cluster of the search cannot hold the
+    model states (_too_few_gpus), no plan can fit, and the search would only find that out."""
+    from hwmodels.profile import load_profile
+
+    gpus = max(spec.values("num_nodes")) * scenario.cluster.gpus_per_node
+    reason = _too_few_gpus(scenario, load_profile(scenario.cluster.gpu).hbm_capacity, gpus)
+    if reason is not None:
+        raise ParaplanError(reason)
+
+
 def _too_few_gpus(scenario, capacity: float, gpus: int) -> str | None:
     """Why no plan of any degrees can fit on `gpus` GPUs (the largest cluster the search tried),
     when that is so: the model states alone (weights, gradients, Adam; memory.state_bytes_per_param),
@@ -278,7 +290,7 @@ def _too_few_gpus(scenario, capacity: float, gpus: int) -> str | None:
     from simulator.memory import RESERVED_BYTES, state_bytes_per_param
 
     params = scenario.model.total_params()
-    per_param = sum(state_bytes_per_param(scenario.training.precision))
+    per_param = sum(state_bytes_per_param(scenario.training.precision, scenario.training.grad_reduce_dtype))
     usable = capacity - RESERVED_BYTES
     if usable <= 0 or params * per_param / gpus <= usable:
         return None
