@@ -86,8 +86,10 @@ def launch(scenarios: list[Scenario], *, nproc: int, backend: str, timeout_s: fl
         except subprocess.TimeoutExpired:
             _terminate(proc)  # ours: the torchrun we started and its workers (their own session)
             raise LaunchError(f"the job did not finish within {job_timeout_s:g} s", rank=None, log=log_path) from None
-        except BaseException:  # Ctrl-C: the job runs in its own session, so stop it here
+        except BaseException:  # Ctrl-C or SIGTERM: the job runs in its own session, so stop it here
             _terminate(proc)
+            if own_dir:  # nothing failed that its log would explain
+                shutil.rmtree(run_dir, ignore_errors=True)
             raise
         finally:
             reader.join(timeout=5)

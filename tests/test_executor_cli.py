@@ -103,6 +103,49 @@ def test_scale_down_flags(config):
     assert "2 layers, hidden 32" in r.stdout
 
 
+def test_dry_run_json_is_json(config):
+    r = paraplan(config, "--layers", "2", "--hidden", "32", "--dry-run", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["plan_ok"], out["processes_per_node"], out["num_layers"], out["hidden_size"]) == (True, 2, 2, 32)
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    """PIDs whose command line contains `text` (Linux /proc)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="reads /proc")
+def test_sigterm_stops_the_job_and_its_workers(config, tmp_path):
+    """`timeout`, a scheduler or CI stop paraplan with SIGTERM: the job (its own session) goes too."""
+    import signal
+
+    run = tmp_path / "run"
+    env = dict(os.environ, PARAPLAN_EXECUTOR_FAULT="1:1:hang")
+    proc = subprocess.Popen([sys.executable, "-m", "paraplan", "launch", config, "--timeout", "300",
+                             "--run-dir", str(run)], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.perf_counter() + 120
+    while len(_processes_mentioning(str(run / "job.json"))) < 3 and time.perf_counter() < deadline:
+        time.sleep(0.5)  # torchrun and its two workers
+    assert len(_processes_mentioning(str(run / "job.json"))) >= 3, "the job did not start"
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143 and err.strip().splitlines() == ["error: terminated"], err
+    deadline = time.perf_counter() + 30
+    while _processes_mentioning(str(run / "job.json")) and time.perf_counter() < deadline:
+        time.sleep(0.5)
+    assert _processes_mentioning(str(run / "job.json")) == []
+
+
 def test_dead_rank_is_named(config, tmp_path):
     start = time.perf_counter()
     r = paraplan(config, "--timeout", "20", "--run-dir", str(tmp_path / "run"),

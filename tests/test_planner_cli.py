@@ -261,3 +261,4 @@ def test_too_small_is_judged_on_the_largest_cluster_searched(tmp_path):
     args = [a for o in over for a in ("--set", o)]
     r = paraplan("plan", TINY, "--out", str(tmp_path / "o"), "--quiet", "--no-plots", "--trials", "5", *args)
     assert r.returncode == 2 and "even sharded over all 24 GPUs; at least 25 GPUs" in r.stderr, r.stderr
+    assert not (tmp_path / "o").exists()  # refused before the search: nothing simulated, nothing written

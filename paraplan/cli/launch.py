@@ -126,6 +126,11 @@ def run(args) -> int:
     rdzv = Rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, endpoint=args.rdzv_endpoint) if args.nnodes > 1 else None
     if args.dry_run:
         shape = f"{sc.model.num_layers} layers, hidden {sc.model.hidden_size}"
+        if args.json:
+            print(json.dumps({"scenario": sc.name, "plan_ok": True, "processes_per_node": nproc, "nodes": args.nnodes,
+                              "backend": sc.run.backend, "model": sc.model.name, "num_layers": sc.model.num_layers,
+                              "hidden_size": sc.model.hidden_size}, indent=1))
+            return 0
         print(f"{sc.name}: plan OK; would start {nproc} process(es) x {args.nnodes} node(s), backend {sc.run.backend}, "
               f"model {sc.model.name}" + ("" if shape in sc.model.name else f" ({shape})"))
         return 0

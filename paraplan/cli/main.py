@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 from paraplan import __version__
 from paraplan.errors import ParaplanError
@@ -50,8 +52,19 @@ def _chosen(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`timeout`, a batch scheduler, CI) unwinds like Ctrl-C: a launched job is stopped,
+    half-written files are removed."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, _raise_terminated)
     if "--debug" in argv:  # accepted after the subcommand too
         argv = ["--debug", *(a for a in argv if a != "--debug")]
     command = _chosen(argv)
@@ -76,6 +89,9 @@ def main(argv: list[str] | None = None) -> int:
         where = f"{e.filename}: " if e.filename else ""
         print(f"error: {where}{e.strerror or e}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("error: terminated", file=sys.stderr)
+        return 143  # 128 + SIGTERM, as a shell reports it
     except KeyboardInterrupt:
         print("error: interrupted", file=sys.stderr)
         return 130
