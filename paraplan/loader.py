@@ -117,6 +117,8 @@ def _one_of(choices: tuple) -> Check:
             return value
         words = all(isinstance(c, str) for c in choices)
         hint = _did_you_mean(value, choices) if words and isinstance(value, str) else ""
+        if words and isinstance(value, bool):  # YAML 1.1 reads yes/no/on/off as booleans
+            hint = " (YAML reads on/off/yes/no as true/false)"
         raise _Invalid(f"{_show(value)} is not one of {', '.join(map(str, choices))}{hint}")
     return check
 

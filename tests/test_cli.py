@@ -80,6 +80,8 @@ BAD_INPUT = [
     (["--set", "training.grad_reduce_dtype=fp16"],
      "training.grad_reduce_dtype: fp16 is not a dtype precision bf16 computes gradients in; allowed: fp32 or bf16"),
     (["--set", "training.grad_reduce_dtype=fp8"], "training.grad_reduce_dtype: 'fp8' is not one of fp32, bf16, fp16"),
+    (["--set", "plan.recompute=off"],
+     "plan.recompute: false is not one of none, selective, full (YAML reads on/off/yes/no as true/false)"),
     (["--set", "search.tpp=[1,2]"], "search.tpp: unknown key, did you mean 'tp'?"),
     (["--set", "model.num_layers=1000000000"], "model.num_layers: expected an integer from 1 to 100000"),
     (["--set", "model=mixtral-8x7b", "--set", "plan.ep=2", "--set", "plan.tp=1", "--set", "plan.pp=1",
