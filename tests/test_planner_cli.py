@@ -164,8 +164,10 @@ BAD = [
     (["--workers", "100000"], "error: argument --workers: expected an integer from 1 to 256, got 100000"),
     (["--study", ""], "error: argument --study: expected a study name, got an empty string"),
     (["--objective", "throughput-vs-gpus"], "error: search.num_nodes: --objective throughput-vs-gpus needs"),
-    (["--set", "model.num_layers=64", "--set", "model.hidden_size=12288", "--set", "model.num_attention_heads=96",
-      "--set", "search.tp=[8]", "--set", "search.recompute=[none]"], "error: no plan fits in memory among the"),
+    # the model states fit when sharded over all 8 GPUs (no refusal before the search), the activations do not
+    (["--set", "model.num_layers=44", "--set", "model.hidden_size=8192", "--set", "model.num_attention_heads=64",
+      "--set", "training.seq_length=8192", "--set", "search.tp=[8]", "--set", "search.recompute=[none]"],
+     "error: no plan fits in memory among the"),
 ]
 
 
