@@ -242,18 +242,6 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
             f"{best.params['m']}x{best.params['n']}x{best.params['k']}")
 
     # ---- attention
-    attention_ms = by_kind.get("attention_fwd", []) + by_kind.get("attention_bwd", [])
-    if cpu and attention_ms:
-        # torch's flash CPU kernel computes in fp32 whatever its inputs, so on a CPU without fast
-        # bf16 GEMMs it can outrun them: its efficiencies then count against the fp32 peak
-        fastest = max(m.work / m.seconds for m in attention_ms)
-        ref = "tf32" if fastest > CPU_HEADROOM * peaks["bf16"] and peaks.get("tf32", 0.0) > peaks["bf16"] else None
-        profile = dataclasses.replace(profile, attention_peak_dtype=ref)
-        if ref:
-            prov["attention_efficiency.peak_dtype"] = (
-                f"derived: attention measured at up to {fastest / 1e12:.3g} TFLOP/s in bf16, above this CPU's bf16 "
-                f"GEMM peak ({peaks['bf16'] / 1e12:.3g}); torch's flash CPU kernel computes in fp32, so its "
-                f"efficiencies are fractions of the fp32 peak ({peaks['tf32'] / 1e12:.3g})")
     for direction in ("fwd", "bwd"):
         ms = sorted(by_kind.get(f"attention_{direction}", []), key=lambda m: m.work)
         field_name = f"attention_{direction}_efficiency"

@@ -300,11 +300,11 @@ def fit_attention(configs: Sequence[dict], seconds: Sequence[float], *, backward
     hwmodels.compute.attention_time match the measured calls; `configs` hold attention_time's
     keyword arguments (batch, heads, q_len, kv_len, head_dim, causal)."""
     # the simulator's own rule for which peak attention runs at (fp8 training keeps it in bf16)
-    from hwmodels.compute import attention_flops, attention_peak
+    from hwmodels.compute import _attention_dtype, attention_flops
 
     t = np.asarray(seconds, float)
     flops = np.array([attention_flops(**c, backward=backward) for c in configs])
-    peak = attention_peak(profile, dtype)
+    peak = profile.peak(_attention_dtype(dtype))
     train, test = _split(len(t), flops, train, test)
 
     def fit_on(idx: list[int]) -> Curve:

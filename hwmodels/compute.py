@@ -14,7 +14,7 @@ from hwmodels.curves import Curve
 from hwmodels.profile import GpuProfile
 from paraplan.errors import ConfigError
 
-__all__ = ["KERNEL_OVERHEAD", "attention_flops", "attention_peak", "attention_time", "dtype_bytes", "gemm_time",
+__all__ = ["KERNEL_OVERHEAD", "attention_flops", "attention_time", "dtype_bytes", "gemm_time",
            "memory_bound_time", "unfused_attention_time"]
 
 KERNEL_OVERHEAD = 3e-6
@@ -93,12 +93,6 @@ def _attention_dtype(dtype: str) -> str:
     return "bf16" if dtype == "fp8" else dtype
 
 
-def attention_peak(gpu: GpuProfile, dtype: str) -> float:
-    """The peak FLOP/s a fused attention call's efficiency is a fraction of: the profile's
-    attention_peak_dtype where it names one, else the training dtype's (_attention_dtype)."""
-    return gpu.peak(gpu.attention_peak_dtype or _attention_dtype(dtype))
-
-
 def attention_flops(*, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int, causal: bool,
                     backward: bool) -> float:
     """FLOPs of one flash-attention call, the FlashAttention-2/3 papers' convention
@@ -131,7 +125,7 @@ def attention_time(gpu: GpuProfile, *, batch: int, heads: int, q_len: int, kv_le
         curve = gpu.attention_flash3_efficiency[1 if backward else 0]
     else:
         curve = gpu.attention_bwd_efficiency if backward else gpu.attention_fwd_efficiency
-    return max(_compute_time(flops, attention_peak(gpu, dtype), curve), KERNEL_OVERHEAD)
+    return max(_compute_time(flops, gpu.peak(_attention_dtype(dtype)), curve), KERNEL_OVERHEAD)
 
 
 def unfused_attention_time(gpu: GpuProfile, *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,

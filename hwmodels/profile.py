@@ -60,10 +60,6 @@ class GpuProfile:
     attention_flash3_efficiency: tuple[Curve, Curve] | None = None
     """(forward, backward) curves of Hopper's FlashAttention-3-class kernels (training.attention
     flash3), like the two above; None where the GPU has none."""
-    attention_peak_dtype: str | None = None
-    """The dtype whose peak the attention curves are fractions of; None: the training's (16-bit,
-    or TF32 in fp32 training). A CPU calibration sets tf32 where torch's flash CPU kernel, which
-    computes in fp32 whatever its inputs, outruns the CPU's bf16 GEMMs."""
     nvlink_bandwidth: float
     """bytes/s per GPU per direction, datasheet."""
     nvlink_ring_busbw: float
@@ -209,11 +205,7 @@ def _from_dict(raw: Any) -> GpuProfile:
     capacity = (_num(hbm["capacity_GiB"], "hbm.capacity_GiB", GIB) if "capacity_GiB" in hbm
                 else _num(hbm["capacity_GB"], "hbm.capacity_GB", GB))
 
-    attn = _keys(top["attention_efficiency"], "attention_efficiency", ("fwd", "bwd"), ("peak_dtype",))
-    attn_peak = attn.get("peak_dtype")
-    if attn_peak is not None and attn_peak not in dict(peaks):
-        raise ConfigError("attention_efficiency.peak_dtype",
-                          f"expected one of this profile's peak_tflops dtypes ({', '.join(dict(peaks))}), got {attn_peak!r}")
+    attn = _keys(top["attention_efficiency"], "attention_efficiency", ("fwd", "bwd"))
     flash3 = None
     if top.get("attention_efficiency_flash3") is not None:
         f3 = _keys(top["attention_efficiency_flash3"], "attention_efficiency_flash3", ("fwd", "bwd"))
@@ -243,7 +235,6 @@ def _from_dict(raw: Any) -> GpuProfile:
         attention_fwd_efficiency=_curve(attn["fwd"], "attention_efficiency.fwd", "gflops", GFLOP, "efficiency"),
         attention_bwd_efficiency=_curve(attn["bwd"], "attention_efficiency.bwd", "gflops", GFLOP, "efficiency"),
         attention_flash3_efficiency=flash3,
-        attention_peak_dtype=attn_peak,
         nvlink_bandwidth=_num(nvl["bandwidth_GBps"], "nvlink.bandwidth_GBps", GBPS),
         nvlink_ring_busbw=_num(nvl["ring_busbw_GBps"], "nvlink.ring_busbw_GBps", GBPS),
         nvlink_busbw=_curve(nvl["allreduce_busbw"], "nvlink.allreduce_busbw", "bytes", 1.0, "busbw_GBps", GBPS,
@@ -286,7 +277,6 @@ def _to_dict(p: GpuProfile) -> dict:
         "attention_efficiency": {
             "fwd": _curve_dict(p.attention_fwd_efficiency, "gflops", GFLOP, "efficiency"),
             "bwd": _curve_dict(p.attention_bwd_efficiency, "gflops", GFLOP, "efficiency"),
-            **({"peak_dtype": p.attention_peak_dtype} if p.attention_peak_dtype else {}),
         },
         **({"attention_efficiency_flash3": {
             k: _curve_dict(c, "gflops", GFLOP, "efficiency") for k, c in zip(("fwd", "bwd"), p.attention_flash3_efficiency)

@@ -109,34 +109,10 @@ def test_cpu_profile_takes_its_peaks_from_the_measurements():
     assert p.peak("bf16") == pytest.approx(best / CPU_HEADROOM, rel=1e-4)
     assert p.peak("fp32") == p.peak("tf32")
     assert max(p.gemm_curve("bf16").ys) <= 1.0
-    assert p.attention_peak_dtype is None  # attention slower than the bf16 GEMMs: the 16-bit peak
     prov = dict(p.provenance)
     assert prov["peak_tflops"].startswith("derived") and prov["nvlink"].startswith("assumed")
     with pytest.raises(Exception, match="fp8"):
         p.peak("fp8")  # an ampere-arch profile has no fp8, as a CPU has none
-
-
-def test_cpu_attention_faster_than_its_bf16_gemms_counts_against_the_fp32_peak(tmp_path):
-    """torch's flash CPU kernel computes in fp32: on a CPU whose bf16 GEMMs are 30x slower than its
-    fp32 ones, bf16 attention outruns the bf16 peak, and its curve is a fraction of the fp32 peak."""
-    peaks = {"fp32": 2e12, "tf32": 2e12, "fp16": 2e12 / 30, "bf16": 2e12 / 30}
-    cpu_like = dataclasses.replace(H100, peak_flops=tuple(peaks.items()), attention_peak_dtype="tf32",
-                                   hbm_bandwidth=H100.hbm_bandwidth / 100)
-    rates = Rates(gemm={d: cpu_like.peak(d) * 0.7 for d in ("tf32", "fp16", "bf16")},
-                  memory=cpu_like.hbm_bandwidth * 0.8, attention=peaks["tf32"] * 0.3, memory_budget=2**30)
-    plan = build_plan(device="cpu", quick=True, dtypes=("tf32", "fp16", "bf16"), rates=rates)
-    ms = _measure(cpu_like, plan, ("tf32", "fp16", "bf16"))
-    assert max(m.work / m.seconds for m in ms if m.kind == "attention_fwd") > CPU_HEADROOM * max(
-        m.work / m.seconds for m in ms if m.kind == "gemm" and m.dtype == "bf16") / CPU_HEADROOM
-    built = _build(CPU, None, ms)
-    p = built.profile
-    assert p.attention_peak_dtype == "tf32" and "computes in fp32" in dict(p.provenance)["attention_efficiency.peak_dtype"]
-    assert built.fits["attention.fwd"]["test_mape"] < 10.0
-    # the profile prices the measured calls as measured (its fp32 peak is the best GEMM / 0.9, not 2e12)
-    for m in (m for m in ms if m.kind == "attention_fwd"):
-        assert attention_time(p, **m.params, dtype="bf16", backward=False) == pytest.approx(m.seconds, rel=0.1)
-    write_profile(p, tmp_path / "cpu.yaml")
-    assert load_profile(str(tmp_path / "cpu.yaml")).attention_peak_dtype == "tf32"
 
 
 def test_cpu_profile_must_have_every_16_bit_gemm():

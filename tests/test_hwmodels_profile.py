@@ -171,26 +171,6 @@ def test_round_trip_of_a_calibrated_profile_with_awkward_numbers(tmp_path):
     assert load_profile(str(write_profile(q, tmp_path / "mine.yaml"))) == q
 
 
-def test_attention_peak_dtype_round_trips_prices_attention_and_is_checked(tmp_path):
-    """attention_efficiency.peak_dtype: the attention curves count against that dtype's peak."""
-    from hwmodels.compute import attention_time
-
-    p = load_profile("h100-sxm-80gb")
-    q = dataclasses.replace(p, name="fp32-attention", attention_peak_dtype="tf32")
-    path = write_profile(q, tmp_path / "q.yaml")
-    assert yaml.safe_load(path.read_text())["attention_efficiency"]["peak_dtype"] == "tf32"
-    assert load_profile(str(path)) == q
-    call = dict(batch=1, heads=16, q_len=4096, kv_len=4096, head_dim=128, causal=True, backward=False)
-    ratio = attention_time(q, dtype="bf16", **call) / attention_time(p, dtype="bf16", **call)
-    assert ratio == pytest.approx(p.peak("bf16") / p.peak("tf32"), rel=1e-9)
-    raw = yaml.safe_load(path.read_text())
-    raw["attention_efficiency"]["peak_dtype"] = "int8"
-    bad = tmp_path / "bad.yaml"
-    bad.write_text(yaml.safe_dump(raw))
-    with pytest.raises(ConfigError, match="attention_efficiency.peak_dtype: .*expected one of this profile's"):
-        load_profile(str(bad))
-
-
 def test_written_profile_is_human_readable_with_units_in_keys(tmp_path):
     text = write_profile(load_profile("a100-sxm-80gb"), tmp_path / "a.yaml").read_text()
     raw = yaml.safe_load(text)
