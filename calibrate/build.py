@@ -150,11 +150,19 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
         if missing:
             raise CalibrationError(f"a CPU profile needs GEMM curves for tf32, fp16 and bf16; {', '.join(missing)} "
                                    "not measured (and no --base to take them from)")
+    raised = []
     if cpu and gemm_by_dtype:
         for d, ms in gemm_by_dtype.items():
             peaks[d] = max(m.work / m.seconds for m in ms) / CPU_HEADROOM
         if "tf32" in gemm_by_dtype:
             peaks["fp32"] = peaks["tf32"]
+            # A CPU without bf16/fp16 arithmetic (AVX512_BF16, AMX, AVX512_FP16) computes 16-bit data
+            # in its fp32 units after conversion, as torch's flash CPU attention does (4x faster than
+            # torch's bf16 matmul on the machine this was written on): its 16-bit peak is at least its
+            # fp32 one, so no 16-bit kernel counts as faster than peak and MFU stays below 1
+            raised = [d for d in ("fp16", "bf16") if d in gemm_by_dtype and peaks[d] < peaks["tf32"]]
+            for d in raised:
+                peaks[d] = peaks["tf32"]
         dropped = [d for d in ("fp8",) if d in peaks and d not in gemm_by_dtype]
         for d in dropped:  # the base's fp8 beside this CPU's 16-bit peaks: a CPU has no fp8 GEMM
             del peaks[d]
@@ -164,6 +172,9 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
                                "efficiency 0.9)"
                                + ("; tf32 and fp32 are the CPU's fp32 GEMM (no TF32 on a CPU)"
                                   if "tf32" in gemm_by_dtype else "")
+                               + (f"; {' and '.join(raised)} raised to the fp32 peak: this CPU's 16-bit GEMMs run "
+                                  "slower than its fp32 ones, so it has no faster 16-bit arithmetic and computes "
+                                  "16-bit data in its fp32 units (torch's flash CPU attention does)" if raised else "")
                                + (f"; {', '.join(kept)} kept from the base {base_label} (not measured)" if kept else "")
                                + ("; no fp8 (a CPU has no fp8 GEMM; the base's fp8 peak dropped)" if dropped else ""))
     for d in GEMM_DTYPES:

@@ -108,11 +108,36 @@ def test_cpu_profile_takes_its_peaks_from_the_measurements():
     best = max(m.work / m.seconds for m in ms if m.kind == "gemm" and m.dtype == "bf16")
     assert p.peak("bf16") == pytest.approx(best / CPU_HEADROOM, rel=1e-4)
     assert p.peak("fp32") == p.peak("tf32")
+    assert "raised to the fp32 peak" not in dict(p.provenance)["peak_tflops"]  # its bf16 GEMMs outrun fp32
     assert max(p.gemm_curve("bf16").ys) <= 1.0
     prov = dict(p.provenance)
     assert prov["peak_tflops"].startswith("derived") and prov["nvlink"].startswith("assumed")
     with pytest.raises(Exception, match="fp8"):
         p.peak("fp8")  # an ampere-arch profile has no fp8, as a CPU has none
+
+
+def test_a_cpu_without_fast_16_bit_arithmetic_gets_the_fp32_peak_for_16_bit(tmp_path):
+    """A CPU whose bf16 GEMMs run 30x slower than its fp32 ones (no AVX512_BF16/AMX; torch's bf16
+    matmul on this 2-core machine) computes 16-bit data in its fp32 units, as torch's flash CPU
+    attention does: the 16-bit peaks are the fp32 one, so attention that outruns the bf16 GEMMs still
+    fits below efficiency 1 and the profile prices the measured calls as measured."""
+    peaks = {"fp32": 2e12, "tf32": 2e12, "fp16": 2e12 / 30, "bf16": 2e12 / 30}
+    cpu_like = dataclasses.replace(H100, peak_flops=tuple(peaks.items()), hbm_bandwidth=H100.hbm_bandwidth / 100)
+    rates = Rates(gemm={d: cpu_like.peak(d) * 0.7 for d in ("tf32", "fp16", "bf16")},
+                  memory=cpu_like.hbm_bandwidth * 0.8, attention=peaks["bf16"] * 0.3, memory_budget=2**30)
+    plan = build_plan(device="cpu", quick=True, dtypes=("tf32", "fp16", "bf16"), rates=rates)
+    # attention 10x faster than the bf16 GEMMs: what torch's CPU kernel, computing in fp32, does
+    fast_attention = [dataclasses.replace(m, seconds=m.seconds / 10) if m.kind.startswith("attention") else m
+                      for m in _measure(cpu_like, plan, ("tf32", "fp16", "bf16"))]
+    built = _build(CPU, None, fast_attention)
+    p = built.profile
+    assert p.peak("bf16") == p.peak("fp16") == p.peak("tf32")
+    assert "raised to the fp32 peak" in dict(p.provenance)["peak_tflops"]
+    assert max(p.attention_fwd_efficiency.ys) < 1.0 and built.fits["attention.fwd"]["train_mape"] < 10.0
+    for m in (m for m in fast_attention if m.kind == "attention_fwd"):
+        assert attention_time(p, **m.params, dtype="bf16", backward=False) == pytest.approx(m.seconds, rel=0.1)
+    for s in plan.gemm["bf16"][:3]:  # the bf16 GEMMs keep their (slow) measured times
+        assert gemm_time(p, s.m, s.n, s.k, "bf16") == pytest.approx(gemm_time(cpu_like, s.m, s.n, s.k, "bf16"), rel=0.15)
 
 
 def test_cpu_profile_must_have_every_16_bit_gemm():
