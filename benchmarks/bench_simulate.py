@@ -26,7 +26,8 @@ CASES = [
     ("Llama-3 405B, 16,384 H100, tp8 pp16 dp128", "scenarios/llama3-405b-16384xh100.yaml", [], 50),
     ("DeepSeek-V3 671B, 2,048 H800, pp16 ep64", "scenarios/deepseek-v3-2048xh800.yaml", [], 100),
 ]
-# The same MoE plan as the planner simulates it: without the balanced-router reference run.
+# The same MoE plan as the planner simulates it: without the balanced-router reference run and
+# without the timeline (spans for --trace / --plot).
 PLANNER_CASE = ("DeepSeek-V3, as the planner runs it (no reference)", "scenarios/deepseek-v3-2048xh800.yaml", 100)
 
 
@@ -60,7 +61,7 @@ def main() -> None:
         med, step = time_inprocess(path, overrides, args.repeats)
         print(f"{label:<52} {med * 1e3:15.1f} ms {f'{target} ms':>8}  {step:.2f} s")
     label, path, target = PLANNER_CASE
-    med, step = time_inprocess(path, [], args.repeats, imbalance_reference=False)
+    med, step = time_inprocess(path, [], args.repeats, imbalance_reference=False, record_spans=False)
     print(f"{label:<52} {med * 1e3:15.1f} ms {f'{target} ms':>8}  {step:.2f} s")
     cli = time_cli(CASES[0][1], max(3, args.repeats // 2))
     print(f"{'paraplan simulate (CLI, incl. interpreter start)':<52} {cli * 1e3:15.0f} ms {'1500 ms':>8}")

@@ -152,7 +152,7 @@ class Evaluator:
             return Evaluation(candidate=cand, status="invalid", reasons=tuple(problems), world_size=world)
         self.simulations += 1
         try:
-            r = simulate(self.space.scenario_for(cand), imbalance_reference=False)
+            r = simulate(self.space.scenario_for(cand), imbalance_reference=False, record_spans=False)
         except InfeasiblePlanError as e:  # a rule the structural check does not know yet
             return Evaluation(candidate=cand, status="invalid", reasons=e.reasons, world_size=world)
         return Evaluation(

@@ -104,6 +104,7 @@ def run_iteration(
     sync_time: float,
     p2p_nic: float | Sequence[float] = 0.0,
     align_grad_reduce: bool = False,
+    record_spans: bool = True,
 ) -> EngineResult:
     """Simulate one iteration; returns per-stage breakdowns summing to each stage's end time.
     `p2p_time`: seconds of a pipeline send, one for every link or per link (entry s joins stage s
@@ -117,7 +118,9 @@ def run_iteration(
     bubble; under interleaved 1F1B stage s launches a chunk's whole reduction when it finishes the
     backward s steps after the chunk's last one (all stages launch together), or after its last
     backward when fewer remain. Under a split backward (zero-bubble) the W passes, which produce
-    the weight gradients, are the ones counted."""
+    the weight gradients, are the ones counted.
+    `record_spans` False leaves the timeline out (EngineResult.spans empty): the planner needs only
+    the figures, and building a span per op is a tenth of the engine's time."""
     env = simpy.Environment()
     pp = len(works)
     link_time = list(p2p_time) if isinstance(p2p_time, Sequence) else [p2p_time] * pp
@@ -277,7 +280,7 @@ def run_iteration(
         out = []
         for i, op in enumerate(work.ops):
             duration, nic, dp_spans = totals[(op.kind, op.chunk)]
-            name = f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "")
+            name = f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "") if record_spans else ""
             produces = None
             if consumed_elsewhere(stage, op):  # (key, the consuming stage)
                 produces = ((op.kind, op.microbatch, op.chunk * pp + stage),
@@ -306,7 +309,8 @@ def run_iteration(
                 if arrival > t1:
                     recv = arrival - t1
                     comm += recv
-                    spans.append(Span(stage, "pp-comm", f"recv {dep[0]}{dep[1]}", "pp_comm", t1, arrival))
+                    if record_spans:
+                        spans.append(Span(stage, "pp-comm", f"recv {dep[0]}{dep[1]}", "pp_comm", t1, arrival))
             start = now() + recv
             if grads_of is not None:  # this chunk's gradients start flowing now
                 grad_ready[stage][grads_of].succeed((start, start + duration))
@@ -344,8 +348,9 @@ def run_iteration(
             contention += shared
             slowed += sm
             end = now()
-            spans.append(Span(stage, "compute", name, category, start, end))
-            for a, b, what in dp_spans:  # transfers inside the op (ZeRO-2/3), placed on its span
+            if record_spans:
+                spans.append(Span(stage, "compute", name, category, start, end))
+            for a, b, what in dp_spans if record_spans else ():  # transfers inside the op (ZeRO-2/3), placed on its span
                 spans.append(Span(stage, "dp-comm", f"{what} {name}", "dp_comm",
                                   start + a * (end - start), start + b * (end - start)))
             if produces is not None:
@@ -414,7 +419,8 @@ def run_iteration(
                     yield env.timeout(ready - env.now)
                 t0 = env.now
                 yield from bucket_collective(stage, seconds, nic)
-                spans.append(Span(stage, "dp-comm", f"grad-reduce c{c} b{j}", "dp_comm", t0, env.now))
+                if record_spans:
+                    spans.append(Span(stage, "dp-comm", f"grad-reduce c{c} b{j}", "dp_comm", t0, env.now))
         traces[stage].comm_end = env.now
 
     def gather_stream(stage: int):
@@ -432,7 +438,8 @@ def run_iteration(
                 if gated_chunk[stage] == c:  # it moves only what the newly possible compute moves
                     cap = op_nic[stage][2] * max(0.0, limit[j] - (limit[j - 1] if j else 0.0))
                 yield from bucket_collective(stage, seconds, nic, cap)
-                spans.append(Span(stage, "dp-comm", f"param all-gather c{c} b{j}", "dp_comm", t0, env.now))
+                if record_spans:
+                    spans.append(Span(stage, "dp-comm", f"param all-gather c{c} b{j}", "dp_comm", t0, env.now))
                 arrivals.append((env.now, needed_from))
             gathered[stage][c].succeed(arrivals)
 
@@ -455,11 +462,13 @@ def run_iteration(
         _add(bd, "pp_bubble", barrier - sync_time - max(t.compute_end, t.comm_end))
         _add(bd, "dp_comm", sync_time)
         opt_end = barrier + work.optimizer_time
-        spans.append(Span(s, "compute", "optimizer", "optimizer", barrier, opt_end))
+        if record_spans:
+            spans.append(Span(s, "compute", "optimizer", "optimizer", barrier, opt_end))
         _add(bd, "optimizer", work.optimizer_time)
         t.end = opt_end + work.param_gather_time
         if work.param_gather_time:
-            spans.append(Span(s, "dp-comm", "param all-gather", "dp_comm", opt_end, t.end))
+            if record_spans:
+                spans.append(Span(s, "dp-comm", "param all-gather", "dp_comm", opt_end, t.end))
             _add(bd, "dp_comm", work.param_gather_time)
         step = max(step, t.end)
     return EngineResult(step_time=step, stages=traces, spans=spans, sync_time=sync_time)

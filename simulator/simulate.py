@@ -65,10 +65,12 @@ class _Layers:
     working: dict  # kind -> transient bytes while one layer of the kind runs (recompute, dispatch buffers)
 
 
-def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routing: bool = False) -> SimResult:
+def simulate(sc: Scenario, *, imbalance_reference: bool = True, record_spans: bool = True,
+             _balanced_routing: bool = False) -> SimResult:
     """One iteration of `sc`'s plan. For an MoE model, `imbalance_reference` also simulates the
     iteration with a perfectly balanced router, for the report's step-time comparison (callers
-    that only rank plans, like the planner, skip that second run)."""
+    that only rank plans, like the planner, skip that second run). `record_spans` False leaves
+    the timeline (SimResult.spans, for --trace and --plot) empty; every figure is the same."""
     gpu = load_profile(sc.cluster.gpu)
     problems = structural_problems(sc, gpu.arch)
     if problems:
@@ -191,7 +193,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, _balanced_routin
     sync = _sync_time(sc, net, emb_params, hops[-1])
     eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce,
                         sync_time=sync, p2p_nic=[t if hop.num_nodes > 1 else 0.0 for t, hop in zip(p2p, hops)],
-                        align_grad_reduce=p.schedule in ("1f1b", "interleaved-1f1b"))
+                        align_grad_reduce=p.schedule in ("1f1b", "interleaved-1f1b"), record_spans=record_spans)
 
     tokens = tr.global_batch_size * tr.seq_length
     peak = gpu.peak(ctx.dtype)
@@ -448,7 +450,7 @@ def _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, step_ti
     if balanced:
         uniform_step = step_time
     elif reference:
-        uniform_step = simulate(sc, imbalance_reference=False, _balanced_routing=True).step_time_s
+        uniform_step = simulate(sc, imbalance_reference=False, record_spans=False, _balanced_routing=True).step_time_s
     else:
         uniform_step = None
     return MoEReport(

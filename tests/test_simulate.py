@@ -27,6 +27,11 @@ def test_every_bundled_scenario(path):
         assert sum(s.breakdown.values()) == pytest.approx(s.end_time_s, rel=1e-9)
     assert r.tokens_per_s == pytest.approx(sc.training.global_batch_size * sc.training.seq_length / r.step_time_s)
     assert simulate(sc).step_time_s == r.step_time_s  # deterministic
+    # the planner's run without the timeline: the same figures, no spans
+    bare = simulate(sc, record_spans=False)
+    assert r.spans and not bare.spans
+    assert (bare.step_time_s, bare.breakdown, bare.peak_memory_bytes) == (r.step_time_s, r.breakdown, r.peak_memory_bytes)
+    assert [s.breakdown for s in bare.stages] == [s.breakdown for s in r.stages]
 
 
 @pytest.fixture(scope="module")

@@ -35,7 +35,7 @@ def run(args) -> int:
         from planner.space import parse_search
 
         parse_search(scenario)
-    result = simulate(scenario)
+    result = simulate(scenario, record_spans=bool(args.trace or args.plot))  # the timeline only when drawn
     outputs = []  # written together or not at all; an infeasible run ends with an error and writes nothing
     if result.fits and args.trace:
         from simulator.trace import chrome_trace_json
