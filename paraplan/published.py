@@ -56,6 +56,8 @@ ASSUMPTIONS = (
     "LinearWithGradAccumulationAndAsyncCommunication); the earlier ones expose every backward TP collective",
     "inter-node network from the record's text (NIC count x rate); unstated -> the GPU generation's typical node (8 NICs, HDR 200G for A100, NDR 400G for H100)",
     "virtual_pipeline_stages null -> 1 (1F1B); > 1 -> interleaved 1F1B",
+    "vocabulary: padded to a multiple of 128 x tp (Megatron --make-vocab-size-divisible-by 128) where the record "
+    "says Megatron padded it (MT-NLG: 50257 -> 51200)",
     "precision: fp16 where the record or its launch script names it (SC'21: --fp16 in examples/sc21/CONFIG.sh), "
     "else bf16 ('mixed 16-bit' included); gradients accumulated and reduced in fp16 under Megatron's --fp16 "
     "without --accumulate-allreduce-grads-in-fp32 (SC'21), in bf16 under Composer's FSDP mixed precision PURE, "
@@ -219,6 +221,20 @@ def _uneven_stages(num_layers: int, pp: int, vpp: int) -> dict:
 _SCRIPT_KEYS = {"micro_batch_size", "layers_per_virtual_stage", "ddp_impl", "precision", "grad_reduce_dtype"}
 
 
+# Megatron --make-vocab-size-divisible-by default (megatron/training/arguments.py), times tp
+MEGATRON_VOCAB_DIVISOR = 128
+
+
+def _vocab(model: dict, tp: int) -> int:
+    """The record's vocabulary; padded as Megatron pads it, to a multiple of 128 x tp, where the
+    record says Megatron padded it (MT-NLG: 'GPT-2 BPE vocabulary (50257, padded by Megatron)')."""
+    v = int(model["vocab_size"])
+    if "padded by megatron" in str(model.get("notes")).lower():
+        step = MEGATRON_VOCAB_DIVISOR * tp
+        v = -(-v // step) * step
+    return v
+
+
 def _precision(rec: dict, script: dict) -> tuple[str, str]:
     """(training.precision, training.grad_reduce_dtype) of a record: the launch script's where it
     gives them; else fp16 where the record's precision names it ('fp16', 'amp_fp16'), bf16 otherwise
@@ -265,7 +281,7 @@ def record_to_scenario(rec: dict) -> dict:
         "num_attention_heads": m["num_attention_heads"],
         "num_kv_heads": m.get("num_kv_heads") or m["num_attention_heads"],
         "ffn_hidden_size": m.get("ffn_hidden_size") or 4 * m["hidden_size"],
-        "vocab_size": m["vocab_size"], "activation": m.get("activation") or "gelu",
+        "vocab_size": _vocab(m, tp), "activation": m.get("activation") or "gelu",
         "tied_embeddings": (m.get("activation") != "swiglu") if m.get("tied_embeddings") is None
         else bool(m["tied_embeddings"]),
     }

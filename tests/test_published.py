@@ -101,6 +101,14 @@ def test_precision_and_gradient_dtype_follow_the_record_and_its_scripts(records)
     assert _precision(records["megatron_sc21_t1_1.7B"], {}) == ("bf16", "fp32")
 
 
+def test_vocabulary_is_padded_where_the_record_says_megatron_padded_it(records):
+    def vocab(rid):
+        return load_scenario(record_to_scenario(records[rid])).model.vocab_size
+
+    assert vocab("mtnlg_530b_2240gpu") == 51200  # 50257 up to a multiple of 128 x tp 8
+    assert vocab("megatron_sc21_t1_1.7B") == 51200 and vocab("moe_modelzoo_qwen3_235b_h100_crossnode_ep32") == 151936
+
+
 def test_attention_kernel_follows_the_framework_the_gpu_and_the_date(records):
     """Before 2023 Megatron materialised the scores (unfused); Megatron-Core on Hopper runs Transformer
     Engine's Hopper kernel (flash3); other later runs FlashAttention-2 (flash)."""
