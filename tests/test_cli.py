@@ -264,16 +264,27 @@ def test_validate_published_bad_files_are_one_line(tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["calibrate", "--device", "cpu", "--out", "{tmp}/p.yaml"],
      "error: calibrate needs PyTorch, which is not installed: pip install 'torch>=2.11'\n"),
-    (["launch", TINY, "--dry-run", "--backend", "gloo", "--run-dir", "{tmp}/runs"],
+    (["launch", TINY, "--backend", "gloo", "--run-dir", "{tmp}/runs"],
      "error: the executor needs PyTorch >= 2.11, which is not installed: pip install 'torch>=2.11'\n"),
 ])
 def test_commands_that_run_torch_say_so_when_it_is_missing(tmp_path, args, message):
     """Without torch (a `pip install -e .` machine) the torch commands give one line, exit 2, and
     write nothing."""
+    r = _without_torch(tmp_path, args)
+    assert (r.returncode, r.stderr) == (2, message)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_dry_run_checks_the_plan_without_torch(tmp_path):
+    r = _without_torch(tmp_path, ["launch", TINY, "--dry-run", "--backend", "gloo", "--run-dir", "{tmp}/runs"])
+    assert r.returncode == 0, r.stderr
+    assert "plan OK" in r.stdout and "note: the launch needs PyTorch >= 2.11, which is not installed" in r.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def _without_torch(tmp_path, args) -> subprocess.CompletedProcess:
     code = ("import sys; sys.modules['torch'] = None\n"  # find_spec('torch') is None, as if uninstalled
             "from paraplan.cli.main import main\n"
             "sys.exit(main(sys.argv[1:]))\n")
     argv = [a.format(tmp=tmp_path) for a in args]
-    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT)
-    assert (r.returncode, r.stderr) == (2, message)
-    assert list(tmp_path.iterdir()) == []
+    return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT)

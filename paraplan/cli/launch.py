@@ -15,7 +15,7 @@ import os
 import re
 
 from paraplan.cli.tables import elided, model_shape
-from paraplan.cli.torch_check import require_torch
+from paraplan.cli.torch_check import require_torch, torch_problem
 from paraplan.errors import ConfigError, InfeasiblePlanError, ParaplanError
 from paraplan.fileio import write_atomic
 
@@ -51,7 +51,7 @@ _RUN_FLAGS = {"backend": "backend", "steps": "steps", "warmup": "warmup_steps", 
               "hidden": "hidden_size", "timeout": "timeout_s"}
 
 
-def prepare(args):
+def prepare(args, *, need_torch: bool = True):
     """The checked, scaled scenario and the process layout; raises ParaplanError for any bad input."""
     from executor.config import launch_problems, scaled_scenario
     from paraplan.fileio import check_distinct_files, check_output_dir, check_output_file
@@ -91,10 +91,11 @@ def prepare(args):
     check_output_dir(args.run_dir, "--run-dir")
     if not 0 <= args.node_rank < args.nnodes:
         raise ParaplanError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1}")
-    require_torch("the executor")
+    if need_torch:
+        require_torch("the executor")
     if sc.run.backend == "gloo":
         _check_host_memory(sc, nproc)
-    if sc.run.backend == "nccl":
+    if sc.run.backend == "nccl" and torch_problem("the executor") is None:
         import torch
 
         if not torch.cuda.is_available():
@@ -122,17 +123,19 @@ def _check_host_memory(sc, nproc: int) -> None:
 def run(args) -> int:
     from executor.launch import LaunchError, Rendezvous, launch
 
-    sc, nproc = prepare(args)
+    sc, nproc = prepare(args, need_torch=not args.dry_run)  # a dry run checks the plan without torch
     rdzv = Rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, endpoint=args.rdzv_endpoint) if args.nnodes > 1 else None
     if args.dry_run:
         shape = f"{sc.model.num_layers} layers, hidden {sc.model.hidden_size}"
+        missing = torch_problem("the launch")
         if args.json:
             print(json.dumps({"scenario": sc.name, "plan_ok": True, "processes_per_node": nproc, "nodes": args.nnodes,
                               "backend": sc.run.backend, "model": sc.model.name, "num_layers": sc.model.num_layers,
-                              "hidden_size": sc.model.hidden_size}, indent=1))
+                              "hidden_size": sc.model.hidden_size, "torch_problem": missing}, indent=1))
             return 0
         print(f"{sc.name}: plan OK; would start {nproc} process(es) x {args.nnodes} node(s), backend {sc.run.backend}, "
-              f"model {sc.model.name}" + ("" if shape in sc.model.name else f" ({shape})"))
+              f"model {sc.model.name}" + ("" if shape in sc.model.name else f" ({shape})")
+              + (f"\nnote: {missing}" if missing else ""))
         return 0
     try:
         results = launch([sc], nproc=nproc, backend=sc.run.backend, timeout_s=sc.run.timeout_s, run_dir=args.run_dir,

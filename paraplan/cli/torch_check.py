@@ -23,11 +23,19 @@ def torch_version() -> tuple[int, int] | None:
     return tuple(int(x) for x in re.findall(r"\d+", found)[:2])
 
 
-def require_torch(what: str, *, minimum: tuple[int, int] | None = MINIMUM) -> None:
-    """One-line error naming `what` needs PyTorch when it is missing (or older than `minimum`)."""
+def torch_problem(what: str, *, minimum: tuple[int, int] | None = MINIMUM) -> str | None:
+    """Why `what` cannot run for want of PyTorch (missing, or older than `minimum`); None when it can."""
     floor = ".".join(map(str, minimum or MINIMUM))
     need = f"PyTorch >= {floor}" if minimum else "PyTorch"
     if importlib.util.find_spec("torch") is None:
-        raise ParaplanError(f"{what} needs {need}, which is not installed: pip install 'torch>={floor}'")
+        return f"{what} needs {need}, which is not installed: pip install 'torch>={floor}'"
     if minimum and torch_version() < minimum:
-        raise ParaplanError(f"{what} needs {need}, found {importlib.metadata.version('torch')}")
+        return f"{what} needs {need}, found {importlib.metadata.version('torch')}"
+    return None
+
+
+def require_torch(what: str, *, minimum: tuple[int, int] | None = MINIMUM) -> None:
+    """One-line error naming `what` needs PyTorch when it is missing (or older than `minimum`)."""
+    problem = torch_problem(what, minimum=minimum)
+    if problem:
+        raise ParaplanError(problem)
