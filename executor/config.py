@@ -229,6 +229,9 @@ def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
     if sc.training.precision == "bf16" and not on_gpu:
         out.append("training.precision bf16 runs in fp32 on CPU (bf16 mixed precision is for GPUs)"
                    + ("; gradients are reduced in fp32 too" if sc.training.grad_reduce_dtype == "bf16" else ""))
+    elif sc.training.grad_reduce_dtype == "bf16" and p.dp * p.cp > 1:
+        out.append("training.grad_reduce_dtype bf16: gradients are reduced in bf16 but accumulated and held in fp32 "
+                   "(DDP's .grad, FSDP2's sharded gradient), where the simulator holds them in bf16")
     if p.zero_stage and p.dp * p.cp == 1:
         out.append(f"zero_stage {p.zero_stage} has nothing to shard with dp x cp = 1")
     if p.tp > 1 and p.tp_backward_overlap and not p.tp_comm_overlap:

@@ -5,6 +5,11 @@ class ParaplanError(Exception):
     """Base class of every user-facing error (bad input, infeasible request)."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (`timeout`, a batch scheduler, CI) unwinds like Ctrl-C: a launched job is stopped,
+    half-written files are removed. The CLI exits 143 (128 + SIGTERM) with `error: terminated`."""
+
+
 class ConfigError(ParaplanError):
     """A scenario, profile or override is malformed: names the key path and what is allowed."""
 

@@ -316,7 +316,7 @@ class PlanSpec:
     input-gradient GEMM. false: every backward TP collective is exposed (Megatron-LM before the
     asynchronous all-reduce, and the Megatron-DeepSpeed forks of that code)."""
     gradient_accumulation_fusion: bool | None = None
-    """Weight-gradient GEMMs accumulate straight into the fp32 main gradients (Megatron
+    """Weight-gradient GEMMs accumulate straight into the main gradients (Megatron
     --gradient-accumulation-fusion); off (--no-gradient-accumulation-fusion), a separate kernel adds
     each microbatch's 16-bit gradient in. None: Megatron's default for the plan, see
     fused_grad_accumulation."""

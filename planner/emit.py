@@ -389,10 +389,14 @@ def torchtitan_toml(sc: Scenario) -> str:
         # DTensor's redistribute backward runs after the matmul's backward node (dgrad and wgrad)
         notes.append("torchtitan's eager tensor parallelism (DTensor) reduce-scatters each layer's input gradient "
                      "after its weight gradient, not beside it as simulated (plan.tp_backward_overlap)")
-    if t.grad_reduce_dtype == "bf16" and shard == 1:
-        # torchtitan config: mixed_precision_reduce "only takes effect when data_parallel_shard_degree > 1"
-        notes.append("torchtitan applies mixed_precision_reduce under FSDP only; with data_parallel_shard_degree 1 "
-                     "it reduces gradients in fp32, not in bf16 as simulated (training.grad_reduce_dtype)")
+    if t.grad_reduce_dtype == "bf16" and shard == 1 and p.cp == 1 and replicate > 1:
+        # torchtitan applies its FSDP mixed-precision policy where FSDP runs (dp_shard > 1 or cp > 1);
+        # its DDP path (replicate only) reduces in fp32
+        notes.append("torchtitan applies mixed_precision_reduce under FSDP only; replicated (DDP) it reduces "
+                     "gradients in fp32, not in bf16 as simulated (training.grad_reduce_dtype)")
+    if t.grad_reduce_dtype == "bf16":
+        notes.append("mixed_precision_reduce: torchtitan 0.2.x declares float32 only (later releases add bfloat16); "
+                     "its FSDP reduces in bf16 but keeps the gradients in fp32, where the simulator holds them in bf16")
     if t.precision == "fp16":
         notes.append("torchtitan has no fp16 training (no loss scaling); mixed_precision_param is bf16")
     if p.recomputed_modules not in ((), ("core_attn",)):

@@ -1,7 +1,8 @@
 """Memory per GPU of each pipeline stage: weights, gradients, optimizer states, activations.
 
 Model states follow Rajbhandari et al. 2020 (ZeRO, Sec. 3.1): mixed-precision Adam keeps 16-bit
-weights, fp32 main gradients (Megatron's DDP grad buffer), and K = 12 bytes/parameter of fp32
+weights, main gradients (Megatron's DDP grad buffer: fp32, or 16-bit with
+training.grad_reduce_dtype), and K = 12 bytes/parameter of fp32
 master weights + Adam m and v; ZeRO-1 shards the optimizer states, ZeRO-2 also the gradients,
 ZeRO-3 also the weights, over the data-parallel (x context-parallel) group.
 Activations follow Korthikanti et al. 2022, Sec. 4 / Table 2, generalised to GQA and SwiGLU.
@@ -28,10 +29,16 @@ class StageMemory:
     optimizer: float
     activations: float
     reserved: float
+    optimizer_step: float = 0.0
+    """Held only during the optimizer step, when the activations are freed: the fp32 copy of
+    16-bit main gradients the optimizer works on (Megatron _copy_model_grads_to_main_grads:
+    main_param.grad = main_grad.float()), of the parameters this rank updates."""
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.reserved
+        """The peak: the backward's (activations live) or the optimizer step's, whichever is higher."""
+        during_step = RESERVED_BYTES + self.optimizer_step
+        return self.weights + self.gradients + self.optimizer + max(self.activations + self.reserved, during_step)
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -40,6 +47,7 @@ class StageMemory:
             "optimizer": self.optimizer,
             "activations": self.activations,
             "reserved": self.reserved,
+            "optimizer_step": self.optimizer_step,
             "total": self.total,
         }
 
@@ -124,8 +132,8 @@ def stage_memory(
     0 where nothing is sharded;
     `prefetched_params`: the unit gathered beside it (a layer; default the same size);
     `embedding_params`: the part of `dense_params` that is the embedding / LM head (no fp8 cache);
-    `grad_dtype`: training.grad_reduce_dtype, the gradients' dtype (the fp32 copy of its shard the
-    optimizer makes of 16-bit gradients lives only during the step, when activations are freed)."""
+    `grad_dtype`: training.grad_reduce_dtype, the gradients' dtype; 16-bit gradients get an fp32 copy
+    of the rank's optimizer shard during the step (StageMemory.optimizer_step)."""
     w, g, o = state_bytes_per_param(precision, grad_dtype)
     shard = plan.dp * plan.cp
     expert_shard = max(1, plan.tp * plan.cp * plan.dp // (plan.ep * plan.expert_tp))
@@ -159,7 +167,11 @@ def stage_memory(
         weights += cached * FP8_WEIGHT_CACHE_BYTES
     acts = activations + working_set
     reserved = RESERVED_BYTES + FRAGMENTATION * acts
-    return StageMemory(weights=weights, gradients=grads, optimizer=do + eo, activations=acts, reserved=reserved)
+    step_copy = 0.0
+    if g < 4 and precision != "fp32":  # the optimizer's fp32 copy of the 16-bit gradients it updates
+        step_copy = 4.0 * (dense_params / (shard if zero >= 1 else 1) + expert_params / (expert_shard if zero >= 1 else 1))
+    return StageMemory(weights=weights, gradients=grads, optimizer=do + eo, activations=acts, reserved=reserved,
+                       optimizer_step=step_copy)
 
 
 # the cross-entropy keeps its softmax over the vocabulary in fp32 (Megatron-Core

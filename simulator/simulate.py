@@ -429,12 +429,13 @@ def _sync_time(sc: Scenario, net, emb_params: float, first_last: GroupLayout) ->
     model-parallel group (Megatron clip_grad_norm_fp32, a few bytes) and, when the embedding is
     tied (or multi-token prediction embeds tokens on the last stage) and pipelined, the all-reduce
     of its gradient between the first and last stage (Megatron _allreduce_word_embedding_grads),
-    whose pair of ranks is `first_last`."""
+    whose pair of ranks is `first_last`; that gradient is the main_grad, in the grad buffer's dtype
+    (training.grad_reduce_dtype)."""
     p = sc.plan
     t = collective_time(net, "all_reduce", 4, group_layout(("tp", "pp"), p, sc.cluster.gpus_per_node,
                                                           nodes_per_leaf=net.nodes_per_leaf))
     if (sc.model.tied_embeddings or sc.model.mtp_layers) and p.pp > 1:
-        t += collective_time(net, "all_reduce", emb_params * 4, first_last)
+        t += collective_time(net, "all_reduce", emb_params * DTYPE_BYTES[sc.training.grad_reduce_dtype], first_last)
     return t
 
 

@@ -288,3 +288,40 @@ def _without_torch(tmp_path, args) -> subprocess.CompletedProcess:
             "sys.exit(main(sys.argv[1:]))\n")
     argv = [a.format(tmp=tmp_path) for a in args]
     return subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, cwd=ROOT)
+
+
+def test_main_restores_the_callers_sigterm_handler():
+    """main() turns SIGTERM into Terminated only while it runs (tests and tools call it in-process)."""
+    import contextlib
+    import io
+    import signal
+
+    from paraplan.cli.main import main
+
+    def mine(signum, frame):
+        pass
+
+    before = signal.signal(signal.SIGTERM, mine)
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main(["simulate", TINY]) == 0
+        assert signal.getsignal(signal.SIGTERM) is mine
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def test_sigterm_during_calibration_says_terminated(monkeypatch, tmp_path, capsys):
+    import argparse
+
+    import calibrate.run
+    from paraplan.cli import calibrate as cli
+    from paraplan.errors import Terminated
+
+    def stopped(opts):
+        raise Terminated
+
+    monkeypatch.setattr(calibrate.run, "calibrate", stopped)
+    args = argparse.Namespace(out=str(tmp_path / "p.yaml"), device="cpu", quick=True, collectives=False, base=None,
+                              name=None, dtypes=None, skip=[], report=None, threads=None, progress=False)
+    assert cli.run(args) == 143
+    assert capsys.readouterr().err == f"error: calibration terminated; nothing written to {tmp_path / 'p.yaml'}\n"

@@ -259,6 +259,10 @@ def test_torchtitan_reduces_in_bf16_under_fsdp_only():
                                           "plan.tp=1", "plan.pp=1"))
     assert "data_parallel_shard_degree = 1" in replicated
     assert "applies mixed_precision_reduce under FSDP only" in replicated
+    # context parallelism runs FSDP too (torchtitan: fsdp_enabled = dp_shard or cp): the policy applies
+    cp = torchtitan_toml(scenario("llama3-8b-64xh100", "training.grad_reduce_dtype=bf16", "plan.zero_stage=0",
+                                  "plan.tp=8", "plan.cp=8", "plan.pp=1"))
+    assert "context_parallel_degree = 8" in cp and "applies mixed_precision_reduce under FSDP only" not in cp
 
 # -- the suggested launch line gives argparse exactly megatron_args ---------------------------------
 

@@ -217,6 +217,26 @@ def test_gradients_reduced_in_bf16_halve_the_buffer_and_the_buckets(gpt3):
     assert len(b16) == len(b32) >= 2
     assert b16[0][0] == pytest.approx(collective_time(net, "reduce_scatter", params / len(b16) * 2, dp), rel=1e-12)
     assert b32[0][0] == pytest.approx(collective_time(net, "reduce_scatter", params / len(b32) * 4, dp), rel=1e-12)
+    # without the distributed optimizer the step casts every 16-bit gradient to an fp32 copy
+    # (Megatron main_param.grad = main_grad.float()), held while the activations are freed
+    from simulator.memory import RESERVED_BYTES
+
+    z0_16 = simulate(plan_variant(bf16, zero_stage=0, recompute="full")).stages[0].memory
+    z0_32 = simulate(plan_variant(gpt3, zero_stage=0, recompute="full")).stages[0].memory
+    assert z0_32["optimizer_step"] == 0 and z0_16["optimizer_step"] == pytest.approx(2 * z0_16["gradients"], rel=1e-12)
+    assert z0_16["total"] == pytest.approx(
+        z0_16["weights"] + z0_16["gradients"] + z0_16["optimizer"]
+        + max(z0_16["activations"] + z0_16["reserved"], RESERVED_BYTES + z0_16["optimizer_step"]), rel=1e-12)
+    assert z0_16["total"] > z0_32["total"]  # here the step's copy outweighs the 2 bytes saved per gradient
+    # the tied embedding's gradient all-reduce between the first and last stage moves main_grad bytes
+    from paraplan.placement import pp_hop_layouts
+    from simulator.simulate import _sync_time  # noqa: PLC2701
+
+    assert gpt3.model.tied_embeddings and p.pp > 1
+    emb = gpt3.model.embedding_params() / p.tp
+    last_hop = pp_hop_layouts(p, 8, nodes_per_leaf=net.nodes_per_leaf)[-1]
+    saved = collective_time(net, "all_reduce", emb * 4, last_hop) - collective_time(net, "all_reduce", emb * 2, last_hop)
+    assert _sync_time(gpt3, net, emb, last_hop) - _sync_time(bf16, net, emb, last_hop) == pytest.approx(saved, rel=1e-9)
 
 
 def test_zero_bubble_with_virtual_stages_needs_microbatches_a_multiple_of_pp(gpt3):

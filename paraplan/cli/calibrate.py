@@ -15,6 +15,7 @@ from pathlib import Path
 
 from calibrate.run import BENCHMARKS, Options
 from paraplan.cli.torch_check import require_torch
+from paraplan.errors import Terminated
 
 # Held-out error above which a fitted table is called out in the summary.
 POOR_FIT_MAPE = 25.0  # percent, as the fits report it
@@ -58,9 +59,10 @@ def run(args) -> int:
     )
     try:
         outcome = calibrate(opts)
-    except KeyboardInterrupt:
-        print(f"error: calibration interrupted; nothing written to {args.out}", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as stop:  # Ctrl-C, or SIGTERM (Terminated)
+        word, code = ("terminated", 143) if isinstance(stop, Terminated) else ("interrupted", 130)
+        print(f"error: calibration {word}; nothing written to {args.out}", file=sys.stderr)
+        return code
     if outcome is not None:
         print(format_summary(outcome))
     return 0

@@ -12,7 +12,7 @@ import sys
 import threading
 
 from paraplan import __version__
-from paraplan.errors import ParaplanError
+from paraplan.errors import ParaplanError, Terminated
 
 # name -> (module with add_arguments(parser) and run(args), one-line help)
 SUBCOMMANDS = {
@@ -52,19 +52,24 @@ def _chosen(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM (`timeout`, a batch scheduler, CI) unwinds like Ctrl-C: a launched job is stopped,
-    half-written files are removed."""
-
-
 def _raise_terminated(signum, frame):
     raise Terminated
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The CLI; SIGTERM raises Terminated while it runs (the previous handler comes back after, so
+    a caller that runs main() in-process keeps its own)."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers: main thread only
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        return _main(argv)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, _raise_terminated)
     if "--debug" in argv:  # accepted after the subcommand too
         argv = ["--debug", *(a for a in argv if a != "--debug")]
     command = _chosen(argv)

@@ -87,7 +87,13 @@ def format_result(sc, r) -> str:
     if r.moe is not None:
         lines += ["", *_moe_lines(sc, r.moe)]
     lines.append("")
-    lines.append("  memory per GPU by stage (GiB): weights grads optim activ reserved total")
+    # 16-bit gradients: the optimizer step's fp32 copy, held while the activations are freed
+    keys = ["weights", "gradients", "optimizer", "activations", "reserved"]
+    header = "weights grads optim activ reserved"
+    if any(st.memory.get("optimizer_step") for st in r.stages):
+        keys.append("optimizer_step")
+        header += "   step"
+    lines.append(f"  memory per GPU by stage (GiB): {header} total")
     largest = max(r.stages, key=lambda st: st.memory["total"]).stage
     for s in elided(list(r.stages), largest):
         if s is None:
@@ -95,9 +101,11 @@ def format_result(sc, r) -> str:
             continue
         mm = s.memory
         lines.append(
-            f"    stage {s.stage:<3} " + " ".join(f"{mm[k] / GiB:6.1f}" for k in
-                                             ("weights", "gradients", "optimizer", "activations", "reserved", "total"))
+            f"    stage {s.stage:<3} " + " ".join(f"{mm[k] / GiB:6.1f}" for k in (*keys, "total"))
         )
+    if "optimizer_step" in keys:
+        lines.append("    (step: the optimizer's fp32 copy of the 16-bit gradients, held while the activations are "
+                     "freed; total is the higher of the backward's and the step's peak)")
     lines.append("")
     lines.append(f"  FLOPs: {r.flop_formula}")
     return "\n".join(lines)
