@@ -157,8 +157,8 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
         if "tf32" in gemm_by_dtype:
             peaks["fp32"] = peaks["tf32"]
             # A CPU without bf16/fp16 arithmetic (AVX512_BF16, AMX, AVX512_FP16) computes 16-bit data
-            # in its fp32 units after conversion, as torch's flash CPU attention does (4x faster than
-            # torch's bf16 matmul on the machine this was written on): its 16-bit peak is at least its
+            # in its fp32 units after conversion, as torch's flash CPU attention does (about 15x faster
+            # than torch's bf16 matmul on the machine this was written on): its 16-bit peak is at least its
             # fp32 one, so no 16-bit kernel counts as faster than peak and MFU stays below 1
             raised = [d for d in ("fp16", "bf16") if d in gemm_by_dtype and peaks[d] < peaks["tf32"]]
             for d in raised:

@@ -350,9 +350,9 @@ def run_iteration(
             end = now()
             if record_spans:
                 spans.append(Span(stage, "compute", name, category, start, end))
-            for a, b, what in dp_spans if record_spans else ():  # transfers inside the op (ZeRO-2/3), placed on its span
-                spans.append(Span(stage, "dp-comm", f"{what} {name}", "dp_comm",
-                                  start + a * (end - start), start + b * (end - start)))
+                for a, b, what in dp_spans:  # transfers inside the op (ZeRO-2/3), placed on its span
+                    spans.append(Span(stage, "dp-comm", f"{what} {name}", "dp_comm",
+                                      start + a * (end - start), start + b * (end - start)))
             if produces is not None:
                 key, to = produces
                 produce(key, send(stage, to, end))

@@ -167,9 +167,8 @@ def stage_memory(
         weights += cached * FP8_WEIGHT_CACHE_BYTES
     acts = activations + working_set
     reserved = RESERVED_BYTES + FRAGMENTATION * acts
-    step_copy = 0.0
-    if g < 4 and precision != "fp32":  # the optimizer's fp32 copy of the 16-bit gradients it updates
-        step_copy = 4.0 * (dense_params / (shard if zero >= 1 else 1) + expert_params / (expert_shard if zero >= 1 else 1))
+    # the optimizer's fp32 copy of the 16-bit gradients of the parameters whose states this rank holds
+    step_copy = 4.0 * (do + eo) / o if g < 4 else 0.0
     return StageMemory(weights=weights, gradients=grads, optimizer=do + eo, activations=acts, reserved=reserved,
                        optimizer_step=step_copy)
 
