@@ -40,6 +40,8 @@ MAX_QUEUED_CALLS = 256
 host never waits for a free slot while the sleep runs."""
 SLEEP_MARGIN = 1.5
 """the sleep lasts this many times the host's measured queueing time of the block."""
+MAX_SLEEP_CYCLES = 2**31 - 1
+"""torch.cuda._sleep takes an int64 count; ~1 s at a 2 GHz clock is far beyond any block's queueing."""
 HOST_BOUND_S = 1e-4
 """calls longer than this on the GPU outrun any host's queueing (a few to tens of microseconds):
 no need to measure the host or to sleep."""
@@ -65,6 +67,8 @@ class Clock:
         self.device = device
         self.cuda = device.type == "cuda"
         self._cycles_per_s: float | None = None
+        self._lead_scale = 1.0
+        """grows (x2) whenever a block's sleep ended before the host had queued the block."""
 
     def sleep_cycles_per_s(self) -> float:
         """Clock cycles per second of torch.cuda._sleep on this GPU, measured once (~10 ms)."""
@@ -113,17 +117,28 @@ class Clock:
             host = self.host_seconds(fn) if one < HOST_BOUND_S else 0.0
             # the host is the slower side when queueing a call takes more than half of the call's
             # time between one event pair (an upper bound on the kernel's time)
-            lead = int(SLEEP_MARGIN * inner * host * self.sleep_cycles_per_s()) if 2 * host > one else 0
+            lead = (int(SLEEP_MARGIN * self._lead_scale * inner * host * self.sleep_cycles_per_s())
+                    if 2 * host > one else 0)
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(timing.repeats)]
             for start, end in events:
-                self.sync()
-                if lead:
-                    torch.cuda._sleep(lead)
-                start.record()
-                for _ in range(inner):
-                    fn()
-                end.record()
+                while True:
+                    self.sync()
+                    if lead:
+                        torch.cuda._sleep(lead)
+                    start.record()
+                    for _ in range(inner):
+                        fn()
+                    # Self-check, independent of the clock-rate estimate: the block ran back to back
+                    # only if the GPU had not yet reached it when the host finished queueing it. A
+                    # sleep measured at an idle clock (a GPU at 345 MHz before its boost to 1980)
+                    # is too short under load; then sleep longer, for this block and every later one.
+                    late = bool(lead) and start.query()
+                    end.record()
+                    if not late or lead >= MAX_SLEEP_CYCLES:
+                        break
+                    lead = min(2 * lead, MAX_SLEEP_CYCLES)
+                    self._lead_scale *= 2
             self.sync()
             samples = [start.elapsed_time(end) / 1e3 / inner for start, end in events]
         else:

@@ -139,9 +139,14 @@ class _FakeGpu:
     runs it in order once queued and idles when the queue is empty; events stamp when the stream
     reaches them. Enough to tell a timer that measures the GPU from one that measures the host."""
 
-    def __init__(self, kernel_s: float, host_s: float, cycles_per_s: float = 1.8e9):
+    def __init__(self, kernel_s: float, host_s: float, cycles_per_s: float = 1.8e9, idle_cycles_per_s: float | None = None):
         self.kernel_s, self.host_s, self.rate = kernel_s, host_s, cycles_per_s
+        self.idle_rate = idle_cycles_per_s  # the first sleep's clock (a GPU not yet boosted), if other
         self.host, self.gpu = 0.0, 0.0
+
+    def sleep(self, cycles: int) -> None:
+        rate, self.idle_rate = (self.idle_rate or self.rate), None
+        self.launch(cycles / rate)
 
     def launch(self, seconds: float) -> None:
         self.host += self.host_s
@@ -165,12 +170,15 @@ class _FakeGpu:
             def synchronize(self):
                 fake.host = max(fake.host, self.t)
 
+            def query(self):
+                return self.t <= fake.host
+
             def elapsed_time(self, end):
                 return (end.t - self.t) * 1e3
 
         monkeypatch.setattr(bench.torch.cuda, "Event", Event)
         monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda device=None: setattr(fake, "host", max(fake.host, fake.gpu)))
-        monkeypatch.setattr(bench.torch.cuda, "_sleep", lambda cycles: fake.launch(cycles / fake.rate))
+        monkeypatch.setattr(bench.torch.cuda, "_sleep", fake.sleep)
         monkeypatch.setattr(bench, "time", types.SimpleNamespace(perf_counter=lambda: fake.host))
         return lambda: fake.launch(fake.kernel_s)
 
@@ -187,3 +195,19 @@ def test_gpu_clock_times_the_kernel_not_the_host_that_queues_it(monkeypatch, ker
     fn = _FakeGpu(kernel_s, host_s).install(monkeypatch)
     t = Clock(torch.device("cuda")).time(fn, TIMINGS["cuda", False])
     assert t.seconds == pytest.approx(kernel_s, rel=0.02), (t.seconds, kernel_s)
+
+
+def test_gpu_clock_lengthens_a_sleep_measured_at_an_idle_clock(monkeypatch):
+    """An H200 measured its sleep at 345 MHz (idle) and then ran at 1980 MHz: every lead was 5.7x
+    too short, and small GEMMs read ~18 us, the host's queueing time. The timer sees that the GPU
+    reached a block before the host had queued it and sleeps longer."""
+    import torch
+
+    from calibrate.bench import Clock
+    from calibrate.plan import TIMINGS
+
+    fn = _FakeGpu(2e-6, 18e-6, cycles_per_s=1.98e9, idle_cycles_per_s=0.345e9).install(monkeypatch)
+    clock = Clock(torch.device("cuda"))
+    for _ in range(2):  # the second call starts from the lengthened lead
+        t = clock.time(fn, TIMINGS["cuda", False])
+        assert t.seconds == pytest.approx(2e-6, rel=0.02), t.seconds
