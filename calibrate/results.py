@@ -25,6 +25,8 @@ class Measurement:
     repeats: int = 1
     inner: int = 1
     origin: str = ""
+    graph: bool = False
+    """timed as CUDA graph replays (calibrate.bench.Clock._time_graph), not eager launches."""
 
     def to_json(self) -> dict:
         return asdict(self)
