@@ -42,6 +42,8 @@ SLEEP_MARGIN = 1.5
 """the sleep lasts this many times the host's measured queueing time of the block."""
 MAX_SLEEP_CYCLES = 2**31 - 1
 """torch.cuda._sleep takes an int64 count; ~1 s at a 2 GHz clock is far beyond any block's queueing."""
+MAX_GRAPH_CALLS = 1024
+"""calls one graph may capture (a rotation of up to calibrate.bench.MAX_SETS buffer sets fits)."""
 GRAPH_WARM_S = 0.02
 """seconds of graph replays before a graph-timed measurement: GPU clocks rise within milliseconds
 of load (seen on an H100: 345 MHz idle, 1980 MHz under a light load)."""
@@ -110,17 +112,17 @@ class Clock:
         return time.perf_counter() - t0
 
     def time(self, fn: Callable[[], object], timing: Timing, *, inner: int | None = None,
-             graph: bool = False) -> Timed:
+             graph: bool = False, cycle: int = 1) -> Timed:
         """The median per-call time of `fn`. `graph`: on a GPU, a call shorter than HOST_BOUND_S is
-        captured `inner` times into a CUDA graph and timed by replaying it (no host in the way), when
-        it can be captured; a call that reads state the graph would freeze (a rotating buffer) must
-        not ask for that."""
+        captured into a CUDA graph and timed by replaying it (no host in the way), when it can be
+        captured. A graph freezes the calls it captured: `fn` that rotates over `cycle` buffer sets
+        is captured a multiple of `cycle` times, so every replay visits each set in turn."""
         for _ in range(timing.warmup):
             fn()
         self.sync()
         one = self.once(fn) if inner is None or self.cuda else 0.0
         if self.cuda and graph and one < HOST_BOUND_S:
-            timed = self._time_graph(fn, timing, one)
+            timed = self._time_graph(fn, timing, one, cycle)
             if timed is not None:
                 return timed
         if inner is None:
@@ -166,13 +168,16 @@ class Clock:
         return Timed(seconds=med, spread=(q[2] - q[0]) / med if med > 0 else 0.0, inner=inner, samples=tuple(samples))
 
 
-    def _time_graph(self, fn: Callable[[], object], timing: Timing, one: float) -> Timed | None:
+    def _time_graph(self, fn: Callable[[], object], timing: Timing, one: float, cycle: int = 1) -> Timed | None:
         """fn captured `inner` times into a CUDA graph; each timed block replays the graph back to back
         (queued, not synchronised) until it lasts timing.min_block_s, after GRAPH_WARM_S of replays
         that keep the GPU busy, so its clock is the busy clock and not the idle one (an H100 idles at
         345 MHz, 5.7x below its 1980 MHz boost; small kernels timed between idle gaps ran at either).
         None when fn cannot be captured (it is then timed eagerly)."""
         inner = int(min(MAX_QUEUED_CALLS, max(16, math.ceil(timing.min_block_s / max(one, 1e-7)))))
+        inner = cycle * math.ceil(inner / cycle)
+        if inner > MAX_GRAPH_CALLS:
+            return None
         g = torch.cuda.CUDAGraph()
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
@@ -414,10 +419,10 @@ def run_hbm(sizes, *, device: torch.device, clock: Clock, timing: Timing, progre
 
         for kind, fn, passes in (("copy", copy, 2), ("triad", triad, 3)):
             progress.step(f"hbm {kind} {size / 2**20:.2f} MiB")
-            t = clock.time(fn, timing)
+            t = clock.time(fn, timing, graph=True, cycle=sets)
             results.append(Measurement(kind=kind, op=kind, dtype="fp32", params=dict(bytes=4 * n, buffers=sets),
                                        work=float(passes * 4 * n), seconds=t.seconds, spread=t.spread,
-                                       repeats=timing.repeats, inner=t.inner))
+                                       repeats=timing.repeats, inner=t.inner, graph=t.graph))
         del bufs
     _free(device)
     return results
