@@ -133,8 +133,10 @@ class Clock:
             host = self.host_seconds(fn) if one < HOST_BOUND_S else 0.0
             # the host is the slower side when queueing a call takes more than half of the call's
             # time between one event pair (an upper bound on the kernel's time)
-            lead = (int(SLEEP_MARGIN * self._lead_scale * inner * host * self.sleep_cycles_per_s())
-                    if 2 * host > one else 0)
+            # a lead whenever the host was measured: `one` holds the host's launch latency too, so
+            # comparing the two cannot tell which side is slower (an H100's 3.7 us matmul read 18 us,
+            # its queueing time, when a lead was skipped on that comparison)
+            lead = int(SLEEP_MARGIN * self._lead_scale * inner * host * self.sleep_cycles_per_s()) if host else 0
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(timing.repeats)]
             for start, end in events:
@@ -431,6 +433,18 @@ def run_hbm(sizes, *, device: torch.device, clock: Clock, timing: Timing, progre
 # ----------------------------------------------------------------------------- attention
 
 
+def sdpa_backend(q, k, v) -> str:
+    """The kernel torch's scaled_dot_product_attention picks for these inputs (causal), as
+    torch.nn.attention.SDPBackend names it (CUDNN_ATTENTION, FLASH_ATTENTION, ...); '' where
+    this torch cannot say. torch._fused_sdp_choice is the dispatcher's own choice function."""
+    try:
+        from torch.nn.attention import SDPBackend
+
+        return SDPBackend(int(torch._fused_sdp_choice(q, k, v, is_causal=True))).name
+    except Exception:  # noqa: BLE001 - a private function: absent or changed in some torch
+        return ""
+
+
 def run_attention(configs: tuple[AttentionConfig, ...], *, device: torch.device, clock: Clock, timing: Timing,
                   progress, notes: list[str]) -> list[Measurement]:
     """torch.nn.functional.scaled_dot_product_attention, causal, bf16, forward and backward
@@ -443,6 +457,7 @@ def run_attention(configs: tuple[AttentionConfig, ...], *, device: torch.device,
         shape = (c.batch, c.heads, c.seq, c.head_dim)
         try:
             q, k, v = (torch.randn(shape, device=device, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+            backend = sdpa_backend(q, k, v)
             for backward in (False, True):
                 progress.step(f"attention {'bwd' if backward else 'fwd'} b{c.batch} h{c.heads} s{c.seq} d{c.head_dim}")
                 if backward:
@@ -461,7 +476,8 @@ def run_attention(configs: tuple[AttentionConfig, ...], *, device: torch.device,
                 flops = attention_flops(**c.kwargs(), backward=backward)
                 results.append(Measurement(kind="attention_bwd" if backward else "attention_fwd", op="sdpa",
                                            dtype="bf16", params=c.kwargs(), work=flops, seconds=t.seconds,
-                                           spread=t.spread, repeats=timing.repeats, inner=t.inner, graph=t.graph))
+                                           spread=t.spread, repeats=timing.repeats, inner=t.inner, graph=t.graph,
+                                           origin=backend))
             del q, k, v
         except Exception as exc:
             if not _skippable(exc):

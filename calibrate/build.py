@@ -253,6 +253,15 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
             f"{best.params['m']}x{best.params['n']}x{best.params['k']}")
 
     # ---- attention
+    # torch's SDPA runs cuDNN's fused attention where it can (an H100 with torch 2.11: every call).
+    # On Hopper that is the FlashAttention-3 class of kernel (FA3 reaches ~0.62 of peak forward, FA2
+    # ~0.35; the calls measured on an H100 reached 0.61), the kernel Transformer Engine prefers there
+    # and what `training.attention: flash3` prices. So a profile that has a flash3 curve takes the
+    # measured one there and keeps its FlashAttention-2 curve (`flash`), which nothing here measured.
+    attn = by_kind.get("attention_fwd", []) + by_kind.get("attention_bwd", [])
+    as_flash3 = (bool(attn) and {m.origin for m in attn} == {"CUDNN_ATTENTION"}
+                 and profile.attention_flash3_efficiency is not None)
+    flash3 = list(profile.attention_flash3_efficiency or ())
     for direction in ("fwd", "bwd"):
         ms = sorted(by_kind.get(f"attention_{direction}", []), key=lambda m: m.work)
         field_name = f"attention_{direction}_efficiency"
@@ -266,11 +275,21 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
         configs = [dict(m.params) for m in ms]
         fit = F.fit_attention(configs, [m.seconds for m in ms], backward=direction == "bwd", dtype="bf16",
                               profile=profile)
-        profile = dataclasses.replace(profile, **{field_name: fit.curve})
+        key = f"attention_efficiency_flash3.{direction}" if as_flash3 else f"attention_efficiency.{direction}"
+        if as_flash3:
+            flash3[0 if direction == "fwd" else 1] = fit.curve
+            profile = dataclasses.replace(profile, attention_flash3_efficiency=tuple(flash3))
+            prov[f"attention_efficiency.{direction}"] = (
+                f"{prov.get(f'attention_efficiency.{direction}', 'from the base profile')} (kept: torch ran cuDNN's "
+                f"fused attention, a FlashAttention-3-class kernel, measured into attention_efficiency_flash3)")
+        else:
+            profile = dataclasses.replace(profile, **{field_name: fit.curve})
         built.fits[f"attention.{direction}"] = _fit_json(fit) | {
-            "configs": len(ms), "best_tflops": max(m.work / m.seconds for m in ms) / 1e12}
-        prov[f"attention_efficiency.{direction}"] = (
-            f"measured: {len(ms)} torch scaled_dot_product_attention {direction} calls, causal bf16, head dims "
+            "configs": len(ms), "best_tflops": max(m.work / m.seconds for m in ms) / 1e12,
+            "backend": sorted({m.origin for m in ms if m.origin}), "field": key.split(".")[0]}
+        backends = ", ".join(sorted({m.origin for m in ms if m.origin})) or "not reported by this torch"
+        prov[key] = (
+            f"measured: {len(ms)} torch scaled_dot_product_attention {direction} calls ({backends}), causal bf16, head dims "
             f"{sorted({c['head_dim'] for c in configs})}, seq {min(c['q_len'] for c in configs)}-"
             f"{max(c['q_len'] for c in configs)} (the FlashAttention benchmark grid, scaled to the device); fitted to "
             f"hwmodels.compute.attention_time on all {fit.n_train} (MAPE {_pct(fit.train_mape)}; {_held_out(fit)})")
@@ -389,6 +408,10 @@ def _rounded(p: GpuProfile, base: GpuProfile | None) -> GpuProfile:
         gemm_efficiency=tuple((d, curve(c, base_gemm.get(d), GFLOP)) for d, c in p.gemm_efficiency),
         attention_fwd_efficiency=field_curve("attention_fwd_efficiency", GFLOP),
         attention_bwd_efficiency=field_curve("attention_bwd_efficiency", GFLOP),
+        attention_flash3_efficiency=(None if p.attention_flash3_efficiency is None else tuple(
+            curve(c, old, GFLOP) for c, old in zip(p.attention_flash3_efficiency,
+                                                   (base.attention_flash3_efficiency if base is not None
+                                                    and base.attention_flash3_efficiency else (None, None))))),
         nvlink_bandwidth=num("nvlink_bandwidth", GBPS), nvlink_ring_busbw=num("nvlink_ring_busbw", GBPS),
         nvlink_busbw=field_curve("nvlink_busbw", None, GBPS), nvlink_latency=num("nvlink_latency", US),
         nic_efficiency=num("nic_efficiency"))

@@ -94,7 +94,8 @@ def format_summary(o) -> str:
             a = f[f"attention.{d}"]
             lines.append(f"  attention   {d}: {a['configs']} configs, best {a['best_tflops']:.4g} TFLOP/s, efficiency "
                          f"{min(a['values']):.3f}-{max(a['values']):.3f}; held-out MAPE {_pct(a['test_mape'])} "
-                         f"({a['n_test']}), train {_pct(a['train_mape'])}")
+                         f"({a['n_test']}), train {_pct(a['train_mape'])}"
+                         + (f"; {'/'.join(a['backend'])} -> {a['field']}" if a.get("backend") else ""))
     mb = [(k.split(".", 1)[1], v) for k, v in f.items() if k.startswith("memory_bound.")]
     if mb:
         lines.append("  memory-bound kernels, memory_bound_time vs measured (MAPE, model/measured): "
