@@ -61,14 +61,15 @@ PLANS = (
 )
 
 
-def scenario(p: Plan, gpu: str, *, steps: int, warmup: int) -> Scenario:
+def scenario(p: Plan, gpu: str, *, steps: int, warmup: int, attention: str = "flash") -> Scenario:
     model = ModelSpec(name=p.name.split()[0], num_layers=p.layers, hidden_size=p.hidden,
                       num_attention_heads=p.heads, num_kv_heads=p.kv_heads, head_dim=p.hidden // p.heads,
                       ffn_hidden_size=p.ffn, vocab_size=p.vocab, activation=p.activation)
     return Scenario(
         name=p.name, model=model,
         cluster=ClusterSpec(gpu=gpu, num_nodes=1, gpus_per_node=1),
-        training=TrainingSpec(seq_length=p.seq, global_batch_size=p.mbs * p.microbatches, precision="bf16"),
+        training=TrainingSpec(seq_length=p.seq, global_batch_size=p.mbs * p.microbatches, precision="bf16",
+                              attention=attention),
         plan=PlanSpec(micro_batch_size=p.mbs, recompute=p.recompute),
         run=RunSpec(steps=steps, warmup_steps=warmup, backend="nccl", timeout_s=600))
 
@@ -107,6 +108,9 @@ def main() -> int:
     ap.add_argument("--profile", action="append", default=[], help="calibrated profile file (repeatable)")
     ap.add_argument("--out", help="write the measurements and predictions as JSON")
     ap.add_argument("--measured", help="re-simulate the measurements in this JSON (no GPU needed)")
+    ap.add_argument("--attention", choices=("flash", "flash3"),
+                    help="the attention kernel to simulate (default: flash3 on Hopper, where torch's SDPA runs "
+                         "cuDNN's fused attention, as seen with torch 2.11 on an H100; flash elsewhere)")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--warmup", type=int, default=3)
     args = ap.parse_args()
@@ -138,6 +142,12 @@ def main() -> int:
     if bundled is None:
         print(f"gpu_closed_loop: {device!r} matches no bundled profile")
         return 2
+    from dataclasses import replace
+
+    from hwmodels.profile import load_profile
+
+    attention = args.attention or ("flash3" if load_profile(bundled).arch == "hopper" else "flash")
+    scenarios = [replace(sc, training=replace(sc.training, attention=attention)) for sc in scenarios]
     profiles = [bundled] + [str(Path(p).resolve()) for p in args.profile]
 
     rows = []
@@ -151,8 +161,8 @@ def main() -> int:
         rows.append(row)
 
     names = [Path(p).name for p in profiles]
-    print(f"{device} ({device_info.get('torch', '?')}, CUDA {device_info.get('cuda', '?')}); "
-          f"error = predicted / measured - 1")
+    print(f"{device} ({device_info.get('torch', '?')}, CUDA {device_info.get('cuda', '?')}); attention simulated "
+          f"as {attention}; error = predicted / measured - 1")
     head = f"{'plan':32s} {'measured':>9s} {'spread':>6s}" + "".join(f" {n[:28]:>28s}" for n in names)
     print(head)
     for r in rows:

@@ -107,7 +107,8 @@ def _cpu_template(info: DeviceInfo) -> GpuProfile:
 
 
 def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str, measurements, collectives,
-                  name: str | None, mode: str, timing, notes: list[str], wall_s: float) -> Built:
+                  name: str | None, mode: str, timing, notes: list[str], wall_s: float,
+                  when: str | None = None) -> Built:
     """The calibrated profile. `measurements` are bench.Measurement, `collectives`
     collectives.CollectiveSample; what was not measured comes from `base` (required for it)."""
     cpu = info.kind == "cpu"
@@ -125,7 +126,7 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
     start = base if base is not None else _cpu_template(info)
     built = Built(profile=start, notes=notes)
     prov = dict(start.provenance) if base is not None else {}
-    when = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    when = when or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     prov["calibration"] = (f"measured by paraplan calibrate ({mode}) on {info.describe()}, {when}; "
                            f"{len(measurements)} kernel and {len(collectives)} collective measurements, "
                            f"each the median of {timing.repeats} timed blocks after {timing.warmup} warm-up calls")
@@ -307,8 +308,8 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
             built.fits[f"memory_bound.{op}"] = {"n_test": len(ms), "test_mape": err, "model_over_measured": ratio}
             checks.append(f"{op} {_pct(err)}")
     if checks:
-        prov["hbm.efficiency.check"] = ("memory_bound_time with this profile vs measured eager torch kernels "
-                                        "(MAPE, none of them fitted): " + ", ".join(checks))
+        prov["hbm.efficiency.check"] = ("memory_bound_time with this profile vs measured torch kernels (short ones as "
+                                        "CUDA graph replays on a GPU; MAPE, none of them fitted): " + ", ".join(checks))
 
     # ---- collectives: a CPU profile's links start as flagged placeholders; measurements replace them
     if cpu and base is None:

@@ -226,14 +226,17 @@ def fit_hbm(nbytes: Sequence[float], seconds: Sequence[float], *, bandwidth: flo
             train: Sequence[int] | None = None, test: Sequence[int] | None = None) -> FitResult:
     """The HBM efficiency curve (bytes moved by one kernel -> fraction of `bandwidth`) that makes
     memory_bound_time = KERNEL_OVERHEAD + bytes / (bandwidth x eff(bytes)) match the measured
-    copies. A kernel faster than KERNEL_OVERHEAD cannot be matched; the fit then sits at the
-    efficiency bound 1 for it and the error says so."""
+    copies. A kernel faster than KERNEL_OVERHEAD cannot be matched: no knot is placed at it (the
+    curve is clamped below its first knot) and the error says so."""
     b, t = np.asarray(nbytes, float), np.asarray(seconds, float)
     train, test = _split(len(b), b, train, test)
 
     def fit_on(idx: list[int]) -> Curve:
         bt, tt = b[idx], t[idx]
-        knots = choose_knots(bt, per_knot=1)  # one copy per size, ~4x apart: a knot at each, an efficiency table
+        # one copy per size, ~4x apart: a knot at each, an efficiency table. Not at copies timed at the
+        # kernel floor (graph-timed small copies on an H100: 1.9 us < KERNEL_OVERHEAD): their
+        # efficiency is not identifiable, and the curve holds its first knot's value below it
+        knots = choose_knots(_above_floor(bt, tt), per_knot=1)
         raw = bt / (bandwidth * np.maximum(tt - KERNEL_OVERHEAD, 0.1 * tt))
         ys = _fit_knot_values(lambda ys: KERNEL_OVERHEAD + bt / (bandwidth * _interp(bt, knots, ys)), tt,
                               _initial(bt, raw, knots))

@@ -21,7 +21,7 @@ from pathlib import Path
 from calibrate.errors import CalibrationError
 from paraplan.fileio import check_distinct_files, check_output_file, check_profile_suffix
 
-__all__ = ["BENCHMARKS", "Options", "Outcome", "calibrate", "check_options"]
+__all__ = ["BENCHMARKS", "Options", "Outcome", "calibrate", "check_options", "refit_report"]
 
 BENCHMARKS = ("gemm", "hbm", "attention", "elementwise")
 """What --skip can name; elementwise covers the norms, activations and the optimizer step."""
@@ -81,6 +81,8 @@ class Outcome:
     """the plan's predicted duration (GPU with a base profile), None otherwise."""
     measurements: list = field(default_factory=list)
     collectives: list = field(default_factory=list)
+    measured_at: str = ""
+    """when the measurements were taken (ISO 8601, UTC)."""
 
 
 # ----------------------------------------------------------------------------- checks
@@ -203,6 +205,9 @@ def calibrate(opts: Options, *, env: Mapping[str, str] | None = None, stream=Non
     env = os.environ if env is None else env
     stream = sys.stderr if stream is None else stream
     t_start = time.monotonic()
+    from datetime import datetime, timezone
+
+    measured_at = datetime.now(timezone.utc).isoformat(timespec="seconds")
     check_options(opts, env)
     world, rank, local_rank, local_world = _world(env)
     out = Path(opts.out)
@@ -278,9 +283,11 @@ def calibrate(opts: Options, *, env: Mapping[str, str] | None = None, stream=Non
         wall = time.monotonic() - t_start
         built = _guarded("fitting", out, lambda: build_profile(
             info=info, base=base, base_label=base_label, measurements=measurements, collectives=samples,
-            name=opts.name, mode="quick" if opts.quick else "full", timing=timing, notes=notes, wall_s=wall))
+            name=opts.name, mode="quick" if opts.quick else "full", timing=timing, notes=notes, wall_s=wall,
+            when=measured_at))
         outcome = Outcome(profile=built.profile, path=out, info=info, wall_s=wall, fits=built.fits, notes=built.notes,
-                          plan_items=items, estimate_s=est, measurements=measurements, collectives=samples)
+                          plan_items=items, estimate_s=est, measurements=measurements, collectives=samples,
+                          measured_at=measured_at)
         _write(outcome, opts)
         outcome.wall_s = time.monotonic() - t_start
         return outcome
@@ -415,6 +422,7 @@ def _write(outcome: Outcome, opts: Options) -> None:
     if opts.report is not None:
         report = {
             "profile": str(outcome.path), "device": outcome.info.to_json(),
+            "measured_at": outcome.measured_at,
             "options": {k: (sorted(v) if isinstance(v, frozenset) else str(v) if isinstance(v, Path) else v)
                         for k, v in asdict(opts).items()},
             "wall_s": outcome.wall_s, "estimate_s": outcome.estimate_s, "fits": outcome.fits, "notes": outcome.notes,
@@ -439,3 +447,58 @@ def _write(outcome: Outcome, opts: Options) -> None:
         if tmp.exists():
             tmp.unlink()
         raise
+
+
+# ----------------------------------------------------------------------------- refit a saved run
+
+
+def refit_report(report: Path, out: Path, *, name: str | None = None, new_report: Path | None = None) -> Outcome:
+    """Fit and write a profile from the measurements a `--report` file holds, without measuring
+    again (after a change to the fits, say): the same base (matched by the device's name, or the
+    run's --base), the same name unless `name`, and a provenance line that says when it was refitted
+    from which report. Needs no torch."""
+    from calibrate.build import build_profile
+    from calibrate.device import DeviceInfo
+    from calibrate.plan import TIMINGS
+    from calibrate.results import CollectiveSample, Measurement
+
+    report, out = Path(report), Path(out)
+    check_profile_suffix(out, "--out")
+    check_output_file(out, "--out")
+    check_output_file(new_report, "--report")
+    check_distinct_files({"--from-report": report, "--out": out, "--report": new_report})
+    try:
+        data = json.loads(report.read_text())
+        info = DeviceInfo(**data["device"])
+        options = data["options"]
+        measurements = [Measurement(**m) for m in data["measurements"]]
+        collectives = [CollectiveSample(**c) for c in data["collectives"]]
+    except FileNotFoundError:
+        raise CalibrationError(f"--from-report {report}: not found") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CalibrationError(f"--from-report {report}: not a report written by paraplan calibrate --report "
+                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
+    base_opt = options.get("base")
+    if base_opt is not None:
+        _load_base(base_opt)
+    base, label = _base_profile(Options(out=out, device=info.kind, base=base_opt), info)
+    quick = bool(options.get("quick"))
+    notes = list(data.get("notes", []))
+    t0 = time.monotonic()
+    built = _guarded("fitting", out, lambda: build_profile(
+        info=info, base=base, base_label=label, measurements=measurements, collectives=collectives,
+        name=name or options.get("name"), mode=("quick" if quick else "full"), timing=TIMINGS[(info.kind, quick)],
+        notes=notes, wall_s=float(data.get("wall_s") or 0.0),
+        when=data.get("measured_at") or "date not in the report"))
+    from dataclasses import replace
+    from datetime import datetime, timezone
+
+    prov = dict(built.profile.provenance)
+    prov["calibration"] += (f"; refitted from the report {report.name} by paraplan calibrate --from-report, "
+                            f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}")
+    profile = replace(built.profile, provenance=tuple(prov.items()))
+    outcome = Outcome(profile=profile, path=out, info=info, wall_s=time.monotonic() - t0, fits=built.fits,
+                      notes=built.notes, plan_items=len(measurements), estimate_s=None, measurements=measurements,
+                      collectives=collectives, measured_at=data.get("measured_at", ""))
+    _write(outcome, Options(out=out, device=info.kind, quick=quick, base=base_opt, name=name, report=new_report))
+    return outcome

@@ -41,8 +41,8 @@ ASSUMPTIONS = (
     "false for SwiGLU ones (the Llama family: Mixtral, Qwen3 untie them)",
     "attention kernel: records from before 2023 -> unfused (Megatron-LM and Megatron-DeepSpeed gained --use-flash-attn in 2023); "
     "Megatron-Core runs on Hopper -> flash3 (Transformer Engine gives its cuDNN fused attention preference on Hopper, "
-    "transformer_engine/pytorch/attention/dot_product_attention/utils.py, priced with FlashAttention-3's figures, "
-    "which the FlashAttention-3 paper measures ahead of cuDNN from 1k tokens on); other later runs -> flash (FlashAttention-2)",
+    "transformer_engine/pytorch/attention/dot_product_attention/utils.py, priced with the profile's flash3 curve: "
+    "cuDNN's fused attention as measured on an H100); other later runs -> flash (FlashAttention-2)",
     "gradient reduction overlapped with backward from 2023 on (Megatron --overlap-grad-reduce, FSDP); earlier runs reduce after the backward",
     "weight gradients: runs from 2022 on keep the default, accumulation into the fp32 main gradients inside the "
     "GEMMs except under ZeRO-2/3 (Megatron --gradient-accumulation-fusion reached its tensor-parallel layers in "
@@ -54,6 +54,10 @@ ASSUMPTIONS = (
     "layer's input-gradient reduce-scatter/all-reduce with its weight-gradient GEMM and the sequence-parallel input "
     "re-gather with its input-gradient GEMM (the 'AsyncCommunication' of that port's "
     "LinearWithGradAccumulationAndAsyncCommunication); the earlier ones expose every backward TP collective",
+    "GPU: H100 rows run on the profile measured on an H100 SXM (h100-sxm-80gb-calibrated: paraplan calibrate, "
+    "torch 2.11 + CUDA 13.0; its GEMMs ran at 0.64-0.72 of peak sustained at the 700 W power limit, below the "
+    "0.80 of the burst-measured public figures in h100-sxm-80gb; its flash3 curve is cuDNN's fused attention as "
+    "measured); A100 rows on the public-source A100 profiles (no A100 was measured)",
     "inter-node network from the record's text (NIC count x rate); unstated -> the GPU generation's typical node (8 NICs, HDR 200G for A100, NDR 400G for H100)",
     "virtual_pipeline_stages null -> 1 (1F1B); > 1 -> interleaved 1F1B",
     "vocabulary: padded to a multiple of 128 x tp (Megatron --make-vocab-size-divisible-by 128) where the record "
@@ -64,7 +68,7 @@ ASSUMPTIONS = (
     "in fp32 otherwise (Megatron forces it under bf16)",
 )
 
-_GPUS = (("a100", "40gb", "a100-sxm-40gb"), ("a100", "", "a100-sxm-80gb"), ("h100", "", "h100-sxm-80gb"),
+_GPUS = (("a100", "40gb", "a100-sxm-40gb"), ("a100", "", "a100-sxm-80gb"), ("h100", "", "h100-sxm-80gb-calibrated"),
          ("h200", "", "h200-sxm-141gb"), ("b200", "", "b200-sxm-180gb"))
 # (pattern, nics, Gb/s per NIC) read off the record's inter_node text
 _NIC_PATTERNS = (
@@ -415,10 +419,14 @@ def check_record_fields(rec: dict) -> None:
             raise ConfigError(where, f"{dotted}: expected a positive number or null, got {value!r}")
 
 
-def evaluate(records: list[dict], *, include_moe: bool = True) -> list[Row]:
+def evaluate(records: list[dict], *, include_moe: bool = True, profiles: dict[str, str] | None = None) -> list[Row]:
+    """Simulate every comparable record. `profiles` replaces a bundled GPU profile by another (a
+    calibrated one, say) for every record on that GPU: {'h100-sxm-80gb': 'h100-sxm-80gb-calibrated'}."""
     from paraplan.errors import ParaplanError
     from paraplan.loader import load_scenario
     from simulator.simulate import simulate
+
+    profiles = profiles or {}
 
     rows = []
     for rec in records:
@@ -429,6 +437,8 @@ def evaluate(records: list[dict], *, include_moe: bool = True) -> list[Row]:
             target = published_step_time(rec)
             scenario = record_to_scenario(rec) if usable else None
             gpu = scenario["cluster"]["gpu"] if usable else None
+            if usable and gpu in profiles:
+                scenario["cluster"]["gpu"] = profiles[gpu]
         except KeyError as exc:
             raise ConfigError(f"record {rec.get('id')}", f"malformed: missing key {exc.args[0]!r}") from None
         except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:

@@ -41,6 +41,9 @@ def add_arguments(p) -> None:
     p.add_argument("--report", metavar="FILE.json", help="also write every measurement and fit as JSON")
     p.add_argument("--threads", type=int, metavar="N", help="CPU threads for --device cpu (default: torch's)")
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress line on stderr")
+    p.add_argument("--from-report", metavar="REPORT.json",
+                   help="measure nothing: fit and write the profile from the measurements of an earlier run's "
+                        "--report (no GPU or torch needed)")
 
 
 def _list(text: str) -> list[str]:
@@ -50,6 +53,8 @@ def _list(text: str) -> list[str]:
 def run(args) -> int:
     from calibrate.run import calibrate
 
+    if args.from_report:
+        return _refit(args)
     require_torch("calibrate", minimum=None)
 
     opts = Options(
@@ -65,6 +70,24 @@ def run(args) -> int:
         return code
     if outcome is not None:
         print(format_summary(outcome))
+    return 0
+
+
+def _refit(args) -> int:
+    """--from-report: the options that choose what to measure do not apply."""
+    from calibrate.errors import CalibrationError
+    from calibrate.run import refit_report
+
+    measuring = [flag for flag, given in (("--device", args.device != "cuda"), ("--quick", args.quick),
+                                          ("--collectives", args.collectives), ("--base", args.base is not None),
+                                          ("--dtypes", args.dtypes is not None), ("--skip", bool(args.skip)),
+                                          ("--threads", args.threads is not None)) if given]
+    if measuring:
+        raise CalibrationError(f"--from-report refits an earlier run's measurements; {', '.join(measuring)} "
+                               "choose what to measure and do not apply (the report records them)")
+    outcome = refit_report(Path(args.from_report), Path(args.out), name=args.name,
+                           new_report=Path(args.report) if args.report else None)
+    print(format_summary(outcome).replace(" (calibrated in ", " (refitted in ", 1))
     return 0
 
 

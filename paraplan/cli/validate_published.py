@@ -14,6 +14,9 @@ def add_arguments(p) -> None:
     p.add_argument("file", nargs="?", default=None,
                    help="published runs YAML (a list of records); default: the bundled copy of the public runs")
     fmt = p.add_mutually_exclusive_group()
+    p.add_argument("--profile", action="append", default=[], metavar="BUNDLED=PROFILE",
+                   help="simulate the records on a bundled GPU with another profile (a bundled name or a file), "
+                        "e.g. h100-sxm-80gb=h100-sxm-80gb-calibrated; repeatable")
     fmt.add_argument("--json", action="store_true", help="print rows and summary as JSON")
     fmt.add_argument("--markdown", action="store_true", help="print the table as Markdown")
 
@@ -40,12 +43,26 @@ def _by_gpu_line(summary: dict) -> str:
                                   f"(mean error {s['mean_error_pct']:+.1f}%)" for gpu, s in summary["by_gpu"].items())
 
 
+def _profiles(pairs: list[str]) -> dict[str, str]:
+    """--profile BUNDLED=PROFILE pairs, checked: a bundled name on the left, a loadable profile on the right."""
+    from calibrate.validate import resolve_profile
+    from hwmodels.profile import BUNDLED as PROFILES
+
+    out = {}
+    for pair in pairs:
+        old, sep, new = pair.partition("=")
+        if not sep or old not in PROFILES or not new:
+            raise ParaplanError(f"--profile {pair}: expected BUNDLED=PROFILE with BUNDLED one of {', '.join(PROFILES)}")
+        out[old] = resolve_profile(new)
+    return out
+
+
 def run(args) -> int:
     from paraplan.published import ASSUMPTIONS, evaluate, load_records, not_compared
 
     path = args.file or BUNDLED
     records = load_records(path)
-    rows = evaluate(records)
+    rows = evaluate(records, profiles=_profiles(args.profile))
     left_out = not_compared(records)
     if not rows:
         raise ParaplanError(f"{path}: no record publishes a step time (or enough to derive one) with a global batch size")
