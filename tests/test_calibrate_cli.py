@@ -189,6 +189,10 @@ BAD_INPUT = [
     (["--device", "cpu", "--out", "{d}/p.yaml", "--dtypes", "int4"], {}, "--dtypes int4"),
     (["--device", "cpu", "--out", "{d}/p.yaml", "--report", "{d}"], {}, "--report: "),
     (["--device", "cpu", "--out", str(ROOT / "README.md" / "p.yaml")], {}, "--out: "),
+    (["--from-report", "{d}/missing.json", "--out", "{d}/p.yaml"], {}, "--from-report {d}/missing.json: not found"),
+    (["--from-report", str(ROOT / "README.md"), "--out", "{d}/p.yaml"], {}, "not a report written by"),
+    (["--from-report", str(ROOT / "benchmarks/data/gpu/h100-calibration-report.json"), "--quick", "--out",
+      "{d}/p.yaml"], {}, "--quick choose what to measure"),
     pytest.param(["--device", "cuda", "--out", "{d}/p.yaml"], {}, "--device cuda: no GPU",
                  marks=pytest.mark.skipif(_cuda(), reason="a GPU is present")),
 ]
@@ -199,7 +203,7 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, env, message):
     r = paraplan(*[a.format(d=tmp_path) for a in args], env=env)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message.format(d=tmp_path) in lines[0], r.stderr
     assert list(tmp_path.iterdir()) == []
 
 
@@ -303,3 +307,20 @@ def test_summary_calls_out_a_poor_fit():
                                fits={"memory_bound.rmsnorm": {"test_mape": err, "model_over_measured": 0.5}})
     assert "warning: the memory_bound.rmsnorm fit misses its held-out measurements by 80.0%" in format_summary(outcome(80.0))
     assert "warning" not in format_summary(outcome(5.0))
+
+
+def test_from_report_refits_the_bundled_h100_profile_exactly(tmp_path):
+    """The bundled h100-sxm-80gb-calibrated is what `--from-report` makes of the H100 run's report
+    (no GPU, no torch needed): the measured profile can be rebuilt and checked by anyone."""
+    from calibrate.run import _same
+
+    report = ROOT / "benchmarks/data/gpu/h100-calibration-report.json"
+    r = paraplan("--from-report", str(report), "--out", str(tmp_path / "h100.yaml"), "--report", str(tmp_path / "r.json"))
+    assert r.returncode == 0, r.stderr
+    assert "CUDNN_ATTENTION -> attention_efficiency_flash3" in r.stdout and "refitted in" in r.stdout
+    mine, bundled = load_profile(str(tmp_path / "h100.yaml")), load_profile("h100-sxm-80gb-calibrated")
+    strip = lambda p: p.__class__(**{**p.__dict__, "provenance": ()})  # noqa: E731 - the refit's date differs
+    assert _same(strip(mine), strip(bundled))
+    prov = dict(mine.provenance)
+    assert "2026-11-27T03:30:00+00:00" in prov["calibration"] and "refitted from the report" in prov["calibration"]
+    assert json.loads((tmp_path / "r.json").read_text())["measured_at"] == "2026-11-27T03:30:00+00:00"
