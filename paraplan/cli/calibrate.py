@@ -53,7 +53,7 @@ def _list(text: str) -> list[str]:
 def run(args) -> int:
     from calibrate.run import calibrate
 
-    if args.from_report:
+    if getattr(args, "from_report", None):  # callers that build the namespace themselves may leave it out
         return _refit(args)
     require_torch("calibrate", minimum=None)
 
