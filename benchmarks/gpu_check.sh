@@ -11,6 +11,7 @@
 set -u
 dir=${1:?usage: gpu_check.sh OUTPUT_DIR}
 mkdir -p "$dir"
+dir=$(cd "$dir" && pwd)  # absolute: the steps run from the repository's root
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 py=${PYTHON:-python3}
@@ -37,6 +38,7 @@ gemm_rate before
 cat "$dir/env.txt"
 nvidia-smi dmon -s pucv -d 2 >"$dir/dmon.log" 2>&1 &
 dmon=$!
+trap 'kill $dmon 2>/dev/null' EXIT
 
 step() {  # step NAME SECONDS CMD...: run CMD under a time limit, log to DIR/NAME.log, report its status
   local name=$1 limit=$2; shift 2
@@ -49,10 +51,10 @@ step() {  # step NAME SECONDS CMD...: run CMD under a time limit, log to DIR/NAM
 
 step calibrate "${CALIBRATE_S:-270}" $py -m paraplan calibrate --out "$dir/profile.yaml" \
   --report "$dir/calibration.json" --no-progress
-profile=()
-[ -f "$dir/profile.yaml" ] && profile=(--profile "$dir/profile.yaml")
-step closed_loop "${CLOSED_LOOP_S:-220}" $py benchmarks/gpu_closed_loop.py "${profile[@]}" --out "$dir/closed_loop.json"
+profile=""
+[ -f "$dir/profile.yaml" ] && profile="--profile $dir/profile.yaml"
+# shellcheck disable=SC2086  # $profile is empty or two words
+step closed_loop "${CLOSED_LOOP_S:-220}" $py benchmarks/gpu_closed_loop.py $profile --out "$dir/closed_loop.json"
 step bench_executor "${BENCH_S:-70}" $py benchmarks/bench_executor.py
 gemm_rate after
 tail -n 1 "$dir/env.txt"
-kill $dmon 2>/dev/null

@@ -148,7 +148,13 @@ def main() -> int:
 
     attention = args.attention or ("flash3" if load_profile(bundled).arch == "hopper" else "flash")
     scenarios = [replace(sc, training=replace(sc.training, attention=attention)) for sc in scenarios]
-    profiles = [bundled] + [str(Path(p).resolve()) for p in args.profile]
+    from calibrate.validate import resolve_profile
+
+    profiles = [bundled] + [resolve_profile(p) for p in args.profile]  # bundled names, or files
+    names = [Path(p).name if Path(p).suffix in (".yaml", ".yml") else p for p in profiles]
+    if len(set(names)) != len(names):
+        print(f"gpu_closed_loop: two profiles share a name ({', '.join(names)}); rename one")
+        return 2
 
     rows = []
     for sc, m in zip(scenarios, measurements):
@@ -156,11 +162,9 @@ def main() -> int:
         row = {"plan": sc.name, "measured": m, "measured_step_time_s": m["step_time_s"],
                "measured_spread_pct": 100.0 * (max(steps) - min(steps)) / statistics.median(steps),
                "measured_peak_memory_bytes": m["ranks"][0]["memory"]["peak_total"], "predicted": {}}
-        for prof in profiles:
-            row["predicted"][Path(prof).name] = predict(sc, prof)
+        for prof, label in zip(profiles, names):
+            row["predicted"][label] = predict(sc, prof)
         rows.append(row)
-
-    names = [Path(p).name for p in profiles]
     print(f"{device} ({device_info.get('torch', '?')}, CUDA {device_info.get('cuda', '?')}); attention simulated "
           f"as {attention}; error = predicted / measured - 1")
     head = f"{'plan':32s} {'measured':>9s} {'spread':>6s}" + "".join(f" {n[:28]:>28s}" for n in names)
@@ -185,7 +189,7 @@ def main() -> int:
     if failure:
         print(f"not all plans ran: {failure.splitlines()[0]}")
     if args.out:
-        write_atomic(args.out, json.dumps({"device": device, "device_info": device_info, "profiles": profiles,
+        write_atomic(args.out, json.dumps({"device": device, "device_info": device_info, "profiles": names,
                                            "rows": rows, "failure": failure}, indent=1) + "\n", "--out")
     return 0
 

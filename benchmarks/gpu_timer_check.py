@@ -72,7 +72,8 @@ def main() -> int:
         scale = 1e12 if unit == "TFLOP/s" else 1e9
         print(f"{name:24s} {e.seconds * 1e6:9.2f} {ce:>5s} {g.seconds * 1e6:9.2f} {cg:>5s} "
               f"{work / e.seconds / scale:7.1f} {unit:<3s} {work / g.seconds / scale:7.1f} {unit}"
-              + ("" if g.graph else "  (graph capture failed: eager)"))
+              + ("" if g.graph else "  (timed eagerly: " + ("capture failed)" if clock.capture_failures
+                                                             else "longer than the graph threshold)")))
     return 0
 
 

@@ -8,11 +8,14 @@ synchronous); the per-call time of each block, and the median over blocks is the
 Median rather than mean or min: robust to a preempted block on a shared machine, and not the
 lucky best case the simulator would then promise.
 
-Kernels shorter than the host's cost to launch one (a few microseconds of Python and dispatch)
-would leave the GPU idle between calls, and the events would time the host. So on a GPU, where
-the host is the slower side, each block is queued behind a `torch.cuda._sleep` that lasts about as
-long as the host takes to queue the block: the GPU then runs its calls back to back, as a training
-step's stream of kernels runs (the trick of Triton's and nvbench's timers for short kernels).
+Kernels shorter than the host's cost to launch one (a few microseconds of Python and dispatch;
+about 18 us for an eager torch.matmul on the H100 measured) would leave the GPU idle between calls,
+and the events would time the host. So on a GPU a call shorter than HOST_BOUND_S is captured into
+a CUDA graph where the benchmark allows it (GEMMs, attention forwards, copies, elementwise kernels)
+and timed as replays queued back to back. Otherwise each block is queued behind a
+`torch.cuda._sleep` that lasts longer than the host takes to queue the block, checked block by block
+(the trick of Triton's and nvbench's timers for short kernels): the GPU then runs its calls back to
+back, as a training step's stream of kernels runs.
 """
 from __future__ import annotations
 
@@ -42,6 +45,10 @@ SLEEP_MARGIN = 1.5
 """the sleep lasts this many times the host's measured queueing time of the block."""
 MAX_SLEEP_CYCLES = 2**31 - 1
 """torch.cuda._sleep takes an int64 count; ~1 s at a 2 GHz clock is far beyond any block's queueing."""
+MAX_LEAD_SCALE = 8.0
+"""the most a late block lengthens every later lead: about an idle-to-boost clock ratio (345 to 1980
+MHz on an H100); a block still late beyond it retries on its own, up to MAX_SLEEP_CYCLES."""
+ONCE_SAMPLES = 3
 MAX_GRAPH_CALLS = 1024
 """calls one graph may capture (a rotation of up to calibrate.bench.MAX_SETS buffer sets fits)."""
 GRAPH_WARM_S = 0.02
@@ -75,7 +82,9 @@ class Clock:
         self.cuda = device.type == "cuda"
         self._cycles_per_s: float | None = None
         self._lead_scale = 1.0
-        """grows (x2) whenever a block's sleep ended before the host had queued the block."""
+        """grows (x2, up to MAX_LEAD_SCALE) whenever a block's sleep ended before the host had queued it."""
+        self.capture_failures = 0
+        """calls that asked for a CUDA graph and could not be captured (timed eagerly instead)."""
 
     def sleep_cycles_per_s(self) -> float:
         """Clock cycles per second of torch.cuda._sleep on this GPU, measured once (~10 ms)."""
@@ -120,7 +129,9 @@ class Clock:
         for _ in range(timing.warmup):
             fn()
         self.sync()
-        one = self.once(fn) if inner is None or self.cuda else 0.0
+        # the fastest of a few single calls: one sample can be a host stall (an H100 read 111-250 us
+        # for a ~3 us GEMM), which would send a short call down the path for long ones
+        one = min(self.once(fn) for _ in range(ONCE_SAMPLES)) if inner is None or self.cuda else 0.0
         if self.cuda and graph and one < HOST_BOUND_S:
             timed = self._time_graph(fn, timing, one, cycle)
             if timed is not None:
@@ -131,12 +142,11 @@ class Clock:
         if self.cuda:
             inner = min(inner, MAX_QUEUED_CALLS)
             host = self.host_seconds(fn) if one < HOST_BOUND_S else 0.0
-            # the host is the slower side when queueing a call takes more than half of the call's
-            # time between one event pair (an upper bound on the kernel's time)
-            # a lead whenever the host was measured: `one` holds the host's launch latency too, so
-            # comparing the two cannot tell which side is slower (an H100's 3.7 us matmul read 18 us,
-            # its queueing time, when a lead was skipped on that comparison)
-            lead = int(SLEEP_MARGIN * self._lead_scale * inner * host * self.sleep_cycles_per_s()) if host else 0
+            # a lead whenever the call is short: `one` holds the host's launch latency too, so comparing
+            # it with the host's queueing time cannot tell which side is slower (an H100's 3.7 us
+            # matmul read 18 us, its queueing time, when a lead was skipped on that comparison)
+            lead = (min(int(SLEEP_MARGIN * self._lead_scale * inner * host * self.sleep_cycles_per_s()),
+                        MAX_SLEEP_CYCLES) if host else 0)
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(timing.repeats)]
             for start, end in events:
@@ -148,15 +158,15 @@ class Clock:
                     for _ in range(inner):
                         fn()
                     # Self-check, independent of the clock-rate estimate: the block ran back to back
-                    # only if the GPU had not yet reached it when the host finished queueing it. A
-                    # sleep measured at an idle clock (a GPU at 345 MHz before its boost to 1980)
-                    # is too short under load; then sleep longer, for this block and every later one.
+                    # only if the GPU had not yet reached it when the host finished queueing it (a
+                    # sleep measured at a low clock, or a host slower than it measured, fails it);
+                    # then sleep longer, for this block and, up to a bound, for later ones.
                     late = bool(lead) and start.query()
                     end.record()
                     if not late or lead >= MAX_SLEEP_CYCLES:
                         break
                     lead = min(2 * lead, MAX_SLEEP_CYCLES)
-                    self._lead_scale *= 2
+                    self._lead_scale = min(2 * self._lead_scale, MAX_LEAD_SCALE)
             self.sync()
             samples = [start.elapsed_time(end) / 1e3 / inner for start, end in events]
         else:
@@ -181,18 +191,23 @@ class Clock:
         if inner > MAX_GRAPH_CALLS:
             return None
         g = torch.cuda.CUDAGraph()
+        home = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
+        side.wait_stream(home)
         try:
-            with torch.cuda.stream(side):  # warm-up on a side stream, as torch.cuda.graphs asks
+            with torch.cuda.stream(side):  # warm-up on the stream that captures, as torch.cuda.graphs asks
                 fn()
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            with torch.cuda.graph(g):
+            with torch.cuda.graph(g, stream=side):
                 for _ in range(inner):
                     fn()
         except Exception:  # noqa: BLE001 - not capturable: the eager timer measures it
+            torch.cuda.set_stream(home)  # a capture that raised inside can leave its stream current
             self.sync()
+            self.capture_failures += 1
             return None
+        home.wait_stream(side)
+        self.sync()
+        g.replay()  # the first replay uploads the graph
         self.sync()
         per_replay = self.once(g.replay)
         reps = max(1, math.ceil(timing.min_block_s / max(per_replay, 1e-7)))

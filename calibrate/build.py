@@ -263,6 +263,10 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
     as_flash3 = (bool(attn) and {m.origin for m in attn} == {"CUDNN_ATTENTION"}
                  and profile.attention_flash3_efficiency is not None)
     flash3 = list(profile.attention_flash3_efficiency or ())
+    kernels = sorted({m.origin or "unreported" for m in attn})
+    if len(kernels) > 1:
+        built.notes.append(f"attention: torch ran several kernels across the configurations ({', '.join(kernels)}); "
+                           "their fit is written to the FlashAttention-2 curve (training.attention: flash)")
     for direction in ("fwd", "bwd"):
         ms = sorted(by_kind.get(f"attention_{direction}", []), key=lambda m: m.work)
         field_name = f"attention_{direction}_efficiency"

@@ -278,6 +278,9 @@ def calibrate(opts: Options, *, env: Mapping[str, str] | None = None, stream=Non
             finally:
                 progress.clear()
 
+        if clock.capture_failures:
+            notes.append(f"{clock.capture_failures} short call(s) could not be captured into a CUDA graph and were "
+                         "timed eagerly, behind a sleep lead")
         from calibrate.build import build_profile
 
         wall = time.monotonic() - t_start
@@ -452,11 +455,16 @@ def _write(outcome: Outcome, opts: Options) -> None:
 # ----------------------------------------------------------------------------- refit a saved run
 
 
-def refit_report(report: Path, out: Path, *, name: str | None = None, new_report: Path | None = None) -> Outcome:
+def refit_report(report: Path, out: Path, *, name: str | None = None, base: str | None = None,
+                 new_report: Path | None = None) -> Outcome:
     """Fit and write a profile from the measurements a `--report` file holds, without measuring
-    again (after a change to the fits, say): the same base (matched by the device's name, or the
-    run's --base), the same name unless `name`, and a provenance line that says when it was refitted
-    from which report. Needs no torch."""
+    again (after a change to the fits, say): the run's base (its --base, or the bundled profile
+    matched by the device's name) unless `base`, its name unless `name`, and a provenance line that
+    says when it was refitted from which report. The new report keeps the run's options, date and
+    wall time. Needs no torch."""
+    from dataclasses import replace
+    from datetime import datetime, timezone
+
     from calibrate.build import build_profile
     from calibrate.device import DeviceInfo
     from calibrate.plan import TIMINGS
@@ -467,38 +475,51 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, new_report
     check_output_file(out, "--out")
     check_output_file(new_report, "--report")
     check_distinct_files({"--from-report": report, "--out": out, "--report": new_report})
+
+    def bad(why: str) -> CalibrationError:
+        return CalibrationError(f"--from-report {report}: not a report written by paraplan calibrate --report ({why})")
+
     try:
         data = json.loads(report.read_text())
-        info = DeviceInfo(**data["device"])
-        options = data["options"]
-        measurements = [Measurement(**m) for m in data["measurements"]]
-        collectives = [CollectiveSample(**c) for c in data["collectives"]]
     except FileNotFoundError:
         raise CalibrationError(f"--from-report {report}: not found") from None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CalibrationError(f"--from-report {report}: not a report written by paraplan calibrate --report "
-                               f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})") from None
-    base_opt = options.get("base")
+    except (OSError, ValueError) as exc:
+        raise bad(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("options"), dict) or not isinstance(data.get("device"), dict):
+        raise bad("expected an object with 'device', 'options' and 'measurements'")
+    options = data["options"]
+    try:
+        info = DeviceInfo(**data["device"])
+        measurements = [Measurement(**m) for m in data["measurements"]]
+        collectives = [CollectiveSample(**c) for c in data.get("collectives") or []]
+        wall_s = float(data.get("wall_s") or 0.0)
+        quick = bool(options.get("quick"))
+        timing = TIMINGS[(info.kind, quick)]
+        float(info.memory_bytes)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise bad(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+    if not measurements and not collectives:
+        raise CalibrationError(f"--from-report {report}: holds no measurements to fit")
+    base_opt = base if base is not None else options.get("base")
     if base_opt is not None:
         _load_base(base_opt)
-    base, label = _base_profile(Options(out=out, device=info.kind, base=base_opt), info)
-    quick = bool(options.get("quick"))
-    notes = list(data.get("notes", []))
-    t0 = time.monotonic()
+    base_profile, label = _base_profile(Options(out=out, device=info.kind, base=base_opt), info)
+    notes = list(data.get("notes") or [])
+    name = name or options.get("name")
+    when = data.get("measured_at") or "date not in the report"
     built = _guarded("fitting", out, lambda: build_profile(
-        info=info, base=base, base_label=label, measurements=measurements, collectives=collectives,
-        name=name or options.get("name"), mode=("quick" if quick else "full"), timing=TIMINGS[(info.kind, quick)],
-        notes=notes, wall_s=float(data.get("wall_s") or 0.0),
-        when=data.get("measured_at") or "date not in the report"))
-    from dataclasses import replace
-    from datetime import datetime, timezone
-
+        info=info, base=base_profile, base_label=label, measurements=measurements, collectives=collectives,
+        name=name, mode=("quick" if quick else "full"), timing=timing, notes=notes, wall_s=wall_s, when=when))
     prov = dict(built.profile.provenance)
     prov["calibration"] += (f"; refitted from the report {report.name} by paraplan calibrate --from-report, "
                             f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}")
-    profile = replace(built.profile, provenance=tuple(prov.items()))
-    outcome = Outcome(profile=profile, path=out, info=info, wall_s=time.monotonic() - t0, fits=built.fits,
-                      notes=built.notes, plan_items=len(measurements), estimate_s=None, measurements=measurements,
-                      collectives=collectives, measured_at=data.get("measured_at", ""))
-    _write(outcome, Options(out=out, device=info.kind, quick=quick, base=base_opt, name=name, report=new_report))
+    outcome = Outcome(profile=replace(built.profile, provenance=tuple(prov.items())), path=out, info=info,
+                      wall_s=wall_s, fits=built.fits, notes=built.notes, plan_items=len(measurements),
+                      estimate_s=None, measurements=measurements, collectives=collectives,
+                      measured_at=data.get("measured_at", ""))
+    dtypes = options.get("dtypes")
+    _write(outcome, Options(out=out, device=info.kind, quick=quick, collectives=bool(options.get("collectives")),
+                            base=base_opt, name=name, dtypes=tuple(dtypes) if dtypes else None,
+                            skip=frozenset(options.get("skip") or ()), report=new_report,
+                            threads=options.get("threads"), progress=False))
     return outcome

@@ -55,8 +55,8 @@ ASSUMPTIONS = (
     "re-gather with its input-gradient GEMM (the 'AsyncCommunication' of that port's "
     "LinearWithGradAccumulationAndAsyncCommunication); the earlier ones expose every backward TP collective",
     "GPU: H100 rows run on the profile measured on an H100 SXM (h100-sxm-80gb-calibrated: paraplan calibrate, "
-    "torch 2.11 + CUDA 13.0; its GEMMs ran at 0.64-0.72 of peak sustained at the 700 W power limit, below the "
-    "0.80 of the burst-measured public figures in h100-sxm-80gb; its flash3 curve is cuDNN's fused attention as "
+    "torch 2.11 + CUDA 13.0; its large bf16 GEMMs ran at a median 0.68 of peak sustained at the 700 W power "
+    "limit, below the 0.80 of the burst-measured public figures in h100-sxm-80gb; its flash3 curve is cuDNN's fused attention as "
     "measured); A100 rows on the public-source A100 profiles (no A100 was measured)",
     "inter-node network from the record's text (NIC count x rate); unstated -> the GPU generation's typical node (8 NICs, HDR 200G for A100, NDR 400G for H100)",
     "virtual_pipeline_stages null -> 1 (1F1B); > 1 -> interleaved 1F1B",
@@ -90,7 +90,9 @@ class Row:
     fits: bool | None
     error: str | None = None
     gpu: str | None = None
-    """The bundled GPU profile the record ran on (None where the record could not be mapped)."""
+    """The GPU profile the record was simulated on (None where the record could not be mapped)."""
+    gpu_bundled: str | None = None
+    """The bundled profile the record maps to, before a `profiles` swap."""
 
     @property
     def error_pct(self) -> float | None:
@@ -427,6 +429,10 @@ def evaluate(records: list[dict], *, include_moe: bool = True, profiles: dict[st
     from simulator.simulate import simulate
 
     profiles = profiles or {}
+    if profiles:
+        from hwmodels.profile import load_profile
+
+        labels = {old: load_profile(new).name for old, new in profiles.items()}
 
     rows = []
     for rec in records:
@@ -437,8 +443,9 @@ def evaluate(records: list[dict], *, include_moe: bool = True, profiles: dict[st
             target = published_step_time(rec)
             scenario = record_to_scenario(rec) if usable else None
             gpu = scenario["cluster"]["gpu"] if usable else None
+            bundled = gpu
             if usable and gpu in profiles:
-                scenario["cluster"]["gpu"] = profiles[gpu]
+                scenario["cluster"]["gpu"], gpu = profiles[gpu], labels[gpu]
         except KeyError as exc:
             raise ConfigError(f"record {rec.get('id')}", f"malformed: missing key {exc.args[0]!r}") from None
         except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:
@@ -447,7 +454,9 @@ def evaluate(records: list[dict], *, include_moe: bool = True, profiles: dict[st
             continue
         try:
             res = simulate(load_scenario(scenario))
-            rows.append(Row(rec["id"], not is_dense(rec), target[0], target[1], res.step_time_s, res.fits, gpu=gpu))
+            rows.append(Row(rec["id"], not is_dense(rec), target[0], target[1], res.step_time_s, res.fits, gpu=gpu,
+                            gpu_bundled=bundled))
         except ParaplanError as e:
-            rows.append(Row(rec["id"], not is_dense(rec), target[0], target[1], None, None, str(e), gpu=gpu))
+            rows.append(Row(rec["id"], not is_dense(rec), target[0], target[1], None, None, str(e), gpu=gpu,
+                            gpu_bundled=bundled))
     return rows

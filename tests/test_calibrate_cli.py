@@ -193,6 +193,8 @@ BAD_INPUT = [
     (["--from-report", str(ROOT / "README.md"), "--out", "{d}/p.yaml"], {}, "not a report written by"),
     (["--from-report", str(ROOT / "benchmarks/data/gpu/h100-calibration-report.json"), "--quick", "--out",
       "{d}/p.yaml"], {}, "--quick choose what to measure"),
+    (["--from-report", "{d}/../empty-report.json", "--out", "{d}/p.yaml"], {}, "holds no measurements to fit"),
+    (["--from-report", "{d}/../nulls-report.json", "--out", "{d}/p.yaml"], {}, "expected an object with 'device'"),
     pytest.param(["--device", "cuda", "--out", "{d}/p.yaml"], {}, "--device cuda: no GPU",
                  marks=pytest.mark.skipif(_cuda(), reason="a GPU is present")),
 ]
@@ -200,6 +202,9 @@ BAD_INPUT = [
 
 @pytest.mark.parametrize("args, env, message", BAD_INPUT)
 def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, env, message):
+    good = json.loads((ROOT / "benchmarks/data/gpu/h100-calibration-report.json").read_text())
+    (tmp_path.parent / "empty-report.json").write_text(json.dumps({**good, "measurements": []}))
+    (tmp_path.parent / "nulls-report.json").write_text(json.dumps({**good, "options": None}))
     r = paraplan(*[a.format(d=tmp_path) for a in args], env=env)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
@@ -317,10 +322,14 @@ def test_from_report_refits_the_bundled_h100_profile_exactly(tmp_path):
     report = ROOT / "benchmarks/data/gpu/h100-calibration-report.json"
     r = paraplan("--from-report", str(report), "--out", str(tmp_path / "h100.yaml"), "--report", str(tmp_path / "r.json"))
     assert r.returncode == 0, r.stderr
-    assert "CUDNN_ATTENTION -> attention_efficiency_flash3" in r.stdout and "refitted in" in r.stdout
+    assert "CUDNN_ATTENTION -> attention_efficiency_flash3" in r.stdout and "refitted from" in r.stdout
     mine, bundled = load_profile(str(tmp_path / "h100.yaml")), load_profile("h100-sxm-80gb-calibrated")
     strip = lambda p: p.__class__(**{**p.__dict__, "provenance": ()})  # noqa: E731 - the refit's date differs
     assert _same(strip(mine), strip(bundled))
     prov = dict(mine.provenance)
     assert "2026-11-27T03:30:00+00:00" in prov["calibration"] and "refitted from the report" in prov["calibration"]
-    assert json.loads((tmp_path / "r.json").read_text())["measured_at"] == "2026-11-27T03:30:00+00:00"
+    again = json.loads((tmp_path / "r.json").read_text())
+    original = json.loads(report.read_text())
+    assert again["measured_at"] == original["measured_at"] and again["wall_s"] == original["wall_s"]
+    assert {k: v for k, v in again["options"].items() if k not in ("out", "report")} == \
+        {k: v for k, v in original["options"].items() if k not in ("out", "report")}

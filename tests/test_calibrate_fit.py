@@ -149,8 +149,47 @@ class _FakeGpu:
         self.launch(cycles / rate)
 
     def launch(self, seconds: float) -> None:
+        if getattr(self, "capturing", None) is not None:  # recorded into a graph, not run
+            if self.capture_raises:
+                raise RuntimeError("operation not permitted when stream is capturing")
+            self.capturing.kernels.append(seconds)
+            return
         self.host += self.host_s
         self.gpu = max(self.gpu, self.host) + seconds
+
+    def install_graphs(self, monkeypatch, *, raises: bool = False):
+        """CUDA graphs on the same clock: a replay costs the host one launch (5 us) and runs every
+        captured kernel back to back; streams are stand-ins."""
+        import contextlib
+        import types
+
+        import calibrate.bench as bench
+
+        fake, self.capturing, self.capture_raises = self, None, raises
+
+        class Graph:
+            def __init__(self):
+                self.kernels = []
+
+            def replay(self):
+                fake.host += 5e-6
+                fake.gpu = max(fake.gpu, fake.host) + sum(self.kernels)
+
+        @contextlib.contextmanager
+        def graph(g, pool=None, stream=None):
+            fake.capturing = g
+            try:
+                yield
+            finally:
+                fake.capturing = None
+
+        stream = types.SimpleNamespace(wait_stream=lambda other: None)
+        monkeypatch.setattr(bench.torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(bench.torch.cuda, "graph", graph)
+        monkeypatch.setattr(bench.torch.cuda, "Stream", lambda device=None: stream)
+        monkeypatch.setattr(bench.torch.cuda, "stream", lambda s: contextlib.nullcontext())
+        monkeypatch.setattr(bench.torch.cuda, "current_stream", lambda device=None: stream)
+        monkeypatch.setattr(bench.torch.cuda, "set_stream", lambda s: None)
 
     def install(self, monkeypatch):
         import types
@@ -198,9 +237,9 @@ def test_gpu_clock_times_the_kernel_not_the_host_that_queues_it(monkeypatch, ker
 
 
 def test_gpu_clock_lengthens_a_sleep_measured_at_an_idle_clock(monkeypatch):
-    """An H200 measured its sleep at 345 MHz (idle) and then ran at 1980 MHz: every lead was 5.7x
-    too short, and small GEMMs read ~18 us, the host's queueing time. The timer sees that the GPU
-    reached a block before the host had queued it and sleeps longer."""
+    """A sleep rate measured at an idle clock (an H100 idles at 345 MHz, boosts to 1980) makes every
+    lead 5.7x too short, and a 2 us kernel would read 18 us, the host's queueing time. The timer
+    sees that the GPU reached a block before the host had queued it and sleeps longer."""
     import torch
 
     from calibrate.bench import Clock
@@ -211,3 +250,23 @@ def test_gpu_clock_lengthens_a_sleep_measured_at_an_idle_clock(monkeypatch):
     for _ in range(2):  # the second call starts from the lengthened lead
         t = clock.time(fn, TIMINGS["cuda", False])
         assert t.seconds == pytest.approx(2e-6, rel=0.02), t.seconds
+
+
+@pytest.mark.parametrize("raises", [False, True])
+def test_gpu_clock_times_short_calls_as_graph_replays(monkeypatch, raises):
+    """A 2 us kernel the host takes 18 us to queue: captured into a graph and replayed, it reads 2 us;
+    a call that cannot be captured falls back to the eager timer (and is counted), which reads 2 us too."""
+    import torch
+
+    from calibrate.bench import Clock
+    from calibrate.plan import TIMINGS
+
+    fake = _FakeGpu(2e-6, 18e-6)
+    fn = fake.install(monkeypatch)
+    fake.install_graphs(monkeypatch, raises=raises)
+    clock = Clock(torch.device("cuda"))
+    t = clock.time(fn, TIMINGS["cuda", False], graph=True)
+    assert t.seconds == pytest.approx(2e-6, rel=0.05), t.seconds
+    assert t.graph is not raises and clock.capture_failures == int(raises)
+    rotating = clock.time(fn, TIMINGS["cuda", False], graph=True, cycle=96)  # a rotation of 96 buffer sets
+    assert rotating.seconds == pytest.approx(2e-6, rel=0.05) and (raises or rotating.inner % 96 == 0)

@@ -212,6 +212,7 @@ def test_validate_published_profile_swaps_a_gpu_profile_for_its_rows():
     for row in mine:  # the datasheet H100 profile's burst-rate GEMMs make every H100 row faster
         other = rows[row["id"]]
         if row["gpu"] == "h100-sxm-80gb-calibrated":
+            assert other["gpu"] == "h100-sxm-80gb"  # rows are labelled with the profile they ran on
             assert other["predicted_step_time_s"] < row["predicted_step_time_s"], row["id"]
         else:
             assert other["predicted_step_time_s"] == row["predicted_step_time_s"], row["id"]
@@ -268,6 +269,8 @@ def test_validate_published_bad_files_are_one_line(tmp_path):
         (["--json", "--markdown"], "error: argument --markdown: not allowed with argument --json"),
         (["--profile", "h100=mine.yaml"], "error: --profile h100=mine.yaml: expected BUNDLED=PROFILE with BUNDLED one of"),
         (["--profile", "h100-sxm-80gb-calibrated=nope"], "error: --profile nope: not found"),
+        (["--profile", "b200-sxm-180gb=h100-sxm-80gb"], "error: --profile b200-sxm-180gb=...: no compared record "
+                                                         "runs on b200-sxm-180gb"),
         ([str(none_run)], f"error: {none_run}: none of the 1 comparable records could be simulated "
                           "(first, megatron_sc21_t1_1.7B: plan: tp*pp*cp*dp = 7*1*1*32 = 224"),
     ]

@@ -43,7 +43,7 @@ def add_arguments(p) -> None:
     p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress line on stderr")
     p.add_argument("--from-report", metavar="REPORT.json",
                    help="measure nothing: fit and write the profile from the measurements of an earlier run's "
-                        "--report (no GPU or torch needed)")
+                        "--report (no GPU or torch needed); --base overrides the run's base")
 
 
 def _list(text: str) -> list[str]:
@@ -53,7 +53,7 @@ def _list(text: str) -> list[str]:
 def run(args) -> int:
     from calibrate.run import calibrate
 
-    if getattr(args, "from_report", None):  # callers that build the namespace themselves may leave it out
+    if getattr(args, "from_report", None) is not None:  # callers that build the namespace may leave it out
         return _refit(args)
     require_torch("calibrate", minimum=None)
 
@@ -79,15 +79,17 @@ def _refit(args) -> int:
     from calibrate.run import refit_report
 
     measuring = [flag for flag, given in (("--device", args.device != "cuda"), ("--quick", args.quick),
-                                          ("--collectives", args.collectives), ("--base", args.base is not None),
+                                          ("--collectives", args.collectives),
                                           ("--dtypes", args.dtypes is not None), ("--skip", bool(args.skip)),
                                           ("--threads", args.threads is not None)) if given]
     if measuring:
         raise CalibrationError(f"--from-report refits an earlier run's measurements; {', '.join(measuring)} "
                                "choose what to measure and do not apply (the report records them)")
-    outcome = refit_report(Path(args.from_report), Path(args.out), name=args.name,
+    outcome = refit_report(Path(args.from_report), Path(args.out), name=args.name, base=args.base,
                            new_report=Path(args.report) if args.report else None)
-    print(format_summary(outcome).replace(" (calibrated in ", " (refitted in ", 1))
+    lines = format_summary(outcome).splitlines()
+    lines[0] = f"wrote {outcome.path}: {outcome.profile.name} (refitted from {args.from_report}, no measurement run)"
+    print("\n".join(lines))
     return 0
 
 

@@ -16,7 +16,8 @@ def add_arguments(p) -> None:
     fmt = p.add_mutually_exclusive_group()
     p.add_argument("--profile", action="append", default=[], metavar="BUNDLED=PROFILE",
                    help="simulate the records on a bundled GPU with another profile (a bundled name or a file), "
-                        "e.g. h100-sxm-80gb=h100-sxm-80gb-calibrated; repeatable")
+                        "e.g. h100-sxm-80gb-calibrated=h100-sxm-80gb for the H100 rows on the datasheet profile; "
+                        "repeatable")
     fmt.add_argument("--json", action="store_true", help="print rows and summary as JSON")
     fmt.add_argument("--markdown", action="store_true", help="print the table as Markdown")
 
@@ -62,7 +63,12 @@ def run(args) -> int:
 
     path = args.file or BUNDLED
     records = load_records(path)
-    rows = evaluate(records, profiles=_profiles(args.profile))
+    swaps = _profiles(args.profile)
+    rows = evaluate(records, profiles=swaps)
+    unused = sorted(set(swaps) - {r.gpu_bundled for r in rows})
+    if unused:
+        raise ParaplanError(f"--profile {unused[0]}=...: no compared record runs on {unused[0]} "
+                            f"(they run on {', '.join(sorted({r.gpu_bundled for r in rows if r.gpu_bundled}))})")
     left_out = not_compared(records)
     if not rows:
         raise ParaplanError(f"{path}: no record publishes a step time (or enough to derive one) with a global batch size")
@@ -78,7 +84,7 @@ def run(args) -> int:
              "predicted_step_time_s": r.predicted_s, "error_pct": r.error_pct, "fits": r.fits,
              "error": r.error, "gpu": r.gpu} for r in rows], "summary": summary,
             "not_compared": [{"id": i, "reason": why} for i, why in left_out],
-            "assumptions": list(ASSUMPTIONS)}, indent=2))
+            "assumptions": list(ASSUMPTIONS), "profile_swaps": swaps}, indent=2))
         return 0
     if args.markdown:
         for name, g in groups.items():
@@ -110,6 +116,8 @@ def run(args) -> int:
             print(f"  {i}: {why}")
         print()
     print("* published step time derived from the source's own FLOP formula and TFLOP/s")
+    for old, new in swaps.items():
+        print(f"profile swap (--profile): rows mapped to {old} ran on {new}; the GPU assumption below names the default")
     print("assumptions for fields a record leaves null:")
     for a in ASSUMPTIONS:
         print(f"  - {a}")
