@@ -145,12 +145,12 @@ class Clock:
             # a lead whenever the call is short: `one` holds the host's launch latency too, so comparing
             # it with the host's queueing time cannot tell which side is slower (an H100's 3.7 us
             # matmul read 18 us, its queueing time, when a lead was skipped on that comparison)
-            lead = (min(int(SLEEP_MARGIN * self._lead_scale * inner * host * self.sleep_cycles_per_s()),
-                        MAX_SLEEP_CYCLES) if host else 0)
+            base_lead = SLEEP_MARGIN * inner * host * self.sleep_cycles_per_s() if host else 0.0
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(timing.repeats)]
             for start, end in events:
-                while True:
+                lead = min(int(base_lead * self._lead_scale), MAX_SLEEP_CYCLES)  # per block: a retry's
+                while True:                                                       # doubling stays its own
                     self.sync()
                     if lead:
                         torch.cuda._sleep(lead)
@@ -188,20 +188,25 @@ class Clock:
         None when fn cannot be captured (it is then timed eagerly)."""
         inner = int(min(MAX_QUEUED_CALLS, max(16, math.ceil(timing.min_block_s / max(one, 1e-7)))))
         inner = cycle * math.ceil(inner / cycle)
-        if inner > MAX_GRAPH_CALLS:
-            return None
+        if inner > MAX_GRAPH_CALLS or self.capture_failures:
+            return None  # after one failed capture, no more: the eager timer measures the rest
         g = torch.cuda.CUDAGraph()
         home = torch.cuda.current_stream(self.device)
         side = torch.cuda.Stream(self.device)
         side.wait_stream(home)
+        pool = torch.cuda.graph_pool_handle()
         try:
             with torch.cuda.stream(side):  # warm-up on the stream that captures, as torch.cuda.graphs asks
                 fn()
-            with torch.cuda.graph(g, stream=side):
+            with torch.cuda.graph(g, pool=pool, stream=side):
                 for _ in range(inner):
                     fn()
         except Exception:  # noqa: BLE001 - not capturable: the eager timer measures it
             torch.cuda.set_stream(home)  # a capture that raised inside can leave its stream current
+            try:  # and, in torch 2.11, the allocator still routing to the graph's pool (pytorch#180395)
+                torch._C._cuda_endAllocateToPool(self.device.index, pool)
+            except Exception:  # noqa: BLE001 - already ended (later torch), or no such function
+                pass
             self.sync()
             self.capture_failures += 1
             return None

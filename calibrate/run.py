@@ -488,14 +488,36 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
     if not isinstance(data, dict) or not isinstance(data.get("options"), dict) or not isinstance(data.get("device"), dict):
         raise bad("expected an object with 'device', 'options' and 'measurements'")
     options = data["options"]
+
+    def text_or_none(value, what: str):
+        if value is not None and not (isinstance(value, str) and value.strip()):
+            raise TypeError(f"{what} must be a non-empty string or null, got {value!r}")
+        return value
+
+    def texts(value, what: str) -> list:
+        if value is None:
+            return []
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise TypeError(f"{what} must be a list of strings or null, got {value!r}")
+        return value
+
     try:
-        info = DeviceInfo(**data["device"])
+        device = dict(data["device"])
+        if not isinstance(device.get("name"), str) or device.get("kind") not in ("cuda", "cpu"):
+            raise TypeError(f"device.name must be a string and device.kind cuda or cpu, got {device.get('kind')!r}")
+        if isinstance(device.get("memory_bytes"), bool) or not isinstance(device.get("memory_bytes"), (int, float)):
+            raise TypeError(f"device.memory_bytes must be a number, got {device.get('memory_bytes')!r}")
+        info = DeviceInfo(**device)
         measurements = [Measurement(**m) for m in data["measurements"]]
         collectives = [CollectiveSample(**c) for c in data.get("collectives") or []]
         wall_s = float(data.get("wall_s") or 0.0)
         quick = bool(options.get("quick"))
         timing = TIMINGS[(info.kind, quick)]
-        float(info.memory_bytes)
+        run_notes = texts(data.get("notes"), "notes")
+        dtypes = texts(options.get("dtypes"), "options.dtypes")
+        skip = texts(options.get("skip"), "options.skip")
+        text_or_none(options.get("base"), "options.base")
+        text_or_none(options.get("name"), "options.name")
     except (KeyError, TypeError, ValueError) as exc:
         raise bad(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
     if not measurements and not collectives:
@@ -504,7 +526,7 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
     if base_opt is not None:
         _load_base(base_opt)
     base_profile, label = _base_profile(Options(out=out, device=info.kind, base=base_opt), info)
-    notes = list(data.get("notes") or [])
+    notes = list(run_notes)
     name = name or options.get("name")
     when = data.get("measured_at") or "date not in the report"
     built = _guarded("fitting", out, lambda: build_profile(
@@ -514,12 +536,12 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
     prov["calibration"] += (f"; refitted from the report {report.name} by paraplan calibrate --from-report, "
                             f"{datetime.now(timezone.utc).isoformat(timespec='seconds')}")
     outcome = Outcome(profile=replace(built.profile, provenance=tuple(prov.items())), path=out, info=info,
-                      wall_s=wall_s, fits=built.fits, notes=built.notes, plan_items=len(measurements),
+                      wall_s=wall_s, fits=built.fits, notes=list(dict.fromkeys(built.notes)),  # a refit's refit
+                      plan_items=len(measurements),
                       estimate_s=None, measurements=measurements, collectives=collectives,
                       measured_at=data.get("measured_at", ""))
-    dtypes = options.get("dtypes")
     _write(outcome, Options(out=out, device=info.kind, quick=quick, collectives=bool(options.get("collectives")),
                             base=base_opt, name=name, dtypes=tuple(dtypes) if dtypes else None,
-                            skip=frozenset(options.get("skip") or ()), report=new_report,
+                            skip=frozenset(skip), report=new_report,
                             threads=options.get("threads"), progress=False))
     return outcome

@@ -432,7 +432,9 @@ def evaluate(records: list[dict], *, include_moe: bool = True, profiles: dict[st
     if profiles:
         from hwmodels.profile import load_profile
 
-        labels = {old: load_profile(new).name for old, new in profiles.items()}
+        # a swapped row says what it ran on and in place of what: grouping by GPU then never merges it
+        # with rows of another bundled profile, nor passes a same-named file off as the bundled one
+        labels = {old: f"{load_profile(new).name} (in place of {old})" for old, new in profiles.items()}
 
     rows = []
     for rec in records:

@@ -195,6 +195,8 @@ BAD_INPUT = [
       "{d}/p.yaml"], {}, "--quick choose what to measure"),
     (["--from-report", "{d}/../empty-report.json", "--out", "{d}/p.yaml"], {}, "holds no measurements to fit"),
     (["--from-report", "{d}/../nulls-report.json", "--out", "{d}/p.yaml"], {}, "expected an object with 'device'"),
+    (["--from-report", "{d}/../notes-report.json", "--out", "{d}/p.yaml"], {}, "notes must be a list of strings"),
+    (["--from-report", "{d}/../tpu-report.json", "--out", "{d}/p.yaml"], {}, "device.kind cuda or cpu, got 'tpu'"),
     pytest.param(["--device", "cuda", "--out", "{d}/p.yaml"], {}, "--device cuda: no GPU",
                  marks=pytest.mark.skipif(_cuda(), reason="a GPU is present")),
 ]
@@ -205,6 +207,8 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, env, message):
     good = json.loads((ROOT / "benchmarks/data/gpu/h100-calibration-report.json").read_text())
     (tmp_path.parent / "empty-report.json").write_text(json.dumps({**good, "measurements": []}))
     (tmp_path.parent / "nulls-report.json").write_text(json.dumps({**good, "options": None}))
+    (tmp_path.parent / "notes-report.json").write_text(json.dumps({**good, "notes": 5}))
+    (tmp_path.parent / "tpu-report.json").write_text(json.dumps({**good, "device": {**good["device"], "kind": "tpu"}}))
     r = paraplan(*[a.format(d=tmp_path) for a in args], env=env)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()

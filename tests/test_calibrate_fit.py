@@ -190,6 +190,7 @@ class _FakeGpu:
         monkeypatch.setattr(bench.torch.cuda, "stream", lambda s: contextlib.nullcontext())
         monkeypatch.setattr(bench.torch.cuda, "current_stream", lambda device=None: stream)
         monkeypatch.setattr(bench.torch.cuda, "set_stream", lambda s: None)
+        monkeypatch.setattr(bench.torch.cuda, "graph_pool_handle", lambda: None)
 
     def install(self, monkeypatch):
         import types

@@ -212,7 +212,9 @@ def test_validate_published_profile_swaps_a_gpu_profile_for_its_rows():
     for row in mine:  # the datasheet H100 profile's burst-rate GEMMs make every H100 row faster
         other = rows[row["id"]]
         if row["gpu"] == "h100-sxm-80gb-calibrated":
-            assert other["gpu"] == "h100-sxm-80gb"  # rows are labelled with the profile they ran on
+            # rows are labelled with the profile they ran on, and what it replaced
+            assert other["gpu"] == "h100-sxm-80gb (in place of h100-sxm-80gb-calibrated)"
+            assert other["gpu_bundled"] == "h100-sxm-80gb-calibrated"
             assert other["predicted_step_time_s"] < row["predicted_step_time_s"], row["id"]
         else:
             assert other["predicted_step_time_s"] == row["predicted_step_time_s"], row["id"]

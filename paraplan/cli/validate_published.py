@@ -65,13 +65,13 @@ def run(args) -> int:
     records = load_records(path)
     swaps = _profiles(args.profile)
     rows = evaluate(records, profiles=swaps)
+    left_out = not_compared(records)
+    if not rows:
+        raise ParaplanError(f"{path}: no record publishes a step time (or enough to derive one) with a global batch size")
     unused = sorted(set(swaps) - {r.gpu_bundled for r in rows})
     if unused:
         raise ParaplanError(f"--profile {unused[0]}=...: no compared record runs on {unused[0]} "
                             f"(they run on {', '.join(sorted({r.gpu_bundled for r in rows if r.gpu_bundled}))})")
-    left_out = not_compared(records)
-    if not rows:
-        raise ParaplanError(f"{path}: no record publishes a step time (or enough to derive one) with a global batch size")
     if all(r.predicted_s is None for r in rows):
         first = rows[0]
         raise ParaplanError(f"{path}: none of the {len(rows)} comparable records could be simulated "
@@ -82,7 +82,7 @@ def run(args) -> int:
         print(json.dumps({"rows": [
             {"id": r.id, "moe": r.moe, "published_step_time_s": r.published_s, "published_is_derived": r.derived,
              "predicted_step_time_s": r.predicted_s, "error_pct": r.error_pct, "fits": r.fits,
-             "error": r.error, "gpu": r.gpu} for r in rows], "summary": summary,
+             "error": r.error, "gpu": r.gpu, "gpu_bundled": r.gpu_bundled} for r in rows], "summary": summary,
             "not_compared": [{"id": i, "reason": why} for i, why in left_out],
             "assumptions": list(ASSUMPTIONS), "profile_swaps": swaps}, indent=2))
         return 0
