@@ -52,8 +52,8 @@ ONCE_SAMPLES = 3
 MAX_GRAPH_CALLS = 1024
 """calls one graph may capture (a rotation of up to calibrate.bench.MAX_SETS buffer sets fits)."""
 GRAPH_WARM_S = 0.02
-"""seconds of graph replays before a graph-timed measurement: GPU clocks rise within milliseconds
-of load (seen on an H100: 345 MHz idle, 1980 MHz under a light load)."""
+"""seconds of graph replays before a graph-timed measurement, so it starts on a busy GPU (an H100
+read 345 MHz idle and 1980 MHz under load)."""
 HOST_BOUND_S = 1e-4
 """calls longer than this on the GPU outrun any host's queueing (a few to tens of microseconds):
 no need to measure the host or to sleep."""
@@ -175,17 +175,13 @@ class Clock:
                 for _ in range(inner):
                     fn()
                 samples.append((time.perf_counter() - t0) / inner)
-        med = statistics.median(samples)
-        q = statistics.quantiles(samples, n=4) if len(samples) >= 2 else [med, med, med]
-        return Timed(seconds=med, spread=(q[2] - q[0]) / med if med > 0 else 0.0, inner=inner, samples=tuple(samples))
-
+        return _timed(samples, inner)
 
     def _time_graph(self, fn: Callable[[], object], timing: Timing, one: float, cycle: int = 1) -> Timed | None:
         """fn captured `inner` times into a CUDA graph; each timed block replays the graph back to back
         (queued, not synchronised) until it lasts timing.min_block_s, after GRAPH_WARM_S of replays
-        that keep the GPU busy, so its clock is the busy clock and not the idle one (an H100 idles at
-        345 MHz, 5.7x below its 1980 MHz boost; small kernels timed between idle gaps ran at either).
-        None when fn cannot be captured (it is then timed eagerly)."""
+        that keep the GPU busy, so it is timed at the clock of a busy GPU (an H100 idles at 345 MHz
+        and boosts to 1980). None when fn cannot be captured (it is then timed eagerly)."""
         inner = int(min(MAX_QUEUED_CALLS, max(16, math.ceil(timing.min_block_s / max(one, 1e-7)))))
         inner = cycle * math.ceil(inner / cycle)
         if inner > MAX_GRAPH_CALLS or self.capture_failures:
@@ -228,10 +224,15 @@ class Clock:
         self.sync()
         samples = [start.elapsed_time(end) / 1e3 / (reps * inner) for start, end in events]
         del g
-        med = statistics.median(samples)
-        q = statistics.quantiles(samples, n=4) if len(samples) >= 2 else [med, med, med]
-        return Timed(seconds=med, spread=(q[2] - q[0]) / med if med > 0 else 0.0, inner=reps * inner,
-                     samples=tuple(samples), graph=True)
+        return _timed(samples, reps * inner, graph=True)
+
+
+def _timed(samples: list[float], inner: int, *, graph: bool = False) -> Timed:
+    """The median of the per-call samples, and their interquartile spread relative to it."""
+    med = statistics.median(samples)
+    q = statistics.quantiles(samples, n=4) if len(samples) >= 2 else [med, med, med]
+    return Timed(seconds=med, spread=(q[2] - q[0]) / med if med > 0 else 0.0, inner=inner, samples=tuple(samples),
+                 graph=graph)
 
 
 def _skippable(exc: BaseException) -> bool:

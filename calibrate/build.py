@@ -289,12 +289,13 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
                 f"fused attention, a FlashAttention-3-class kernel, measured into attention_efficiency_flash3)")
         else:
             profile = dataclasses.replace(profile, **{field_name: fit.curve})
+        backends = sorted({m.origin for m in ms if m.origin})
         built.fits[f"attention.{direction}"] = _fit_json(fit) | {
             "configs": len(ms), "best_tflops": max(m.work / m.seconds for m in ms) / 1e12,
-            "backend": sorted({m.origin for m in ms if m.origin}), "field": key.split(".")[0]}
-        backends = ", ".join(sorted({m.origin for m in ms if m.origin})) or "not reported by this torch"
+            "backend": backends, "field": key.split(".")[0]}
         prov[key] = (
-            f"measured: {len(ms)} torch scaled_dot_product_attention {direction} calls ({backends}), causal bf16, head dims "
+            f"measured: {len(ms)} torch scaled_dot_product_attention {direction} calls "
+            f"({', '.join(backends) or 'not reported by this torch'}), causal bf16, head dims "
             f"{sorted({c['head_dim'] for c in configs})}, seq {min(c['q_len'] for c in configs)}-"
             f"{max(c['q_len'] for c in configs)} (the FlashAttention benchmark grid, scaled to the device); fitted to "
             f"hwmodels.compute.attention_time on all {fit.n_train} (MAPE {_pct(fit.train_mape)}; {_held_out(fit)})")

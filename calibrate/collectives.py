@@ -29,6 +29,7 @@ import torch.distributed as dist
 from calibrate.plan import Timing
 from calibrate.results import CollectiveSample
 from hwmodels.network import busbw_factor
+from paraplan.errors import first_line
 
 __all__ = ["COLLECTIVES", "CollectiveSample", "Tier", "probe_support", "sweep"]
 
@@ -106,7 +107,7 @@ def probe_support(tier: Tier, device: torch.device) -> dict[str, str]:
             _sync(device)
             why = ""
         except (RuntimeError, NotImplementedError, ValueError) as exc:
-            why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            why = first_line(exc) or type(exc).__name__
         failed = _group_max(1.0 if why else 0.0, tier, device)
         out[op] = why or ("unsupported on another rank" if failed else "")
     return out

@@ -19,6 +19,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from calibrate.errors import CalibrationError
+from paraplan.errors import first_line
 from paraplan.fileio import check_distinct_files, check_output_file, check_profile_suffix
 
 __all__ = ["BENCHMARKS", "Options", "Outcome", "calibrate", "check_options", "refit_report"]
@@ -309,8 +310,9 @@ def _guarded(what: str, out: Path, fn):
     except (KeyboardInterrupt, CalibrationError):
         raise
     except Exception as exc:  # noqa: BLE001 - a failure mid-way: say which, write nothing
-        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CalibrationError(f"{what} failed: {msg}; nothing written to {out}") from exc
+        raise CalibrationError(f"{what} failed: {first_line(exc) or type(exc).__name__}; "
+                               f"nothing written to {out}") from exc
+
 
 
 def _phases(plan, rates, singles, dtypes, *, device, clock, timing, notes) -> list:
@@ -476,7 +478,9 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
     check_output_file(new_report, "--report")
     check_distinct_files({"--from-report": report, "--out": out, "--report": new_report})
 
-    def bad(why: str) -> CalibrationError:
+    def bad(why: str | BaseException) -> CalibrationError:
+        if isinstance(why, BaseException):
+            why = f"{type(why).__name__}: {first_line(why)}"
         return CalibrationError(f"--from-report {report}: not a report written by paraplan calibrate --report ({why})")
 
     try:
@@ -484,7 +488,7 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
     except FileNotFoundError:
         raise CalibrationError(f"--from-report {report}: not found") from None
     except (OSError, ValueError) as exc:
-        raise bad(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise bad(exc) from None
     if not isinstance(data, dict) or not isinstance(data.get("options"), dict) or not isinstance(data.get("device"), dict):
         raise bad("expected an object with 'device', 'options' and 'measurements'")
     options = data["options"]
@@ -519,7 +523,7 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
         text_or_none(options.get("base"), "options.base")
         text_or_none(options.get("name"), "options.name")
     except (KeyError, TypeError, ValueError) as exc:
-        raise bad(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}") from None
+        raise bad(exc) from None
     if not measurements and not collectives:
         raise CalibrationError(f"--from-report {report}: holds no measurements to fit")
     base_opt = base if base is not None else options.get("base")

@@ -1,6 +1,12 @@
 """One error root for everything a user can get wrong; the CLI prints it on one line and exits 2."""
 
 
+def first_line(exc: BaseException) -> str:
+    """An exception's message, first line only (errors are one line), or '' when it has none."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
 class ParaplanError(Exception):
     """Base class of every user-facing error (bad input, infeasible request)."""
 

@@ -38,7 +38,7 @@ import optuna
 from optuna.distributions import CategoricalDistribution
 from optuna.trial import TrialState
 
-from paraplan.errors import ConfigError, ParaplanError
+from paraplan.errors import ConfigError, ParaplanError, first_line
 from paraplan.specs import RunSpec, Scenario
 from planner.objective import Evaluation, Evaluator, Objective
 from planner.space import (
@@ -163,14 +163,8 @@ def open_storage(spec: str) -> optuna.storages.BaseStorage:
     except ParaplanError:
         raise
     except Exception as e:  # noqa: BLE001  sqlalchemy, drivers, redis: all one line for the user
-        msg = _first_line(e) or type(e).__name__
+        msg = first_line(e) or type(e).__name__
         raise ParaplanError(f"--storage {shown}: cannot open it: {msg.replace(spec, shown)}") from None
-
-
-def _first_line(exc: BaseException) -> str:
-    """An exception's message, first line only (errors are one line), or '' when it has none."""
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else ""
 
 
 def _check_journal_file(path: str, spec: str) -> None:
@@ -249,7 +243,7 @@ def run_search(req: SearchRequest, *, progress: Callable[[int, int, Evaluation |
     except ParaplanError:
         raise
     except Exception as e:  # noqa: BLE001  a file that is not a journal, a database of another schema
-        msg = _first_line(e)
+        msg = first_line(e)
         raise ParaplanError(f"--storage {mask_url(req.storage)}: not a usable Optuna storage "
                             f"({type(e).__name__}{': ' + msg if msg else ''})") from None
     failed = 0 if created else _fail_dead_trials(study)

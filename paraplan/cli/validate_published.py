@@ -13,11 +13,11 @@ BUNDLED = str(files("paraplan.data") / "public_runs.yaml")
 def add_arguments(p) -> None:
     p.add_argument("file", nargs="?", default=None,
                    help="published runs YAML (a list of records); default: the bundled copy of the public runs")
-    fmt = p.add_mutually_exclusive_group()
     p.add_argument("--profile", action="append", default=[], metavar="BUNDLED=PROFILE",
                    help="simulate the records on a bundled GPU with another profile (a bundled name or a file), "
                         "e.g. h100-sxm-80gb-calibrated=h100-sxm-80gb for the H100 rows on the datasheet profile; "
                         "repeatable")
+    fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--json", action="store_true", help="print rows and summary as JSON")
     fmt.add_argument("--markdown", action="store_true", help="print the table as Markdown")
 
