@@ -34,6 +34,7 @@ that bucket k's predecessor made possible, so that is all the two share.
 """
 from __future__ import annotations
 
+import collections
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -64,7 +65,7 @@ class StageWork:
     forward that can run before that bucket's weights are needed."""
 
 
-@dataclass
+@dataclass(slots=True)
 class Span:
     stage: int
     stream: str  # 'compute' | 'dp-comm' | 'pp-comm'
@@ -95,6 +96,74 @@ def _add(d: dict, key: str, value: float) -> None:
     d[key] = d.get(key, 0.0) + value
 
 
+KINDS = "FBW"
+_PLAN_CACHE: dict = {}
+_PLAN_CACHE_SIZE = 256
+
+
+def _op_slot(kind: str, chunk: int) -> int:
+    """An int naming an op's (kind, chunk), its key in a stage's table of op costs."""
+    return chunk * len(KINDS) + KINDS.index(kind)
+
+
+def _output_key(kind: str, microbatch: int, vstage: int, num_vstages: int) -> int:
+    """An int naming the output of an op (cheaper to hash than a tuple, on every op)."""
+    return (microbatch * num_vstages + vstage) * 2 + (kind == "B")
+
+
+def _link(stage: int, to: int, pp: int) -> int:
+    """The link a send between neighbouring stages takes (forward s -> s + 1 and the wrap-around
+    pp - 1 -> 0 are links s and pp - 1; backward s -> s - 1 is link s - 1)."""
+    return stage if to == (stage + 1) % pp else to
+
+
+def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: dict, launch_after: dict,
+             gates: dict) -> tuple[list[tuple], dict]:
+    """Per op of `stage`, what its stream needs besides the op's cost: the key of the input it
+    waits for, its slot in the cost table, the output it sends (key, receiving stage, link), the
+    chunk whose gradient flow it starts, the chunks whose reduction starts when it ends, the chunk
+    whose gathered weights gate it, the op itself; and how many ops of each (kind, chunk) the
+    stage runs. It follows from the schedule alone, so an immutable schedule's is kept (the planner
+    and the balanced-router reference replay the same schedules again and again)."""
+    key = (id(ops), stage, pp, num_chunks, tuple(final_b.items()),
+           tuple((i, tuple(chunks)) for i, chunks in launch_after.items()), tuple(gates.items()))
+    hit = _PLAN_CACHE.get(key)
+    if hit is not None and hit[0] is ops:
+        return hit[1], hit[2]
+    vstages = pp * num_chunks
+    last_vstage = vstages - 1
+    up, down = (stage + 1) % pp, (stage - 1) % pp
+    special = final_b.keys() | launch_after.keys() | gates.keys()
+    plan = []
+    for i, op in enumerate(ops):
+        kind, mb, chunk = op
+        vstage = chunk * pp + stage
+        dep = out = None  # a W waits only for its own stage's B, which the op order puts first
+        if kind == "F":
+            if vstage > 0:
+                dep = _output_key(kind, mb, vstage - 1, vstages)
+            if vstage < last_vstage:
+                out = (_output_key(kind, mb, vstage, vstages), up, _link(stage, up, pp))
+        elif kind == "B":
+            if vstage < last_vstage:
+                dep = _output_key(kind, mb, vstage + 1, vstages)
+            if vstage > 0:
+                out = (_output_key(kind, mb, vstage, vstages), down, _link(stage, down, pp))
+        extra = (final_b.get(i), launch_after.get(i, ()), gates.get(i)) if i in special else (None, (), None)
+        plan.append((dep, _op_slot(kind, chunk), out, *extra, op))
+    counts = collections.Counter((kind, chunk) for kind, _, chunk in ops)
+    if isinstance(ops, tuple):  # a list may change after the call
+        if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
+            del _PLAN_CACHE[next(iter(_PLAN_CACHE))]
+        _PLAN_CACHE[key] = (ops, plan, counts)
+    return plan, counts
+
+
+def clear_caches() -> None:
+    """Forget the kept op plans (for benchmarks that time a plan never simulated before)."""
+    _PLAN_CACHE.clear()
+
+
 def run_iteration(
     works: list[StageWork],
     *,
@@ -120,13 +189,13 @@ def run_iteration(
     backward when fewer remain. Under a split backward (zero-bubble) the W passes, which produce
     the weight gradients, are the ones counted.
     `record_spans` False leaves the timeline out (EngineResult.spans empty): the planner needs only
-    the figures, and building a span per op is a tenth of the engine's time."""
+    the figures, and building a span per op is a fifth of the engine's time."""
     env = simpy.Environment()
     pp = len(works)
     link_time = list(p2p_time) if isinstance(p2p_time, Sequence) else [p2p_time] * pp
     link_nic = list(p2p_nic) if isinstance(p2p_nic, Sequence) else [p2p_nic] * pp
     last_vstage = pp * num_chunks - 1
-    waiting: dict[tuple, simpy.Event] = {}
+    waiting: dict[int, simpy.Event] = {}
     spans: list[Span] = []
     traces = [StageTrace() for _ in range(pp)]
     grad_ready = [{c: env.event() for c in w.grad_buckets} for w in works]
@@ -149,21 +218,10 @@ def run_iteration(
     op_until = [0.0] * pp
     owed_sm = [0.0] * pp
 
-    # When each cross-stage output arrives at its consumer; a SimPy event only for an input a stage
-    # waits on before it exists (most inputs are ready when asked for, and skip the event queue).
-    arrives_at: dict[tuple, float] = {}
-
-    def wait_for(key):
-        ev = waiting.get(key)
-        if ev is None:
-            ev = waiting[key] = env.event()
-        return ev
-
-    def produce(key, arrival: float) -> None:
-        arrives_at[key] = arrival
-        ev = waiting.pop(key, None)
-        if ev is not None:
-            ev.succeed(arrival)
+    # When each cross-stage output arrives at its consumer; a SimPy event (in `waiting`) only for
+    # an input a stage waits on before it is sent (most inputs are there when asked for, and skip
+    # the event queue).
+    arrives_at: dict[int, float] = {}  # by _output_key
 
     def held(until: float, t: float, window: float) -> float:
         """Seconds of [t, t + window] before `until`: how long a flow that holds the NIC or the
@@ -187,44 +245,28 @@ def run_iteration(
         overlap = min(t + window, op_end) - max(t, op_start)
         return op_nic_s * overlap / op_dur if overlap > 0 and op_dur else 0.0
 
-    def link(stage: int, to: int) -> int:
-        """The link a send between neighbouring stages takes (forward s -> s + 1 and the
-        wrap-around pp - 1 -> 0 are links s and pp - 1; backward s -> s - 1 is link s - 1)."""
-        return stage if to == (stage + 1) % pp else to
-
-    def send(stage: int, to: int, t: float) -> float:
-        """A pipeline send leaving `stage` at t for `to`: its arrival, after sharing the sender's
-        NIC with its gradient bucket and the receiver's with its current op and bucket (a send
-        between stages on one node only takes its link's time)."""
-        hop = link(stage, to)
-        nic, seconds = link_nic[hop], link_time[hop]
-        if not nic:
-            return t + seconds
-        sender = held(bucket_nic_until[stage], t, nic)
-        owed_grad[stage] += sender
-        with_op = op_nic_left(to, t, nic)
-        owed_next[to] += with_op
-        with_bucket = held(bucket_nic_until[to], t, nic)
-        owed_grad[to] += with_bucket
-        delay = max(sender, with_op + with_bucket)
+    def send(stage: int, to: int, t: float, seconds: float, nic: float) -> float:
+        """A pipeline send leaving `stage` at t for `to` over a link of `seconds`, `nic` of them on
+        the NICs (a link between nodes): its arrival, after sharing the sender's NIC with its
+        gradient bucket and the receiver's with its current op and bucket."""
+        busy = bucket_nic_until[stage] - t  # held(), inlined: this runs for every send
+        sender = 0.0 if busy <= 0 else busy if busy < nic else nic
+        busy = bucket_nic_until[to] - t
+        with_bucket = 0.0 if busy <= 0 else busy if busy < nic else nic
+        with_op = op_nic_left(to, t, nic) if op_nic[to][2] else 0.0
+        if sender:
+            owed_grad[stage] += sender
+        if with_op:
+            owed_next[to] += with_op
+        if with_bucket:
+            owed_grad[to] += with_bucket
+        delay = sender if sender > with_op + with_bucket else with_op + with_bucket
         until = t + nic + delay
-        link_nic_until[stage] = max(link_nic_until[stage], until)
-        link_nic_until[to] = max(link_nic_until[to], until)
+        if until > link_nic_until[stage]:
+            link_nic_until[stage] = until
+        if until > link_nic_until[to]:
+            link_nic_until[to] = until
         return t + seconds + delay
-
-    def producer_of(stage: int, op: Op):
-        """The op of another stage this one waits for (a W waits only for its own stage's B,
-        which the op order already puts before it)."""
-        vstage = op.chunk * pp + stage
-        if op.kind == "F":
-            return ("F", op.microbatch, vstage - 1) if vstage > 0 else None
-        if op.kind == "B":
-            return ("B", op.microbatch, vstage + 1) if vstage < last_vstage else None
-        return None
-
-    def consumed_elsewhere(stage: int, op: Op) -> bool:
-        vstage = op.chunk * pp + stage
-        return (op.kind == "F" and vstage < last_vstage) or (op.kind == "B" and vstage > 0)
 
     def last_grad_ops(ops: Sequence[Op]) -> dict[int, int]:
         """Per chunk, the index of the op that produces its last weight gradients: its last W
@@ -263,6 +305,8 @@ def run_iteration(
         """Op index -> chunk, for the first forward of each chunk whose weights are gathered
         during the iteration."""
         out: dict[int, int] = {}
+        if not gathered[stage]:
+            return out
         for i, op in enumerate(works[stage].ops):
             if op.kind == "F" and op.chunk in gathered[stage] and op.chunk not in out.values():
                 out[i] = op.chunk
@@ -270,64 +314,63 @@ def run_iteration(
 
     gate_ops = [first_forwards(s) for s in range(pp)]
 
-    def prepared(stage: int, work: StageWork):
-        """Per op, everything the stream needs, computed once: its dependency, duration, NIC time,
-        the event it produces for another stage, whether it starts a chunk's gradient flow."""
-        # the NIC is held at most for the whole op (traffic of several kinds inside one op, e.g. a
-        # ZeRO-3 gather and a cross-node CP ring, can add up to more than its duration)
-        totals = {key: (cost.total, min(cost.nic, cost.total), cost.dp_spans) for key, cost in work.op_cost.items()}
-        final_b, launch_after, _ = launches[stage]
-        out = []
-        for i, op in enumerate(work.ops):
-            duration, nic, dp_spans = totals[(op.kind, op.chunk)]
-            name = f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "") if record_spans else ""
-            produces = None
-            if consumed_elsewhere(stage, op):  # (key, the consuming stage)
-                produces = ((op.kind, op.microbatch, op.chunk * pp + stage),
-                            (stage + (1 if op.kind == "F" else -1)) % pp)
-            out.append((producer_of(stage, op), duration, nic, name, SPAN_CATEGORY[op.kind], produces, final_b.get(i),
-                        launch_after.get(i, ()), dp_spans))
-        return out
+    def op_costs(work: StageWork) -> dict:
+        """Per (kind, chunk) slot (_op_slot): the op's duration, seconds on the NIC, span category
+        and ZeRO transfers. The NIC is held at most for the whole op (traffic of several kinds
+        inside one op, e.g. a ZeRO-3 gather and a cross-node CP ring, can add up to more than its
+        duration)."""
+        return {_op_slot(kind, chunk): (cost.total, min(cost.nic, cost.total), SPAN_CATEGORY[kind], cost.dp_spans)
+                for (kind, chunk), cost in work.op_cost.items()}
 
     def compute_stream(stage: int):
         work = works[stage]
         bd = traces[stage].breakdown
         timeout = env.timeout
-        now = lambda: env.now  # noqa: E731
         bubble = comm = contention = slowed = 0.0
-        gates = gate_ops[stage]
-        for i, (dep, duration, nic, name, category, produces, grads_of, launched_after, dp_spans) in enumerate(
-                prepared(stage, work)):
+        ready_events = grad_ready[stage]
+        gathered_events = gathered[stage]
+        final_b, launch_after, _ = launches[stage]
+        ops, counts = _op_plan(work.ops, stage, pp, num_chunks, final_b, launch_after, gate_ops[stage])
+        costs = op_costs(work)
+        for dep, slot, produces, grads_of, launched_after, gate, op in ops:
+            duration, nic, category, dp_spans = costs[slot]
+            start = env.now
             recv = 0.0  # waiting for the input to arrive, folded into the op's timeout (one event)
             if dep is not None:
-                t0 = now()
                 arrival = arrives_at.get(dep)
-                if arrival is None:
-                    arrival = yield wait_for(dep)
-                t1 = now()
-                bubble += t1 - t0
-                if arrival > t1:
-                    recv = arrival - t1
+                if arrival is None:  # not sent yet: wait (its producer triggers the event)
+                    t0 = start
+                    waiting[dep] = ev = env.event()  # each output has one consumer
+                    arrival = yield ev
+                    start = env.now
+                    bubble += start - t0
+                if arrival > start:
+                    recv = arrival - start
                     comm += recv
-                    if record_spans:
-                        spans.append(Span(stage, "pp-comm", f"recv {dep[0]}{dep[1]}", "pp_comm", t1, arrival))
-            start = now() + recv
+                    if record_spans:  # the input's kind and microbatch, from its key (_output_key)
+                        spans.append(Span(stage, "pp-comm", f"recv {'FB'[dep & 1]}{(dep >> 1) // (last_vstage + 1)}",
+                                          "pp_comm", start, arrival))
+                    start += recv
             if grads_of is not None:  # this chunk's gradients start flowing now
-                grad_ready[stage][grads_of].succeed((start, start + duration))
+                ready_events[grads_of].succeed((start, start + duration))
             # a send that landed while the previous op ran: its share, paid now (one event fewer)
             shared = owed_next[stage]
             if shared:
                 owed_next[stage] = 0.0
-            gate = gates.get(i)
             gated_chunk[stage] = gate
             if nic:  # the op's traffic (spread evenly) that falls while a bucket or a send holds the NIC
                 # (a gated forward's traffic waits for its weights: the gather charges that overlap)
-                with_bucket = 0.0 if gate is not None and not gathered[stage][gate].triggered \
-                    else nic * held(bucket_nic_until[stage], start, duration) / duration
+                if gate is not None and not gathered_events[gate].triggered:
+                    with_bucket = 0.0
+                else:
+                    busy = bucket_nic_until[stage] - start
+                    with_bucket = nic * (0.0 if busy <= 0 else busy if busy < duration else duration) / duration
                 owed_grad[stage] += with_bucket
-                shared += with_bucket + nic * held(link_nic_until[stage], start, duration) / duration
+                busy = link_nic_until[stage] - start
+                shared += with_bucket + nic * (0.0 if busy <= 0 else busy if busy < duration else duration) / duration
                 op_nic[stage] = (start, start + duration + shared, nic, duration)
-            sm = COMM_SM_SHARE * held(bucket_until[stage], start, duration)
+            busy = bucket_until[stage] - start  # the SMs a gradient bucket holds (held())
+            sm = COMM_SM_SHARE * (0.0 if busy <= 0 else busy if busy < duration else duration)
             op_until[stage] = start + duration + shared + sm
             yield timeout(recv + duration + shared + sm)
             while owed_compute[stage] > 0 or owed_sm[stage] > 0:  # a bucket started during this op
@@ -337,37 +380,40 @@ def run_iteration(
                 sm += extra_sm
                 yield timeout(extra + extra_sm)
             if gate is not None:  # the first forward of a chunk computes on weights still being gathered
-                t_wait = now()
-                ev = gathered[stage][gate]
+                t_wait = env.now
+                ev = gathered_events[gate]
                 arrivals = ev.value if ev.processed else (yield ev)
                 ready = max(t + (1.0 - needed_from) * duration for t, needed_from in arrivals)
-                if ready > now():
-                    yield timeout(ready - now())
-                slowed += now() - t_wait
+                if ready > env.now:
+                    yield timeout(ready - env.now)
+                slowed += env.now - t_wait
                 gated_chunk[stage] = None
             contention += shared
             slowed += sm
-            end = now()
+            end = env.now
             if record_spans:
+                name = f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "")
                 spans.append(Span(stage, "compute", name, category, start, end))
                 for a, b, what in dp_spans:  # transfers inside the op (ZeRO-2/3), placed on its span
                     spans.append(Span(stage, "dp-comm", f"{what} {name}", "dp_comm",
                                       start + a * (end - start), start + b * (end - start)))
             if produces is not None:
-                key, to = produces
-                produce(key, send(stage, to, end))
+                key, to, hop = produces
+                hop_nic = link_nic[hop]
+                arrival = arrives_at[key] = send(stage, to, end, link_time[hop], hop_nic) if hop_nic \
+                    else end + link_time[hop]
+                ev = waiting.pop(key, None)
+                if ev is not None:
+                    ev.succeed(arrival)
             for c in launched_after:  # whole chunks whose reduction is launched now
-                grad_ready[stage][c].succeed((end, end))
-            traces[stage].ops_done += 1
+                ready_events[c].succeed((end, end))
+        traces[stage].ops_done = len(ops)
         if owed_next[stage]:  # a send landed during the last op
             contention += owed_next[stage]
             yield timeout(owed_next[stage])
         for c in launches[stage][2]:
-            grad_ready[stage][c].succeed((env.now, env.now))
+            ready_events[c].succeed((env.now, env.now))
         # the op costs are fixed per (kind, chunk): book their components by count
-        counts: dict = {}
-        for op in work.ops:
-            counts[(op.kind, op.chunk)] = counts.get((op.kind, op.chunk), 0) + 1
         for key, n in counts.items():
             for k, v in work.op_cost[key].parts.items():
                 if v:

@@ -304,3 +304,25 @@ def test_aligned_grad_reduce_under_zero_bubble_counts_weight_passes():
             assert comm[f"grad-reduce c{c} b0"] >= launch
         stage_trace = res.stages[stage]
         assert sum(stage_trace.breakdown.values()) == pytest.approx(stage_trace.end)
+
+
+def test_kept_op_plan_gives_the_timeline_of_a_fresh_one():
+    # the engine keeps the op plan of an immutable (cached) schedule; a replay must not differ
+    from simulator.engine import clear_caches
+    works = uniform_works(build_schedule("interleaved-1f1b", 4, 8, 2))
+    first = run_iteration(works, num_chunks=2, p2p_time=0.25, overlap_grad_reduce=True, sync_time=0.0)
+    again = run_iteration(works, num_chunks=2, p2p_time=0.25, overlap_grad_reduce=True, sync_time=0.0)
+    clear_caches()
+    fresh = run_iteration(works, num_chunks=2, p2p_time=0.25, overlap_grad_reduce=True, sync_time=0.0)
+    assert [(s.stage, s.name, s.start, s.end) for s in again.spans] == \
+        [(s.stage, s.name, s.start, s.end) for s in first.spans] == [(s.stage, s.name, s.start, s.end) for s in fresh.spans]
+
+
+def test_a_schedule_given_as_a_list_is_read_on_every_run():
+    # a list may change between runs: its op plan is not kept
+    ops = [Op("F", 0), Op("B", 0)]
+    works = [StageWork(ops=ops, op_cost={("F", 0): Cost().add("compute", 1.0), ("B", 0): Cost().add("compute", 2.0)},
+                       grad_buckets={}, optimizer_time=0.0, param_gather_time=0.0)]
+    assert run_iteration(works, num_chunks=1, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0).step_time == 3.0
+    ops += [Op("F", 1), Op("B", 1)]
+    assert run_iteration(works, num_chunks=1, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0).step_time == 6.0
