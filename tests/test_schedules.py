@@ -326,3 +326,14 @@ def test_a_schedule_given_as_a_list_is_read_on_every_run():
     assert run_iteration(works, num_chunks=1, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0).step_time == 3.0
     ops += [Op("F", 1), Op("B", 1)]
     assert run_iteration(works, num_chunks=1, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0).step_time == 6.0
+
+
+def test_kept_op_plan_takes_each_runs_costs():
+    # same (cached) schedule, other op costs: the exact 1F1B timeline of the new costs
+    ops = build_schedule("1f1b", 2, 2)
+    run_iteration(uniform_works(ops, f=1.0, b=2.0), num_chunks=1, p2p_time=0.5, overlap_grad_reduce=True,
+                  sync_time=0.0)
+    res = run_iteration(uniform_works(ops, f=2.0, b=4.0), num_chunks=1, p2p_time=0.5, overlap_grad_reduce=True,
+                        sync_time=0.0)
+    # stage 1 gets F0 at 2 + 0.5 and runs B0 4.5-8.5; B0 reaches stage 0 at 9.0, B1 at 15.0
+    assert compute_log(res, 0) == [(0.0, "F0"), (2.0, "F1"), (9.0, "B0"), (15.0, "B1"), (19.0, "optimizer")]
