@@ -253,7 +253,12 @@ def run_iteration(
         sender = 0.0 if busy <= 0 else busy if busy < nic else nic
         busy = bucket_nic_until[to] - t
         with_bucket = 0.0 if busy <= 0 else busy if busy < nic else nic
-        with_op = op_nic_left(to, t, nic) if op_nic[to][2] else 0.0
+        op_start, op_end, op_nic_s, op_dur = op_nic[to]  # op_nic_left(to, t, nic), inlined
+        with_op = 0.0
+        if op_nic_s:
+            overlap = (t + nic if t + nic < op_end else op_end) - (t if t > op_start else op_start)
+            if overlap > 0 and op_dur:
+                with_op = op_nic_s * overlap / op_dur
         if sender:
             owed_grad[stage] += sender
         if with_op:
@@ -357,7 +362,8 @@ def run_iteration(
             shared = owed_next[stage]
             if shared:
                 owed_next[stage] = 0.0
-            gated_chunk[stage] = gate
+            if gate is not None:
+                gated_chunk[stage] = gate  # reset to None once the gated op ends
             if nic:  # the op's traffic (spread evenly) that falls while a bucket or a send holds the NIC
                 # (a gated forward's traffic waits for its weights: the gather charges that overlap)
                 if gate is not None and not gathered_events[gate].triggered:
