@@ -98,7 +98,8 @@ def _add(d: dict, key: str, value: float) -> None:
 
 KINDS = "FBW"
 _PLAN_CACHE: dict = {}
-_PLAN_CACHE_SIZE = 256
+# kept op plans, counted in ops (about 220 bytes each): a planner's study meets few schedules
+_PLAN_CACHE_OPS = 200_000
 
 
 def _op_slot(kind: str, chunk: int) -> int:
@@ -152,9 +153,10 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
         extra = (final_b.get(i), launch_after.get(i, ()), gates.get(i)) if i in special else (None, (), None)
         plan.append((dep, _op_slot(kind, chunk), out, *extra, op))
     counts = collections.Counter((kind, chunk) for kind, _, chunk in ops)
-    if isinstance(ops, tuple):  # a list may change after the call
-        if len(_PLAN_CACHE) >= _PLAN_CACHE_SIZE:
-            del _PLAN_CACHE[next(iter(_PLAN_CACHE))]
+    if isinstance(ops, tuple) and len(ops) <= _PLAN_CACHE_OPS:  # a list may change after the call
+        kept = sum(len(entry[0]) for entry in _PLAN_CACHE.values())
+        while _PLAN_CACHE and kept + len(ops) > _PLAN_CACHE_OPS:  # drop the oldest
+            kept -= len(_PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))[0])
         _PLAN_CACHE[key] = (ops, plan, counts)
     return plan, counts
 

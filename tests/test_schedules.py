@@ -337,3 +337,15 @@ def test_kept_op_plan_takes_each_runs_costs():
                         sync_time=0.0)
     # stage 1 gets F0 at 2 + 0.5 and runs B0 4.5-8.5; B0 reaches stage 0 at 9.0, B1 at 15.0
     assert compute_log(res, 0) == [(0.0, "F0"), (2.0, "F1"), (9.0, "B0"), (15.0, "B1"), (19.0, "optimizer")]
+
+
+def test_kept_op_plans_stay_within_their_bound(monkeypatch):
+    from simulator import engine
+    engine.clear_caches()
+    monkeypatch.setattr(engine, "_PLAN_CACHE_OPS", 40)
+    for m in (2, 3, 4, 5):  # 2 stages x 2m ops each: 8, 12, 16, 20 ops a schedule
+        run_iteration(uniform_works(build_schedule("1f1b", 2, m)), num_chunks=1, p2p_time=0.5,
+                      overlap_grad_reduce=True, sync_time=0.0)
+        assert sum(len(entry[0]) for entry in engine._PLAN_CACHE.values()) <= 40
+    assert engine._PLAN_CACHE  # the latest schedule's plans are kept
+    engine.clear_caches()
