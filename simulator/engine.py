@@ -96,15 +96,17 @@ def _add(d: dict, key: str, value: float) -> None:
     d[key] = d.get(key, 0.0) + value
 
 
-KINDS = "FBW"
+KINDS = ("F", "B", "W")
+_KIND_INDEX = {kind: i for i, kind in enumerate(KINDS)}
 _PLAN_CACHE: dict = {}
-# kept op plans, counted in ops (about 220 bytes each): a planner's study meets few schedules
+# kept op plans, counted in ops (about 300 bytes each with the schedule's Op they keep alive; per
+# process): a planner's study meets few schedules
 _PLAN_CACHE_OPS = 200_000
 
 
 def _op_slot(kind: str, chunk: int) -> int:
     """An int naming an op's (kind, chunk), its key in a stage's table of op costs."""
-    return chunk * len(KINDS) + KINDS.index(kind)
+    return chunk * len(KINDS) + _KIND_INDEX[kind]
 
 
 def _output_key(kind: str, microbatch: int, vstage: int, num_vstages: int) -> int:
@@ -138,6 +140,8 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
     plan = []
     for i, op in enumerate(ops):
         kind, mb, chunk = op
+        if kind not in _KIND_INDEX or not 0 <= chunk < num_chunks:
+            raise ValueError(f"stage {stage}: op {op} is not an F, B or W of a chunk below {num_chunks}")
         vstage = chunk * pp + stage
         dep = out = None  # a W waits only for its own stage's B, which the op order puts first
         if kind == "F":
@@ -152,7 +156,7 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
                 out = (_output_key(kind, mb, vstage, vstages), down, _link(stage, down, pp))
         extra = (final_b.get(i), launch_after.get(i, ()), gates.get(i)) if i in special else (None, (), None)
         plan.append((dep, _op_slot(kind, chunk), out, *extra, op))
-    counts = collections.Counter((kind, chunk) for kind, _, chunk in ops)
+    counts = collections.Counter((kind, chunk) for kind, _, chunk in ops)  # also the (kind, chunk)s used
     if isinstance(ops, tuple) and len(ops) <= _PLAN_CACHE_OPS:  # a list may change after the call
         kept = sum(len(entry[0]) for entry in _PLAN_CACHE.values())
         while _PLAN_CACHE and kept + len(ops) > _PLAN_CACHE_OPS:  # drop the oldest
@@ -327,7 +331,7 @@ def run_iteration(
         inside one op, e.g. a ZeRO-3 gather and a cross-node CP ring, can add up to more than its
         duration)."""
         return {_op_slot(kind, chunk): (cost.total, min(cost.nic, cost.total), SPAN_CATEGORY[kind], cost.dp_spans)
-                for (kind, chunk), cost in work.op_cost.items()}
+                for (kind, chunk), cost in work.op_cost.items() if kind in _KIND_INDEX}
 
     def compute_stream(stage: int):
         work = works[stage]
@@ -339,6 +343,9 @@ def run_iteration(
         final_b, launch_after, _ = launches[stage]
         ops, counts = _op_plan(work.ops, stage, pp, num_chunks, final_b, launch_after, gate_ops[stage])
         costs = op_costs(work)
+        missing = sorted(key for key in counts if key not in work.op_cost)
+        if missing:
+            raise KeyError(f"stage {stage}: no op cost for (kind, chunk) {missing}")
         for dep, slot, produces, grads_of, launched_after, gate, op in ops:
             duration, nic, category, dp_spans = costs[slot]
             start = env.now

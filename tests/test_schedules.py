@@ -349,3 +349,13 @@ def test_kept_op_plans_stay_within_their_bound(monkeypatch):
         assert sum(len(entry[0]) for entry in engine._PLAN_CACHE.values()) <= 40
     assert engine._PLAN_CACHE  # the latest schedule's plans are kept
     engine.clear_caches()
+
+
+def test_an_op_outside_the_chunks_or_without_a_cost_is_named():
+    works = uniform_works([[Op("F", 0, 0), Op("F", 1, 1)]])
+    with pytest.raises(ValueError, match=r"op Op\(kind='F', microbatch=1, chunk=1\) is not .* below 1"):
+        run_iteration(works, num_chunks=1, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0)
+    works = [StageWork(ops=[Op("F", 0), Op("B", 0)], op_cost={("F", 0): Cost().add("compute", 1.0)},
+                       grad_buckets={}, optimizer_time=0.0, param_gather_time=0.0)]
+    with pytest.raises(KeyError, match=r"no op cost for \(kind, chunk\) \[\('B', 0\)\]"):
+        run_iteration(works, num_chunks=1, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0)
