@@ -33,7 +33,8 @@ CASES = [
 PLANNER_CASE = ("DeepSeek-V3, as the planner runs it (no reference)", "scenarios/deepseek-v3-2048xh800.yaml", 100)
 
 
-def time_inprocess(path: str, overrides: list[str], repeats: int, **kw) -> tuple[float, float]:
+def time_inprocess(path: str, overrides: list[str], repeats: int, **kw) -> tuple[float, float, float]:
+    """(median seconds, fastest seconds, the predicted step time) of `repeats` simulations."""
     sc = load_scenario(ROOT / path, overrides)
     simulate(sc, **kw)  # load the GPU profile and import lazily imported modules once
     times = []
@@ -45,7 +46,7 @@ def time_inprocess(path: str, overrides: list[str], repeats: int, **kw) -> tuple
         t0 = time.perf_counter()
         res = simulate(sc, **kw)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), res.step_time_s
+    return statistics.median(times), min(times), res.step_time_s
 
 
 def time_cli(path: str, repeats: int) -> float:
@@ -62,15 +63,16 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeats", type=int, default=7)
     args = ap.parse_args()
-    print(f"{'scenario':<52} {'simulate() median':>18} {'target':>8}  predicted step")
+    # the median is the figure; the fastest run shows the code's speed when this machine is quiet
+    print(f"{'scenario':<52} {'simulate() median':>18} {'fastest':>9} {'target':>8}  predicted step")
     for label, path, overrides, target in CASES:
-        med, step = time_inprocess(path, overrides, args.repeats)
-        print(f"{label:<52} {med * 1e3:15.1f} ms {f'{target} ms':>8}  {step:.2f} s")
+        med, fastest, step = time_inprocess(path, overrides, args.repeats)
+        print(f"{label:<52} {med * 1e3:15.1f} ms {fastest * 1e3:6.1f} ms {f'{target} ms':>8}  {step:.2f} s")
     label, path, target = PLANNER_CASE
-    med, step = time_inprocess(path, [], args.repeats, imbalance_reference=False, record_spans=False)
-    print(f"{label:<52} {med * 1e3:15.1f} ms {f'{target} ms':>8}  {step:.2f} s")
+    med, fastest, step = time_inprocess(path, [], args.repeats, imbalance_reference=False, record_spans=False)
+    print(f"{label:<52} {med * 1e3:15.1f} ms {fastest * 1e3:6.1f} ms {f'{target} ms':>8}  {step:.2f} s")
     cli = time_cli(CASES[0][1], max(3, args.repeats // 2))
-    print(f"{'paraplan simulate (CLI, incl. interpreter start)':<52} {cli * 1e3:15.0f} ms {'1500 ms':>8}")
+    print(f"{'paraplan simulate (CLI, incl. interpreter start)':<52} {cli * 1e3:15.0f} ms {'':>9} {'1500 ms':>8}")
 
 
 if __name__ == "__main__":
