@@ -75,6 +75,48 @@ class Span:
     end: float
 
 
+def _op_name(op: Op, num_chunks: int) -> str:
+    """An op's span name: F3, or F3.1 for chunk 1 when the schedule is interleaved."""
+    return f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "")
+
+
+class Timeline(Sequence):
+    """The spans of an iteration. The engine records its most frequent ones (a compute op, a
+    pipeline receive) as bare tuples; they become Span objects, with their names, when the
+    timeline is first read (--trace, --plot), not while the iteration is simulated."""
+
+    def __init__(self, records: list, num_chunks: int, num_vstages: int):
+        self._records = records
+        self._num_chunks = num_chunks
+        self._num_vstages = num_vstages
+        self._spans: list[Span] | None = None
+
+    def _span(self, rec) -> Span:
+        if isinstance(rec, Span):
+            return rec
+        if len(rec) == 4:  # a receive: (stage, input key (_output_key), start, arrival)
+            stage, key, start, end = rec
+            return Span(stage, "pp-comm", f"recv {'FB'[key & 1]}{(key >> 1) // self._num_vstages}", "pp_comm",
+                        start, end)
+        stage, op, category, start, end = rec  # an op
+        return Span(stage, "compute", _op_name(op, self._num_chunks), category, start, end)
+
+    def _built(self) -> list[Span]:
+        if self._spans is None:
+            self._spans = [self._span(rec) for rec in self._records]
+            self._records = []
+        return self._spans
+
+    def __getitem__(self, index):
+        return self._built()[index]
+
+    def __iter__(self):
+        return iter(self._built())
+
+    def __len__(self) -> int:
+        return len(self._spans if self._spans is not None else self._records)
+
+
 @dataclass
 class StageTrace:
     compute_end: float = 0.0
@@ -88,7 +130,7 @@ class StageTrace:
 class EngineResult:
     step_time: float
     stages: list[StageTrace]
-    spans: list[Span]
+    spans: Timeline
     sync_time: float
 
 
@@ -195,15 +237,15 @@ def run_iteration(
     backward when fewer remain. Under a split backward (zero-bubble) the W passes, which produce
     the weight gradients, are the ones counted.
     `record_spans` False leaves the timeline out (EngineResult.spans empty): the planner needs only
-    the figures, and building a span per op and per receive is a fifth to a third of the engine's
-    time."""
+    the figures. Recorded, the spans of ops and receives are bare records until the timeline is
+    read; built as they ran, they had cost a fifth to a third of the engine's time."""
     env = simpy.Environment()
     pp = len(works)
     link_time = list(p2p_time) if isinstance(p2p_time, Sequence) else [p2p_time] * pp
     link_nic = list(p2p_nic) if isinstance(p2p_nic, Sequence) else [p2p_nic] * pp
     last_vstage = pp * num_chunks - 1
     waiting: dict[int, simpy.Event] = {}
-    spans: list[Span] = []
+    spans: list = []  # Span objects, and the bare records Timeline names when read
     traces = [StageTrace() for _ in range(pp)]
     grad_ready = [{c: env.event() for c in w.grad_buckets} for w in works]
     # per chunk with an overlapped weight gather: an event carrying its buckets' arrival times
@@ -362,9 +404,8 @@ def run_iteration(
                 if arrival > start:
                     recv = arrival - start
                     comm += recv
-                    if record_spans:  # the input's kind and microbatch, from its key (_output_key)
-                        spans.append(Span(stage, "pp-comm", f"recv {'FB'[dep & 1]}{(dep >> 1) // (last_vstage + 1)}",
-                                          "pp_comm", start, arrival))
+                    if record_spans:  # named when the timeline is read (Timeline)
+                        spans.append((stage, dep, start, arrival))
                     start += recv
             if grads_of is not None:  # this chunk's gradients start flowing now
                 ready_events[grads_of].succeed((start, start + duration))
@@ -408,9 +449,9 @@ def run_iteration(
             slowed += sm
             end = env.now
             if record_spans:
-                name = f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "")
-                spans.append(Span(stage, "compute", name, category, start, end))
+                spans.append((stage, op, category, start, end))  # named when the timeline is read
                 for a, b, what in dp_spans:  # transfers inside the op (ZeRO-2/3), placed on its span
+                    name = _op_name(op, num_chunks)
                     spans.append(Span(stage, "dp-comm", f"{what} {name}", "dp_comm",
                                       start + a * (end - start), start + b * (end - start)))
             if produces is not None:
@@ -533,4 +574,5 @@ def run_iteration(
                 spans.append(Span(s, "dp-comm", "param all-gather", "dp_comm", opt_end, t.end))
             _add(bd, "dp_comm", work.param_gather_time)
         step = max(step, t.end)
-    return EngineResult(step_time=step, stages=traces, spans=spans, sync_time=sync_time)
+    return EngineResult(step_time=step, stages=traces, spans=Timeline(spans, num_chunks, last_vstage + 1),
+                        sync_time=sync_time)

@@ -1,6 +1,7 @@
 """What a simulation returns, and its JSON form."""
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 BREAKDOWN_KEYS = (
@@ -56,7 +57,7 @@ class SimResult:
     critical_stage: int
     breakdown: dict
     stages: tuple[StageResult, ...]
-    spans: list = field(default_factory=list, repr=False, compare=False)
+    spans: Sequence = field(default_factory=list, repr=False, compare=False)  # engine.Span, built when read
     notes: tuple[str, ...] = ()
     moe: MoEReport | None = None
 

@@ -359,3 +359,17 @@ def test_an_op_outside_the_chunks_or_without_a_cost_is_named():
                        grad_buckets={}, optimizer_time=0.0, param_gather_time=0.0)]
     with pytest.raises(KeyError, match=r"no op cost for \(kind, chunk\) \[\('B', 0\)\]"):
         run_iteration(works, num_chunks=1, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0)
+
+
+def test_pipeline_receives_on_the_timeline_and_the_timeline_as_a_sequence():
+    # the 2-stage 1F1B above: stage 1 waits for F0 from 1.0 (stage 0's end) to 1.5 (its arrival);
+    # stage 0 for B0 from 4.5 to 5.0 and for B1 from 7.5 to 8.0
+    import pickle
+    works = uniform_works(build_schedule("1f1b", 2, 2))
+    res = run_iteration(works, num_chunks=1, p2p_time=0.5, overlap_grad_reduce=True, sync_time=0.0)
+    n = len(res.spans)  # known before the spans are built
+    assert [(s.stage, s.name, s.category, s.start, s.end) for s in res.spans if s.stream == "pp-comm"] == [
+        (1, "recv F0", "pp_comm", 1.0, 1.5), (0, "recv B0", "pp_comm", 4.5, 5.0), (0, "recv B1", "pp_comm", 7.5, 8.0)]
+    assert len(res.spans) == n == len(list(res.spans)) and res.spans[-1].name == "optimizer"
+    again = pickle.loads(pickle.dumps(res.spans))
+    assert [(s.stage, s.name, s.start) for s in again] == [(s.stage, s.name, s.start) for s in res.spans]
