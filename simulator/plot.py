@@ -19,14 +19,15 @@ def timeline_png(result) -> bytes:
     for s in range(pp):
         rows[(s, "compute")] = 2 * (pp - 1 - s) + 1
         rows[(s, "comm")] = 2 * (pp - 1 - s)
-    bars: dict[str, list] = {}
+    # one collection per category and row (a collection per span took 40 s for 7,500 spans)
+    bars: dict[str, dict[int, list]] = {}
     for sp in result.spans:
         row = rows[(sp.stage, "compute" if sp.stream == "compute" else "comm")]
-        bars.setdefault(sp.category, []).append((row, sp.start, sp.end - sp.start))
-    for cat, items in bars.items():
-        for row, start, width in items:
-            ax.broken_barh([(start * 1e3, width * 1e3)], (row + 0.1, 0.8), facecolors=COLORS.get(cat, "gray"),
-                           edgecolors="white", linewidth=0.3)
+        bars.setdefault(sp.category, {}).setdefault(row, []).append((sp.start * 1e3, (sp.end - sp.start) * 1e3))
+    for cat, by_row in bars.items():
+        for row, xranges in by_row.items():
+            ax.broken_barh(xranges, (row + 0.1, 0.8), facecolors=COLORS.get(cat, "gray"), edgecolors="white",
+                           linewidth=0.3)
         ax.barh(0, 0, color=COLORS.get(cat, "gray"), label=cat)
     ax.set_yticks([rows[(s, "compute")] + 0.5 for s in range(pp)] + [rows[(s, "comm")] + 0.5 for s in range(pp)])
     ax.set_yticklabels([f"stage {s}" for s in range(pp)] + [f"stage {s} comm" for s in range(pp)], fontsize=7)
