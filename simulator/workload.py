@@ -480,7 +480,7 @@ def mtp_projection(ctx: LayerContext, backward: bool) -> Cost:
     h = ctx.model.hidden_size
     gemm = _linear(ctx, 2 * h, h // ctx.plan.tp, backward)
     norms = _memory_bound(ctx, [2 * _norm_bytes(ctx)], backward)
-    tp = _tp_collectives(ctx, [(2 * h, h, "column")])[0]
+    tp = _tp_collectives(ctx, _tp_transfers(ctx, [(2 * h, h, "column")]))[0]
     if ctx.plan.tp > 1:
         tp += collective_time(ctx.network, "all_gather", ctx.tokens * h * ctx.act_bytes, ctx.tp_layout)
     return Cost().add("compute", gemm + norms).add("tp_comm", tp)

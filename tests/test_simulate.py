@@ -798,3 +798,22 @@ def test_the_timeline_png_draws_one_collection_per_category_and_row(monkeypatch)
     assert png.startswith(b"\x89PNG")
     rows = {(sp.category, sp.stage, sp.stream == "compute") for sp in res.spans}
     assert len(calls) == len(rows) and sum(calls) == len(res.spans)
+
+
+@pytest.mark.parametrize("sp", [True, False])
+def test_multi_token_prediction_projection_under_tensor_parallelism(sp):
+    """The MTP module's column-parallel 2h -> h projection at TP 2: under sequence parallelism its
+    2h-wide input is all-gathered; with or without, its h-wide output is gathered back for the
+    layer (by hand, from the network model). This path once crashed the planner on DeepSeek-V3."""
+    from hwmodels.network import collective_time
+    from simulator.workload import mtp_projection
+
+    ctx = _mla_context(tp=2, sp=sp)
+    h, tok = ctx.model.hidden_size, ctx.tokens * ctx.act_bytes
+    gather_in = collective_time(ctx.network, "all_gather", tok * 2 * h, ctx.tp_layout) if sp else 0.0
+    gather_out = collective_time(ctx.network, "all_gather", tok * h, ctx.tp_layout)
+    for backward in (False, True):
+        assert mtp_projection(ctx, backward).parts["tp_comm"] == pytest.approx(gather_in + gather_out, rel=1e-12)
+    if sp:  # the whole plan (Megatron-Core's MoE needs sequence parallelism under TP)
+        sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml", ["plan.tp=2", "plan.sequence_parallel=true"])
+        assert simulate(sc, record_spans=False).breakdown["tp_comm"] > 0
