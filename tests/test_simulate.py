@@ -817,3 +817,32 @@ def test_multi_token_prediction_projection_under_tensor_parallelism(sp):
     if sp:  # the whole plan (Megatron-Core's MoE needs sequence parallelism under TP)
         sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml", ["plan.tp=2", "plan.sequence_parallel=true"])
         assert simulate(sc, record_spans=False).breakdown["tp_comm"] > 0
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3-2048xh800", "mixtral-8x7b-64xh100", "tiny-gpt-8xa100"])
+def test_random_plan_overrides_simulate_or_are_refused_by_name(name):
+    """Seeded random plans (the knobs a planner turns): each either simulates or is refused with a
+    ParaplanError naming why; nothing else escapes. DeepSeek-V3 at tp > 1 once raised ValueError."""
+    import random
+
+    from paraplan.errors import ParaplanError
+
+    knobs = {"plan.tp": [1, 2, 4, 8], "plan.pp": [1, 2, 4, 8], "plan.cp": [1, 2], "plan.micro_batch_size": [1, 2],
+             "plan.schedule": ["gpipe", "1f1b", "interleaved-1f1b", "zero-bubble"],
+             "plan.virtual_pipeline_stages": [1, 2], "plan.sequence_parallel": ["true", "false"],
+             "plan.zero_stage": [0, 1, 2, 3], "plan.recompute": ["none", "selective", "full"],
+             "training.precision": ["bf16", "fp8"], "plan.dp": ["null"]}
+    sc0 = load_scenario(ROOT / "scenarios" / f"{name}.yaml")
+    if sc0.model.moe is not None:
+        knobs.update({"plan.ep": [1, 2, 8, 32], "model.moe.routing.distribution": ["uniform", "zipf"]})
+    rng = random.Random(1)  # this draw also reaches DeepSeek-V3 at tp > 1
+    simulated = 0
+    for _ in range(40):
+        overrides = [f"{k}={rng.choice(v)}" for k, v in knobs.items() if rng.random() < 0.5]
+        try:
+            simulate(load_scenario(ROOT / "scenarios" / f"{name}.yaml", overrides), imbalance_reference=False,
+                     record_spans=False)
+            simulated += 1
+        except ParaplanError as e:
+            assert "\n" not in str(e) and str(e), overrides
+    assert simulated >= 4  # the draw reaches plans that run, not only refusals
