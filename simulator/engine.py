@@ -35,6 +35,7 @@ that bucket k's predecessor made possible, so that is all the two share.
 from __future__ import annotations
 
 import collections
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -141,6 +142,7 @@ def _add(d: dict, key: str, value: float) -> None:
 KINDS = ("F", "B", "W")
 _KIND_INDEX = {kind: i for i, kind in enumerate(KINDS)}
 _PLAN_CACHE: dict = {}
+_PLAN_CACHE_LOCK = threading.Lock()
 # kept op plans, counted in ops (about 300 bytes each with the schedule's Op they keep alive; per
 # process): a planner's study meets few schedules
 _PLAN_CACHE_OPS = 200_000
@@ -200,16 +202,18 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
         plan.append((dep, _op_slot(kind, chunk), out, *extra, op))
     counts = collections.Counter((kind, chunk) for kind, _, chunk in ops)  # also the (kind, chunk)s used
     if isinstance(ops, tuple) and len(ops) <= _PLAN_CACHE_OPS:  # a list may change after the call
-        kept = sum(len(entry[0]) for entry in _PLAN_CACHE.values())
-        while _PLAN_CACHE and kept + len(ops) > _PLAN_CACHE_OPS:  # drop the oldest
-            kept -= len(_PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))[0])
-        _PLAN_CACHE[key] = (ops, plan, counts)
+        with _PLAN_CACHE_LOCK:  # simulate() may run in several threads
+            kept = sum(len(entry[0]) for entry in _PLAN_CACHE.values())
+            while _PLAN_CACHE and kept + len(ops) > _PLAN_CACHE_OPS:  # drop the oldest
+                kept -= len(_PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))[0])
+            _PLAN_CACHE[key] = (ops, plan, counts)
     return plan, counts
 
 
 def clear_caches() -> None:
     """Forget the kept op plans (for benchmarks that time a plan never simulated before)."""
-    _PLAN_CACHE.clear()
+    with _PLAN_CACHE_LOCK:
+        _PLAN_CACHE.clear()
 
 
 def run_iteration(

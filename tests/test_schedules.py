@@ -373,3 +373,24 @@ def test_pipeline_receives_on_the_timeline_and_the_timeline_as_a_sequence():
     assert len(res.spans) == n == len(list(res.spans)) and res.spans[-1].name == "optimizer"
     again = pickle.loads(pickle.dumps(res.spans))
     assert [(s.stage, s.name, s.start) for s in again] == [(s.stage, s.name, s.start) for s in res.spans]
+
+
+def test_runs_in_threads_share_the_kept_op_plans_safely(monkeypatch):
+    # simulate() called from several threads: the op-plan cache evicts under a lock
+    from concurrent.futures import ThreadPoolExecutor
+
+    from simulator import engine
+    monkeypatch.setattr(engine, "_PLAN_CACHE_OPS", 60)  # evict all the time
+    engine.clear_caches()
+
+    def run(m):
+        res = run_iteration(uniform_works(build_schedule("1f1b", 3, m)), num_chunks=1, p2p_time=0.5,
+                            overlap_grad_reduce=True, sync_time=0.0)
+        return m, res.step_time
+
+    alone = dict(run(m) for m in range(2, 10))
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(run, [2, 3, 4, 5, 6, 7, 8, 9] * 6))
+    engine.clear_caches()
+    assert all(step == alone[m] for m, step in got)
+    assert sum(len(entry[0]) for entry in engine._PLAN_CACHE.values()) == 0
