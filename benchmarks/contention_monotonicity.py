@@ -27,7 +27,7 @@ def sweep(path: Path) -> dict[str, list[float]]:
     c = load_scenario(path).cluster
 
     def step(override: str) -> float:
-        return simulate(load_scenario(path, [override])).step_time_s
+        return simulate(load_scenario(path, [override]), imbalance_reference=False, record_spans=False).step_time_s
 
     scales = np.linspace(2.0, 0.5, STEPS)
     nic_gbps, nvl_gbps = c.inter_node.nic_bandwidth * 8 / 1e9, c.intra_node.bandwidth / 1e9

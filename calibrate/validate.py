@@ -219,7 +219,7 @@ def refit(sc, measured_s: float, *, config: str = "", when: _dt.datetime | None 
     from simulator.simulate import simulate
 
     base = _profile_of(sc)
-    first = simulated if simulated is not None else simulate(sc, imbalance_reference=False)
+    first = simulated if simulated is not None else simulate(sc, imbalance_reference=False, record_spans=False)
     before = first.step_time_s
     with tempfile.TemporaryDirectory(prefix="paraplan-refit-") as tmp:
         cache: dict[float, float] = {}
@@ -229,7 +229,7 @@ def refit(sc, measured_s: float, *, config: str = "", when: _dt.datetime | None 
                 path = Path(tmp) / f"k{len(cache)}.yaml"
                 write_profile(scaled_profile(base, k), path)
                 cache[k] = simulate(dataclasses.replace(sc, cluster=dataclasses.replace(sc.cluster, gpu=str(path))),
-                                    imbalance_reference=False).step_time_s
+                                    imbalance_reference=False, record_spans=False).step_time_s
             return cache[k]
 
         # first guess: the whole residual is compute (and recompute) time, which scales as 1/k

@@ -455,7 +455,8 @@ def evaluate(records: list[dict], *, include_moe: bool = True, profiles: dict[st
         if not usable:
             continue
         try:
-            res = simulate(load_scenario(scenario))
+            # the step time and fit only: no timeline, no balanced-router reference run
+            res = simulate(load_scenario(scenario), imbalance_reference=False, record_spans=False)
             rows.append(Row(rec["id"], not is_dense(rec), target[0], target[1], res.step_time_s, res.fits, gpu=gpu,
                             gpu_bundled=bundled))
         except ParaplanError as e:
