@@ -61,15 +61,14 @@ PLANS = (
 )
 
 
-def scenario(p: Plan, gpu: str, *, steps: int, warmup: int, attention: str = "flash") -> Scenario:
+def scenario(p: Plan, gpu: str, *, steps: int, warmup: int) -> Scenario:
     model = ModelSpec(name=p.name.split()[0], num_layers=p.layers, hidden_size=p.hidden,
                       num_attention_heads=p.heads, num_kv_heads=p.kv_heads, head_dim=p.hidden // p.heads,
                       ffn_hidden_size=p.ffn, vocab_size=p.vocab, activation=p.activation)
     return Scenario(
         name=p.name, model=model,
         cluster=ClusterSpec(gpu=gpu, num_nodes=1, gpus_per_node=1),
-        training=TrainingSpec(seq_length=p.seq, global_batch_size=p.mbs * p.microbatches, precision="bf16",
-                              attention=attention),
+        training=TrainingSpec(seq_length=p.seq, global_batch_size=p.mbs * p.microbatches, precision="bf16"),
         plan=PlanSpec(micro_batch_size=p.mbs, recompute=p.recompute),
         run=RunSpec(steps=steps, warmup_steps=warmup, backend="nccl", timeout_s=600))
 
@@ -93,12 +92,14 @@ def measure(scenarios: list[Scenario]) -> tuple[list[dict], str | None]:
             return done, f"{exc}\n{tail}"
 
 
-def predict(sc: Scenario, gpu: str) -> dict:
+def predict(sc: Scenario, gpu: str, attention: str) -> dict:
+    """The simulated step of `sc` on profile `gpu`, its attention priced as `attention`."""
     from dataclasses import replace
 
     from simulator.simulate import simulate
 
-    sim = simulate(replace(sc, cluster=replace(sc.cluster, gpu=gpu)), record_spans=False)
+    sim = simulate(replace(sc, cluster=replace(sc.cluster, gpu=gpu), training=replace(sc.training, attention=attention)),
+                   record_spans=False)
     return {"step_time_s": sim.step_time_s, "breakdown_s": dict(sim.breakdown), "mfu": sim.mfu,
             "peak_memory_bytes": sim.peak_memory_bytes}
 
@@ -142,14 +143,10 @@ def main() -> int:
     if bundled is None:
         print(f"gpu_closed_loop: {device!r} matches no bundled profile")
         return 2
-    from dataclasses import replace
-
+    from calibrate.validate import resolve_profile
     from hwmodels.profile import load_profile
 
     attention = args.attention or ("flash3" if load_profile(bundled).arch == "hopper" else "flash")
-    scenarios = [replace(sc, training=replace(sc.training, attention=attention)) for sc in scenarios]
-    from calibrate.validate import resolve_profile
-
     profiles = [bundled] + [resolve_profile(p) for p in args.profile]  # bundled names, or files
     names = [Path(p).name if Path(p).suffix in (".yaml", ".yml") else p for p in profiles]
     if len(set(names)) != len(names):
@@ -163,7 +160,7 @@ def main() -> int:
                "measured_spread_pct": 100.0 * (max(steps) - min(steps)) / statistics.median(steps),
                "measured_peak_memory_bytes": m["ranks"][0]["memory"]["peak_total"], "predicted": {}}
         for prof, label in zip(profiles, names):
-            row["predicted"][label] = predict(sc, prof)
+            row["predicted"][label] = predict(sc, prof, attention)
         rows.append(row)
     print(f"{device} ({device_info.get('torch', '?')}, CUDA {device_info.get('cuda', '?')}); attention simulated "
           f"as {attention}; error = predicted / measured - 1")
