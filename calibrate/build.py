@@ -408,6 +408,7 @@ def _rounded(p: GpuProfile, base: GpuProfile | None) -> GpuProfile:
 
     base_peaks = dict(base.peak_flops) if base is not None else {}
     base_gemm = dict(base.gemm_efficiency) if base is not None else {}
+    base_flash3 = (base.attention_flash3_efficiency if base is not None else None) or (None, None)
     return dataclasses.replace(
         p, peak_flops=tuple((d, v if base_peaks.get(d) == v else _sig(v, TFLOPS)) for d, v in p.peak_flops),
         hbm_bandwidth=num("hbm_bandwidth", GBPS), hbm_efficiency=field_curve("hbm_efficiency", MB),
@@ -415,9 +416,7 @@ def _rounded(p: GpuProfile, base: GpuProfile | None) -> GpuProfile:
         attention_fwd_efficiency=field_curve("attention_fwd_efficiency", GFLOP),
         attention_bwd_efficiency=field_curve("attention_bwd_efficiency", GFLOP),
         attention_flash3_efficiency=(None if p.attention_flash3_efficiency is None else tuple(
-            curve(c, old, GFLOP) for c, old in zip(p.attention_flash3_efficiency,
-                                                   (base.attention_flash3_efficiency if base is not None
-                                                    and base.attention_flash3_efficiency else (None, None))))),
+            curve(c, old, GFLOP) for c, old in zip(p.attention_flash3_efficiency, base_flash3))),
         nvlink_bandwidth=num("nvlink_bandwidth", GBPS), nvlink_ring_busbw=num("nvlink_ring_busbw", GBPS),
         nvlink_busbw=field_curve("nvlink_busbw", None, GBPS), nvlink_latency=num("nvlink_latency", US),
         nic_efficiency=num("nic_efficiency"))

@@ -314,7 +314,6 @@ def _guarded(what: str, out: Path, fn):
                                f"nothing written to {out}") from exc
 
 
-
 def _phases(plan, rates, singles, dtypes, *, device, clock, timing, notes) -> list:
     """(name, items, fn(progress) -> measurements) for each single-device benchmark to run."""
     from calibrate import bench
