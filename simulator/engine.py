@@ -34,11 +34,11 @@ that bucket k's predecessor made possible, so that is all the two share.
 """
 from __future__ import annotations
 
-import collections
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
+from operator import itemgetter
 
 import simpy
 
@@ -158,6 +158,12 @@ def _output_key(kind: str, microbatch: int, vstage: int, num_vstages: int) -> in
     return (microbatch * num_vstages + vstage) * 2 + (kind == "B")
 
 
+def _grad_kind(ops: Sequence[Op]) -> str:
+    """The kind of op that produces weight gradients: W when the schedule splits the backward,
+    else B."""
+    return "W" if "W" in map(itemgetter(0), ops) else "B"
+
+
 def _link(stage: int, to: int, pp: int) -> int:
     """The link a send between neighbouring stages takes (forward s -> s + 1 and the wrap-around
     pp - 1 -> 0 are links s and pp - 1; backward s -> s - 1 is link s - 1)."""
@@ -180,27 +186,39 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
     vstages = pp * num_chunks
     last_vstage = vstages - 1
     up, down = (stage + 1) % pp, (stage - 1) % pp
+    up_link, down_link = _link(stage, up, pp), _link(stage, down, pp)
+    slot_of = {(kind, chunk): _op_slot(kind, chunk) for kind in KINDS for chunk in range(num_chunks)}
     special = final_b.keys() | launch_after.keys() | gates.keys()
+    plain = (None, (), None)
     plan = []
+    append = plan.append
+    per_slot = [0] * (len(KINDS) * num_chunks)  # ops per slot, and the slots in order of first use
+    first_seen = []
     for i, op in enumerate(ops):
         kind, mb, chunk = op
-        if kind not in _KIND_INDEX or not 0 <= chunk < num_chunks:
+        slot = slot_of.get((kind, chunk))
+        if slot is None:
             raise ValueError(f"stage {stage}: op {op} is not an F, B or W of a chunk below {num_chunks}")
+        if not per_slot[slot]:
+            first_seen.append((kind, chunk))
+        per_slot[slot] += 1
         vstage = chunk * pp + stage
+        # _output_key(kind, mb, g, vstages) = (mb * vstages + g) * 2 + (kind == "B"), inlined
+        unit = mb * vstages + vstage
         dep = out = None  # a W waits only for its own stage's B, which the op order puts first
         if kind == "F":
             if vstage > 0:
-                dep = _output_key(kind, mb, vstage - 1, vstages)
+                dep = (unit - 1) * 2
             if vstage < last_vstage:
-                out = (_output_key(kind, mb, vstage, vstages), up, _link(stage, up, pp))
+                out = (unit * 2, up, up_link)
         elif kind == "B":
             if vstage < last_vstage:
-                dep = _output_key(kind, mb, vstage + 1, vstages)
+                dep = (unit + 1) * 2 + 1
             if vstage > 0:
-                out = (_output_key(kind, mb, vstage, vstages), down, _link(stage, down, pp))
-        extra = (final_b.get(i), launch_after.get(i, ()), gates.get(i)) if i in special else (None, (), None)
-        plan.append((dep, _op_slot(kind, chunk), out, *extra, op))
-    counts = collections.Counter((kind, chunk) for kind, _, chunk in ops)  # also the (kind, chunk)s used
+                out = (unit * 2 + 1, down, down_link)
+        extra = (final_b.get(i), launch_after.get(i, ()), gates.get(i)) if i in special else plain
+        append((dep, slot, out, *extra, op))
+    counts = {key: per_slot[slot_of[key]] for key in first_seen}  # also the (kind, chunk)s used
     if isinstance(ops, tuple) and len(ops) <= _PLAN_CACHE_OPS:  # a list may change after the call
         with _PLAN_CACHE_LOCK:  # simulate() may run in several threads
             kept = sum(len(entry[0]) for entry in _PLAN_CACHE.values())
@@ -328,9 +346,16 @@ def run_iteration(
 
     def last_grad_ops(ops: Sequence[Op]) -> dict[int, int]:
         """Per chunk, the index of the op that produces its last weight gradients: its last W
-        when the backward is split, else its last B."""
-        kind = "W" if any(o.kind == "W" for o in ops) else "B"
-        return {o.chunk: i for i, o in enumerate(ops) if o.kind == kind}
+        when the backward is split, else its last B (found from the end)."""
+        kind = _grad_kind(ops)
+        last: dict[int, int] = {}
+        for i in range(len(ops) - 1, -1, -1):
+            op = ops[i]
+            if op[0] == kind and op[2] not in last:
+                last[op[2]] = i
+                if len(last) == num_chunks:
+                    break
+        return last
 
     last_b = [{c: i for c, i in last_grad_ops(w.ops).items() if c in w.grad_buckets} for w in works]
 
@@ -345,7 +370,7 @@ def run_iteration(
             return ({i: c for c, i in chunks.items()}, {}, []) if stage == 0 else ({}, {}, sorted(chunks))
         # the passes that produce weight gradients: W when the backward is split, else B
         ops = works[stage].ops
-        grad_kind = "W" if any(o.kind == "W" for o in ops) else "B"
+        grad_kind = _grad_kind(ops)
         backwards = [i for i, o in enumerate(ops) if o.kind == grad_kind]
         at_end: dict[int, list[int]] = {}
         after: list[int] = []
@@ -363,11 +388,13 @@ def run_iteration(
         """Op index -> chunk, for the first forward of each chunk whose weights are gathered
         during the iteration."""
         out: dict[int, int] = {}
-        if not gathered[stage]:
-            return out
+        wanted = set(gathered[stage])
         for i, op in enumerate(works[stage].ops):
-            if op.kind == "F" and op.chunk in gathered[stage] and op.chunk not in out.values():
+            if not wanted:
+                break
+            if op.kind == "F" and op.chunk in wanted:
                 out[i] = op.chunk
+                wanted.discard(op.chunk)
         return out
 
     gate_ops = [first_forwards(s) for s in range(pp)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import NamedTuple
 
 
@@ -18,22 +19,36 @@ class Op(NamedTuple):
     chunk: int = 0
 
 
-def gpipe(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
+def _forwards_and_backwards(num_microbatches: int) -> tuple[list[Op], list[Op]]:
+    """Every microbatch's F and B op of a non-interleaved schedule, in microbatch order (built once
+    per schedule and shared by its stages: ops are immutable)."""
+    return [Op("F", m) for m in range(num_microbatches)], [Op("B", m) for m in range(num_microbatches)]
+
+
+def gpipe(num_stages: int, num_microbatches: int, stage: int,
+          units: tuple[list[Op], list[Op]] | None = None) -> list[Op]:
     """GPipe (Huang et al. 2019): every forward, then every backward (torch ScheduleGPipe order)."""
-    fwd = [Op("F", m) for m in range(num_microbatches)]
-    bwd = [Op("B", m) for m in range(num_microbatches)]
+    fwd, bwd = units or _forwards_and_backwards(num_microbatches)
     return fwd + bwd
 
 
-def one_f_one_b(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
+def one_f_one_b(num_stages: int, num_microbatches: int, stage: int,
+                units: tuple[list[Op], list[Op]] | None = None) -> list[Op]:
     """1F1B / PipeDream-Flush (Narayanan et al. SC'21, Sec. 2.2.1) in three phases:
     warmup (p - s - 1 forwards), steady state (one forward, one backward), cooldown (backwards)."""
+    fwd, bwd = units or _forwards_and_backwards(num_microbatches)
     warmup = min(num_stages - stage - 1, num_microbatches)
-    ops = [Op("F", m) for m in range(warmup)]
-    for i in range(num_microbatches - warmup):  # steady
-        ops.append(Op("F", warmup + i))
-        ops.append(Op("B", i))
-    ops += [Op("B", m) for m in range(num_microbatches - warmup, num_microbatches)]  # cooldown
+    return _alternate(fwd, bwd, warmup)
+
+
+def _alternate(fwd: list[Op], bwd: list[Op], warmup: int) -> list[Op]:
+    """`warmup` forwards, then one forward and one backward alternately, then the remaining
+    backwards."""
+    steady = len(fwd) - warmup
+    ops = fwd[:warmup] + [None] * (2 * steady)
+    ops[warmup::2] = fwd[warmup:]
+    ops[warmup + 1::2] = bwd[:steady]
+    ops += bwd[steady:]
     return ops
 
 
@@ -49,33 +64,36 @@ def _interleaved_unit(k: int, num_stages: int, num_chunks: int, forward: bool) -
     return microbatch, chunk
 
 
-def _interleaved_order(num_stages: int, num_microbatches: int, stage: int, num_chunks: int,
-                       warmup: int) -> list[Op]:
-    """`warmup` forwards, then one forward and one backward alternately, then the remaining
-    backwards, over virtual microbatches in Megatron's order (`_interleaved_unit`)."""
+def _interleaved_units(num_stages: int, num_microbatches: int, num_chunks: int) -> tuple[list[Op], list[Op]]:
+    """Every virtual microbatch's F and B op, in Megatron's order (`_interleaved_unit`); the same
+    for every stage, so built once per schedule."""
     total = num_microbatches * num_chunks
-    warmup = min(warmup, total)
     fwd = [Op("F", *_interleaved_unit(k, num_stages, num_chunks, True)) for k in range(total)]
     bwd = [Op("B", *_interleaved_unit(k, num_stages, num_chunks, False)) for k in range(total)]
-    ops = fwd[:warmup]
-    for i in range(total - warmup):
-        ops.append(fwd[warmup + i])
-        ops.append(bwd[i])
-    ops += bwd[total - warmup:] if warmup else []
-    return ops
+    return fwd, bwd
 
 
-def interleaved_1f1b(num_stages: int, num_microbatches: int, stage: int, num_chunks: int) -> list[Op]:
+def _interleaved_order(num_stages: int, num_microbatches: int, stage: int, num_chunks: int,
+                       warmup: int, units: tuple[list[Op], list[Op]] | None = None) -> list[Op]:
+    """`warmup` forwards, then one forward and one backward alternately, then the remaining
+    backwards, over virtual microbatches in Megatron's order (`_interleaved_unit`)."""
+    fwd, bwd = units or _interleaved_units(num_stages, num_microbatches, num_chunks)
+    return _alternate(fwd, bwd, min(warmup, len(fwd)))
+
+
+def interleaved_1f1b(num_stages: int, num_microbatches: int, stage: int, num_chunks: int,
+                     units: tuple[list[Op], list[Op]] | None = None) -> list[Op]:
     """Interleaved 1F1B with virtual stages (Narayanan et al. SC'21, Sec. 2.2.2), Megatron order:
     warmup = 2(p - s - 1) + (v - 1)p forwards, then 1F1B, then cooldown. Needs M % p == 0."""
     if num_microbatches == num_stages:
         warmup = num_microbatches * num_chunks
     else:
         warmup = (num_stages - stage - 1) * 2 + (num_chunks - 1) * num_stages
-    return _interleaved_order(num_stages, num_microbatches, stage, num_chunks, warmup)
+    return _interleaved_order(num_stages, num_microbatches, stage, num_chunks, warmup, units)
 
 
-def zero_bubble(num_stages: int, num_microbatches: int, stage: int, num_chunks: int = 1) -> list[Op]:
+def zero_bubble(num_stages: int, num_microbatches: int, stage: int, num_chunks: int = 1,
+                units: tuple[list[Op], list[Op]] | None = None) -> list[Op]:
     """ZB-H1 (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 3.1; PyTorch
     ScheduleInterleavedZeroBubble). The backward is split into B, the input gradient that the
     previous stage waits for, and W, the weight gradient that only the optimizer needs.
@@ -89,7 +107,7 @@ def zero_bubble(num_stages: int, num_microbatches: int, stage: int, num_chunks: 
     warmup = (num_chunks - 1) * num_stages + num_stages - stage - 1
     ops: list[Op] = []
     pending: list[Op] = []
-    for op in _interleaved_order(num_stages, num_microbatches, stage, num_chunks, warmup):
+    for op in _interleaved_order(num_stages, num_microbatches, stage, num_chunks, warmup, units):
         ops.append(op)
         if op.kind == "B":
             pending.append(Op("W", op.microbatch, op.chunk))
@@ -110,15 +128,15 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks
 
 
 def _build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int) -> list[list[Op]]:
-    if name == "gpipe":
-        return [gpipe(num_stages, num_microbatches, s) for s in range(num_stages)]
-    if name == "1f1b":
-        return [one_f_one_b(num_stages, num_microbatches, s) for s in range(num_stages)]
-    if name == "interleaved-1f1b":
-        return [interleaved_1f1b(num_stages, num_microbatches, s, num_chunks) for s in range(num_stages)]
-    if name == "zero-bubble":
-        return [zero_bubble(num_stages, num_microbatches, s, num_chunks) for s in range(num_stages)]
-    raise ValueError(f"unknown schedule {name!r}")
+    per_stage = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b,
+                 "zero-bubble": zero_bubble}.get(name)
+    if per_stage is None:
+        raise ValueError(f"unknown schedule {name!r}")
+    if name in ("gpipe", "1f1b"):
+        units = _forwards_and_backwards(num_microbatches)
+        return [per_stage(num_stages, num_microbatches, s, units) for s in range(num_stages)]
+    units = _interleaved_units(num_stages, num_microbatches, num_chunks)
+    return [per_stage(num_stages, num_microbatches, s, num_chunks, units) for s in range(num_stages)]
 
 
 def peak_in_flight(ops: Sequence[Op], chunk_weights: list[float] | None = None,
@@ -131,17 +149,21 @@ def peak_in_flight(ops: Sequence[Op], chunk_weights: list[float] | None = None,
     inputs of the linear layers, the M_W of Qi et al. 2024, Sec. 3). `freed_by_b` (per chunk, also
     counted from the F) is what is known to be freed by the B pass even then, e.g. the loss's
     softmax, which only the input gradient of the logits reads."""
-    split = any(op.kind == "W" for op in ops)
+    split = "W" in map(itemgetter(0), ops)
+    chunks = 1 + max((op[2] for op in ops), default=0)
+    weight = chunk_weights or [1.0] * chunks
+    freed = freed_by_b or [0.0] * chunks
+    taken = [w + b for w, b in zip(weight, freed)]  # by an F
+    given_by_b = freed if split else taken
     live = 0.0
     peak = 0.0
-    for op in ops:
-        w = chunk_weights[op.chunk] if chunk_weights else 1.0
-        b = freed_by_b[op.chunk] if freed_by_b else 0.0
-        if op.kind == "F":
-            live += w + b
-            peak = max(peak, live)
-        elif op.kind == "B":
-            live -= b if split else w + b
-        elif op.kind == "W":
-            live -= w
+    for kind, _, chunk in ops:
+        if kind == "F":
+            live += taken[chunk]
+            if live > peak:
+                peak = live
+        elif kind == "B":
+            live -= given_by_b[chunk]
+        elif kind == "W":
+            live -= weight[chunk]
     return peak
