@@ -58,15 +58,18 @@ def stride_of(dims: tuple[str, ...], plan: PlanSpec) -> int:
 
 
 def group_ranks(rank: int, dims: tuple[str, ...], plan: PlanSpec) -> list[int]:
-    """Global ranks of the group along `dims` (e.g. ("dp",) or ("cp", "dp")) that contains `rank`."""
-    base = rank_to_coords(rank, plan)
-    groups = [base]
-    sizes = _sizes(plan)
+    """Global ranks of the group along `dims` (e.g. ("dp",) or ("cp", "dp")) that contains `rank`:
+    its coordinates along `dims` take every value, the others stay `rank`'s."""
+    sizes, strides, stride = _sizes(plan), {}, 1
+    for dim in ORDER:
+        strides[dim] = stride
+        stride *= sizes[dim]
+    dims = tuple(dict.fromkeys(dims))
+    base = rank - sum((rank // strides[dim]) % sizes[dim] * strides[dim] for dim in dims)
+    ranks = [base]
     for dim in dims:
-        groups = [
-            Coords(**{**vars(c), dim: i}) for c in groups for i in range(sizes[dim])
-        ]
-    return sorted(coords_to_rank(c, plan) for c in groups)
+        ranks = [r + i * strides[dim] for r in ranks for i in range(sizes[dim])]
+    return sorted(ranks)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -173,10 +173,10 @@ def _link(stage: int, to: int, pp: int) -> int:
 def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: dict, launch_after: dict,
              gates: dict) -> tuple[list[tuple], dict]:
     """Per op of `stage`, what its stream needs besides the op's cost: the key of the input it
-    waits for, its slot in the cost table, the output it sends (key, receiving stage, link), the
-    chunk whose gradient flow it starts, the chunks whose reduction starts when it ends, the chunk
-    whose gathered weights gate it, the op itself; and how many ops of each (kind, chunk) the
-    stage runs. It follows from the schedule alone, so an immutable schedule's is kept (the planner
+    waits for, its slot in the cost table, the output it sends (key, receiving stage, link), for
+    the few ops that do more (else None) the chunk whose gradient flow it starts, the chunks whose
+    reduction starts when it ends and the chunk whose gathered weights gate it, and the op itself;
+    and how many ops of each (kind, chunk) the stage runs. It follows from the schedule alone, so an immutable schedule's is kept (the planner
     and the balanced-router reference replay the same schedules again and again)."""
     key = (id(ops), stage, pp, num_chunks, tuple(final_b.items()),
            tuple((i, tuple(chunks)) for i, chunks in launch_after.items()), tuple(gates.items()))
@@ -189,7 +189,6 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
     up_link, down_link = _link(stage, up, pp), _link(stage, down, pp)
     slot_of = {(kind, chunk): _op_slot(kind, chunk) for kind in KINDS for chunk in range(num_chunks)}
     special = final_b.keys() | launch_after.keys() | gates.keys()
-    plain = (None, (), None)
     plan = []
     append = plan.append
     per_slot = [0] * (len(KINDS) * num_chunks)  # ops per slot, and the slots in order of first use
@@ -216,8 +215,8 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
                 dep = (unit + 1) * 2 + 1
             if vstage > 0:
                 out = (unit * 2 + 1, down, down_link)
-        extra = (final_b.get(i), launch_after.get(i, ()), gates.get(i)) if i in special else plain
-        append((dep, slot, out, *extra, op))
+        append((dep, slot, out, (final_b.get(i), launch_after.get(i, ()), gates.get(i)) if i in special else None,
+                op))
     counts = {key: per_slot[slot_of[key]] for key in first_seen}  # also the (kind, chunk)s used
     if isinstance(ops, tuple) and len(ops) <= _PLAN_CACHE_OPS:  # a list may change after the call
         with _PLAN_CACHE_LOCK:  # simulate() may run in several threads
@@ -399,13 +398,17 @@ def run_iteration(
 
     gate_ops = [first_forwards(s) for s in range(pp)]
 
-    def op_costs(work: StageWork) -> dict:
-        """Per (kind, chunk) slot (_op_slot): the op's duration, seconds on the NIC, span category
-        and ZeRO transfers. The NIC is held at most for the whole op (traffic of several kinds
-        inside one op, e.g. a ZeRO-3 gather and a cross-node CP ring, can add up to more than its
-        duration)."""
-        return {_op_slot(kind, chunk): (cost.total, min(cost.nic, cost.total), SPAN_CATEGORY[kind], cost.dp_spans)
-                for (kind, chunk), cost in work.op_cost.items() if kind in _KIND_INDEX}
+    def op_costs(work: StageWork) -> list:
+        """Indexed by (kind, chunk) slot (_op_slot): the op's duration, seconds on the NIC, span
+        category and ZeRO transfers. The NIC is held at most for the whole op (traffic of several
+        kinds inside one op, e.g. a ZeRO-3 gather and a cross-node CP ring, can add up to more than
+        its duration)."""
+        table = [None] * (len(KINDS) * num_chunks)
+        for (kind, chunk), cost in work.op_cost.items():
+            if kind in _KIND_INDEX and 0 <= chunk < num_chunks:
+                table[_op_slot(kind, chunk)] = (cost.total, min(cost.nic, cost.total), SPAN_CATEGORY[kind],
+                                                cost.dp_spans)
+        return table
 
     def compute_stream(stage: int):
         work = works[stage]
@@ -420,7 +423,9 @@ def run_iteration(
         missing = sorted(key for key in counts if key not in work.op_cost)
         if missing:
             raise KeyError(f"stage {stage}: no op cost for (kind, chunk) {missing}")
-        for dep, slot, produces, grads_of, launched_after, gate, op in ops:
+        sm_share = COMM_SM_SHARE
+        gate = launched_after = None
+        for dep, slot, produces, special, op in ops:
             duration, nic, category, dp_spans = costs[slot]
             start = env.now
             recv = 0.0  # waiting for the input to arrive, folded into the op's timeout (one event)
@@ -438,14 +443,16 @@ def run_iteration(
                     if record_spans:  # named when the timeline is read (Timeline)
                         spans.append((stage, dep, start, arrival))
                     start += recv
-            if grads_of is not None:  # this chunk's gradients start flowing now
-                ready_events[grads_of].succeed((start, start + duration))
+            if special is not None:
+                grads_of, launched_after, gate = special
+                if grads_of is not None:  # this chunk's gradients start flowing now
+                    ready_events[grads_of].succeed((start, start + duration))
+                if gate is not None:
+                    gated_chunk[stage] = gate  # reset to None once the gated op ends
             # a send that landed while the previous op ran: its share, paid now (one event fewer)
             shared = owed_next[stage]
             if shared:
                 owed_next[stage] = 0.0
-            if gate is not None:
-                gated_chunk[stage] = gate  # reset to None once the gated op ends
             if nic:  # the op's traffic (spread evenly) that falls while a bucket or a send holds the NIC
                 # (a gated forward's traffic waits for its weights: the gather charges that overlap)
                 if gate is not None and not gathered_events[gate].triggered:
@@ -458,7 +465,7 @@ def run_iteration(
                 shared += with_bucket + nic * (0.0 if busy <= 0 else busy if busy < duration else duration) / duration
                 op_nic[stage] = (start, start + duration + shared, nic, duration)
             busy = bucket_until[stage] - start  # the SMs a gradient bucket holds (held())
-            sm = COMM_SM_SHARE * (0.0 if busy <= 0 else busy if busy < duration else duration)
+            sm = sm_share * (0.0 if busy <= 0 else busy if busy < duration else duration)
             op_until[stage] = start + duration + shared + sm
             yield timeout(recv + duration + shared + sm)
             while owed_compute[stage] > 0 or owed_sm[stage] > 0:  # a bucket started during this op
@@ -493,8 +500,10 @@ def run_iteration(
                 ev = waiting.pop(key, None)
                 if ev is not None:
                     ev.succeed(arrival)
-            for c in launched_after:  # whole chunks whose reduction is launched now
-                ready_events[c].succeed((end, end))
+            if special is not None:
+                for c in launched_after:  # whole chunks whose reduction is launched now
+                    ready_events[c].succeed((end, end))
+                gate = launched_after = None
         traces[stage].ops_done = len(ops)
         if owed_next[stage]:  # a send landed during the last op
             contention += owed_next[stage]

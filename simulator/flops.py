@@ -52,7 +52,10 @@ def forward_flops_per_token(model, seq_length: int, kept: float = 1.0) -> tuple[
     """(GEMMs of all layers, attention score/value products of all layers, LM head) per token;
     `kept` as in layer_gemm_flops_per_token."""
     h, mtp = model.hidden_size, model.mtp_layers
-    gemm = sum(layer_gemm_flops_per_token(model, i, kept) for i in range(model.num_layers))
+    # a layer's count depends on its index only through its kind (dense or MoE): one per kind
+    moe = [model.is_moe_layer(i) for i in range(model.num_layers)]
+    per_kind = {kind: layer_gemm_flops_per_token(model, moe.index(kind), kept) for kind in set(moe)}
+    gemm = sum(per_kind[kind] for kind in moe)
     # a multi-token prediction module: its 2h -> h projection, a layer like the last, the LM head
     gemm += mtp * (2 * 2 * h * h + layer_gemm_flops_per_token(model, model.num_layers - 1, kept))
     # QK^T over q_channels and AV over o_channels: 4*s*q when they are equal (MLA: 192 vs 128 per head)

@@ -65,12 +65,74 @@ class _Layers:
     working: dict  # kind -> transient bytes while one layer of the kind runs (recompute, dispatch buffers)
 
 
-def simulate(sc: Scenario, *, imbalance_reference: bool = True, record_spans: bool = True,
-             _balanced_routing: bool = False) -> SimResult:
+@dataclass(frozen=True)
+class _Iteration:
+    """What one simulated iteration leaves for the report."""
+
+    gpu: object
+    ctx: LayerContext
+    layers: list
+    num_microbatches: int
+    kinds: _Layers
+    draw: object  # the routing draw (None for a dense model)
+    expert_layouts: tuple[GroupLayout, GroupLayout, GroupLayout]  # (expert-TP, EP, expert-DP)
+    mems: list  # per stage memory (empty when not asked for)
+    eng: object  # engine.EngineResult
+
+
+def simulate(sc: Scenario, *, imbalance_reference: bool = True, record_spans: bool = True) -> SimResult:
     """One iteration of `sc`'s plan. For an MoE model, `imbalance_reference` also simulates the
     iteration with a perfectly balanced router, for the report's step-time comparison (callers
     that only rank plans, like the planner, skip that second run). `record_spans` False leaves
     the timeline (SimResult.spans, for --trace and --plot) empty; every figure is the same."""
+    it = _iterate(sc, balanced=False, record_spans=record_spans, memory=True)
+    m, p, tr = sc.model, sc.plan, sc.training
+    gpu, ctx, layers, draw, kinds, mems, eng = it.gpu, it.ctx, it.layers, it.draw, it.kinds, it.mems, it.eng
+    etp_layout, ep_layout, edp_layout = it.expert_layouts
+    tokens = tr.global_batch_size * tr.seq_length
+    peak = gpu.peak(ctx.dtype)
+    kept = 1.0 - _dropped_fraction(draw) if draw is not None else 1.0  # copies the experts compute
+    flops = model_flops(m, tr.seq_length, tokens, kept)
+    hw_flops = hardware_flops(m, tr.seq_length, tokens, p.recompute, p.recompute_modules, kept)
+    world = p.world_size
+    stages = tuple(
+        StageResult(
+            stage=s, layers=tuple(layers[s]), end_time_s=eng.stages[s].end,
+            memory=mems[s].as_dict(),
+            breakdown={k: eng.stages[s].breakdown.get(k, 0.0) for k in BREAKDOWN_KEYS},
+        )
+        for s in range(p.pp)
+    )
+    critical = _critical_stage(eng)
+    peak_mem = max(mm.total for mm in mems)
+    moe = None
+    if draw is not None:
+        moe = _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, reference=imbalance_reference)
+    return SimResult(
+        scenario=sc.name,
+        step_time_s=eng.step_time,
+        tokens_per_s=tokens / eng.step_time,
+        tflops_per_gpu=flops / eng.step_time / world / 1e12,
+        mfu=flops / eng.step_time / world / peak,
+        hfu=hw_flops / eng.step_time / world / peak,
+        flop_formula=flops_formula_for(m),
+        peak_flops_per_gpu=peak,
+        num_microbatches=it.num_microbatches,
+        peak_memory_bytes=peak_mem,
+        memory_capacity_bytes=gpu.hbm_capacity,
+        fits=peak_mem <= gpu.hbm_capacity,
+        critical_stage=critical,
+        breakdown=dict(stages[critical].breakdown),
+        stages=stages,
+        spans=eng.spans,
+        moe=moe,
+    )
+
+
+def _iterate(sc: Scenario, *, balanced: bool, record_spans: bool, memory: bool) -> _Iteration:
+    """Build every stage's work and run the engine; `balanced`: a perfectly balanced router in
+    place of the scenario's routing draw; `memory`: also each stage's memory (the balanced
+    reference needs only the step time)."""
     gpu = load_profile(sc.cluster.gpu)
     problems = structural_problems(sc, gpu.arch)
     if problems:
@@ -93,7 +155,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, record_spans: bo
     n_mb = sc.num_microbatches
     schedule = build_schedule(p.schedule, p.pp, n_mb, vpp)
     split_backward = p.schedule in SPLIT_BACKWARD_SCHEDULES
-    kinds, draw = _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, balanced=_balanced_routing)
+    kinds, draw = _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, balanced=balanced)
     w_bytes, _, _ = state_bytes_per_param(tr.precision)
     emb_params = m.embedding_params() / p.tp
 
@@ -171,6 +233,8 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, record_spans: bo
             optimizer_time=memory_bound_time(gpu, local_opt * opt_bytes), param_gather_time=param_gather,
             param_gather_buckets={c: bl for c, bl in gathers.items() if bl},
         ))
+        if not memory:
+            continue
         working = max(kinds.working[k] for k in stage_kinds) if stage_kinds else 0.0
         freed_by_b = [0.0] * len(layers[s])
         if s == p.pp - 1:
@@ -194,46 +258,8 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, record_spans: bo
     eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce,
                         sync_time=sync, p2p_nic=[t if hop.num_nodes > 1 else 0.0 for t, hop in zip(p2p, hops)],
                         align_grad_reduce=p.schedule in ("1f1b", "interleaved-1f1b"), record_spans=record_spans)
-
-    tokens = tr.global_batch_size * tr.seq_length
-    peak = gpu.peak(ctx.dtype)
-    kept = 1.0 - _dropped_fraction(draw) if draw is not None else 1.0  # copies the experts compute
-    flops = model_flops(m, tr.seq_length, tokens, kept)
-    hw_flops = hardware_flops(m, tr.seq_length, tokens, p.recompute, p.recompute_modules, kept)
-    world = p.world_size
-    stages = tuple(
-        StageResult(
-            stage=s, layers=tuple(layers[s]), end_time_s=eng.stages[s].end,
-            memory=mems[s].as_dict(),
-            breakdown={k: eng.stages[s].breakdown.get(k, 0.0) for k in BREAKDOWN_KEYS},
-        )
-        for s in range(p.pp)
-    )
-    critical = _critical_stage(eng)
-    peak_mem = max(mm.total for mm in mems)
-    moe = None
-    if draw is not None:
-        moe = _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, eng.step_time,
-                          balanced=_balanced_routing, reference=imbalance_reference)
-    return SimResult(
-        scenario=sc.name,
-        step_time_s=eng.step_time,
-        tokens_per_s=tokens / eng.step_time,
-        tflops_per_gpu=flops / eng.step_time / world / 1e12,
-        mfu=flops / eng.step_time / world / peak,
-        hfu=hw_flops / eng.step_time / world / peak,
-        flop_formula=flops_formula_for(m),
-        peak_flops_per_gpu=peak,
-        num_microbatches=n_mb,
-        peak_memory_bytes=peak_mem,
-        memory_capacity_bytes=gpu.hbm_capacity,
-        fits=peak_mem <= gpu.hbm_capacity,
-        critical_stage=critical,
-        breakdown=dict(stages[critical].breakdown),
-        stages=stages,
-        spans=eng.spans,
-        moe=moe,
-    )
+    return _Iteration(gpu=gpu, ctx=ctx, layers=layers, num_microbatches=n_mb, kinds=kinds, draw=draw,
+                      expert_layouts=(etp_layout, ep_layout, edp_layout), mems=mems, eng=eng)
 
 
 def _dropped_fraction(draw) -> float:
@@ -439,8 +465,7 @@ def _sync_time(sc: Scenario, net, emb_params: float, first_last: GroupLayout) ->
     return t
 
 
-def _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, step_time, *, balanced: bool,
-                reference: bool) -> MoEReport:
+def _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, *, reference: bool) -> MoEReport:
     """The imbalance effect: the drawn routing against a perfectly balanced router, per MoE layer
     and, when `reference`, for the whole step (a second simulation with balanced routing)."""
     m = sc.model
@@ -448,12 +473,9 @@ def _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, step_ti
     ref_block = moe_block(ctx, ref, ep_layout, etp_layout, overlap_shared=sc.plan.moe_shared_expert_overlap)
     layer = kinds.fwd["moe"].total + kinds.bwd["moe"].total
     ref_layer = layer_forward(ctx, ref_block).total + layer_backward(ctx, ref_block).total
-    if balanced:
-        uniform_step = step_time
-    elif reference:
-        uniform_step = simulate(sc, imbalance_reference=False, record_spans=False, _balanced_routing=True).step_time_s
-    else:
-        uniform_step = None
+    uniform_step = None
+    if reference:
+        uniform_step = _iterate(sc, balanced=True, record_spans=False, memory=False).eng.step_time
     return MoEReport(
         routing=m.moe.routing.distribution,
         imbalance=draw.imbalance,
