@@ -95,7 +95,7 @@ class Timeline(Sequence):
     def _span(self, rec) -> Span:
         if isinstance(rec, Span):
             return rec
-        if len(rec) == 4:  # a receive: (stage, input key (_output_key), start, arrival)
+        if len(rec) == 4:  # a receive: (stage, input's output key, start, arrival)
             stage, key, start, end = rec
             return Span(stage, "pp-comm", f"recv {'FB'[key & 1]}{(key >> 1) // self._num_vstages}", "pp_comm",
                         start, end)
@@ -153,9 +153,8 @@ def _op_slot(kind: str, chunk: int) -> int:
     return chunk * len(KINDS) + _KIND_INDEX[kind]
 
 
-def _output_key(kind: str, microbatch: int, vstage: int, num_vstages: int) -> int:
-    """An int naming the output of an op (cheaper to hash than a tuple, on every op)."""
-    return (microbatch * num_vstages + vstage) * 2 + (kind == "B")
+# An op's output is named by an int (cheaper to hash than a tuple, on every op), its output key:
+# (microbatch x number of virtual stages + virtual stage) x 2, plus 1 for a B's (_op_plan).
 
 
 def _grad_kind(ops: Sequence[Op]) -> str:
@@ -176,8 +175,9 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
     waits for, its slot in the cost table, the output it sends (key, receiving stage, link), for
     the few ops that do more (else None) the chunk whose gradient flow it starts, the chunks whose
     reduction starts when it ends and the chunk whose gathered weights gate it, and the op itself;
-    and how many ops of each (kind, chunk) the stage runs. It follows from the schedule alone, so an immutable schedule's is kept (the planner
-    and the balanced-router reference replay the same schedules again and again)."""
+    and how many ops of each (kind, chunk) the stage runs. It follows from the schedule alone, so
+    an immutable schedule's is kept (the planner and the balanced-router reference replay the same
+    schedules again and again)."""
     key = (id(ops), stage, pp, num_chunks, tuple(final_b.items()),
            tuple((i, tuple(chunks)) for i, chunks in launch_after.items()), tuple(gates.items()))
     hit = _PLAN_CACHE.get(key)
@@ -202,8 +202,7 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
             first_seen.append((kind, chunk))
         per_slot[slot] += 1
         vstage = chunk * pp + stage
-        # _output_key(kind, mb, g, vstages) = (mb * vstages + g) * 2 + (kind == "B"), inlined
-        unit = mb * vstages + vstage
+        unit = mb * vstages + vstage  # output keys: unit x 2 for an F, + 1 for a B
         dep = out = None  # a W waits only for its own stage's B, which the op order puts first
         if kind == "F":
             if vstage > 0:
@@ -291,7 +290,7 @@ def run_iteration(
     # When each cross-stage output arrives at its consumer; a SimPy event (in `waiting`) only for
     # an input a stage waits on before it is sent (most inputs are there when asked for, and skip
     # the event queue).
-    arrives_at: dict[int, float] = {}  # by _output_key
+    arrives_at: dict[int, float] = {}  # by output key
 
     def held(until: float, t: float, window: float) -> float:
         """Seconds of [t, t + window] before `until`: how long a flow that holds the NIC or the

@@ -85,7 +85,8 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, record_spans: bo
     iteration with a perfectly balanced router, for the report's step-time comparison (callers
     that only rank plans, like the planner, skip that second run). `record_spans` False leaves
     the timeline (SimResult.spans, for --trace and --plot) empty; every figure is the same."""
-    it = _iterate(sc, balanced=False, record_spans=record_spans, memory=True)
+    setup = _setup(sc)
+    it = _iterate(sc, setup, balanced=False, record_spans=record_spans, memory=True)
     m, p, tr = sc.model, sc.plan, sc.training
     gpu, ctx, layers, draw, kinds, mems, eng = it.gpu, it.ctx, it.layers, it.draw, it.kinds, it.mems, it.eng
     etp_layout, ep_layout, edp_layout = it.expert_layouts
@@ -107,7 +108,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, record_spans: bo
     peak_mem = max(mm.total for mm in mems)
     moe = None
     if draw is not None:
-        moe = _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, reference=imbalance_reference)
+        moe = _moe_report(sc, setup, draw, kinds, reference=imbalance_reference)
     return SimResult(
         scenario=sc.name,
         step_time_s=eng.step_time,
@@ -129,10 +130,25 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, record_spans: bo
     )
 
 
-def _iterate(sc: Scenario, *, balanced: bool, record_spans: bool, memory: bool) -> _Iteration:
-    """Build every stage's work and run the engine; `balanced`: a perfectly balanced router in
-    place of the scenario's routing draw; `memory`: also each stage's memory (the balanced
-    reference needs only the step time)."""
+@dataclass(frozen=True)
+class _Setup:
+    """What a plan's iteration needs that the routing does not change: the hardware models, the
+    layer context, the groups' layouts, the layer split and schedule; shared by the iteration and
+    its balanced-router reference. `buckets` keeps the DDP buckets already costed (stages with
+    the same parameters have the same buckets)."""
+
+    gpu: object
+    net: object
+    ctx: LayerContext
+    dp_layout: GroupLayout
+    expert_layouts: tuple[GroupLayout, GroupLayout, GroupLayout]  # (expert-TP, EP, expert-DP)
+    hops: list
+    layers: list
+    schedule: tuple
+    buckets: dict
+
+
+def _setup(sc: Scenario) -> _Setup:
     gpu = load_profile(sc.cluster.gpu)
     problems = structural_problems(sc, gpu.arch)
     if problems:
@@ -147,13 +163,28 @@ def _iterate(sc: Scenario, *, balanced: bool, record_spans: bool, memory: bool) 
         cp_layout=group_layout(("cp",), p, gpn, nodes_per_leaf=leaf),
         grad_bytes=DTYPE_BYTES[tr.grad_reduce_dtype],
     )
-    dp_layout = group_layout(("cp", "dp"), p, gpn, nodes_per_leaf=leaf)
-    etp_layout, ep_layout, edp_layout = expert_group_layouts(p, gpn, nodes_per_leaf=leaf)
+    return _Setup(
+        gpu=gpu, net=net, ctx=ctx, dp_layout=group_layout(("cp", "dp"), p, gpn, nodes_per_leaf=leaf),
+        expert_layouts=expert_group_layouts(p, gpn, nodes_per_leaf=leaf),
+        hops=pp_hop_layouts(p, gpn, nodes_per_leaf=leaf),
+        layers=layers_per_chunk(m.num_layers, p.pp, p.virtual_pipeline_stages, p.first_stage_layers,
+                                p.last_stage_layers),
+        schedule=build_schedule(p.schedule, p.pp, sc.num_microbatches, p.virtual_pipeline_stages),
+        buckets={},
+    )
+
+
+def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool, memory: bool) -> _Iteration:
+    """Build every stage's work and run the engine; `balanced`: a perfectly balanced router in
+    place of the scenario's routing draw; `memory`: also each stage's memory (the balanced
+    reference needs only the step time)."""
+    gpu, net, ctx, dp_layout, layers, schedule = \
+        setup.gpu, setup.net, setup.ctx, setup.dp_layout, setup.layers, setup.schedule
+    etp_layout, ep_layout, edp_layout = setup.expert_layouts
+    m, p, tr = sc.model, sc.plan, sc.training
     shard = p.dp * p.cp
     vpp = p.virtual_pipeline_stages
-    layers = layers_per_chunk(m.num_layers, p.pp, vpp, p.first_stage_layers, p.last_stage_layers)
     n_mb = sc.num_microbatches
-    schedule = build_schedule(p.schedule, p.pp, n_mb, vpp)
     split_backward = p.schedule in SPLIT_BACKWARD_SCHEDULES
     kinds, draw = _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, balanced=balanced)
     w_bytes, _, _ = state_bytes_per_param(tr.precision)
@@ -207,8 +238,8 @@ def _iterate(sc: Scenario, *, balanced: bool, record_spans: bool, memory: bool) 
             expert_params += c_expert
             chunk_acts.append(acts)
             if p.zero_stage < 2:  # ZeRO-2/3 reduce per microbatch, in the backward (per_unit)
-                buckets[c] = (_grad_buckets(net, p, c_dense, dp_layout, shard, ctx.grad_bytes)
-                              + _grad_buckets(net, p, c_expert, edp_layout, edp_layout.size, ctx.grad_bytes))
+                buckets[c] = (_grad_buckets(setup, c_dense, dp_layout, shard)
+                              + _grad_buckets(setup, c_expert, edp_layout, edp_layout.size))
             if p.zero_stage in (1, 2) and p.overlap_param_gather:
                 # Megatron buckets only the first stage's first chunk (DistributedDataParallel:
                 # bucket_size None on pipeline ranks > 0; training.py get_model: disable_bucketing
@@ -216,8 +247,8 @@ def _iterate(sc: Scenario, *, balanced: bool, record_spans: bool, memory: bool) 
                 # bucket after bucket as the forward's pre-hooks reach them: in order of need
                 whole = s > 0 or c > 0
                 gathers[c] = sorted(((t, nic, j / len(bl)) for bl in (
-                    _buckets(net, p, c_dense, dp_layout, shard, "all_gather", w_bytes, whole=whole),
-                    _buckets(net, p, c_expert, edp_layout, edp_layout.size, "all_gather", w_bytes, whole=whole))
+                    _buckets(setup, c_dense, dp_layout, shard, "all_gather", w_bytes, whole=whole),
+                    _buckets(setup, c_expert, edp_layout, edp_layout.size, "all_gather", w_bytes, whole=whole))
                     for j, (t, nic) in enumerate(bl)), key=lambda b: b[2])
         local_opt = dense_params / (shard if p.zero_stage >= 1 else 1) \
             + expert_params / (edp_layout.size if p.zero_stage >= 1 else 1)
@@ -252,7 +283,7 @@ def _iterate(sc: Scenario, *, balanced: bool, record_spans: bool, memory: bool) 
         ))
 
     p2p_bytes = ctx.tokens * m.hidden_size * ctx.act_bytes / p.tp  # scatter-gather (SC'21 Sec. 4.1)
-    hops = pp_hop_layouts(p, gpn, nodes_per_leaf=leaf)
+    hops = setup.hops
     p2p = [collective_time(net, "send_recv", p2p_bytes, hop) if p.pp > 1 else 0.0 for hop in hops]
     sync = _sync_time(sc, net, emb_params, hops[-1])
     eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce,
@@ -367,17 +398,16 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
     return f, b, wgrad, dense, expert, acts
 
 
-def _grad_buckets(net, p, params: float, layout: GroupLayout, group: int,
-                  grad_bytes: int) -> list[tuple[float, float]]:
+def _grad_buckets(setup: _Setup, params: float, layout: GroupLayout, group: int) -> list[tuple[float, float]]:
     """(seconds, seconds of it on the NIC) per gradient bucket of `params` over `layout`, reduced
-    in the main-gradient buffer's dtype (`grad_bytes` per parameter: Megatron reduces the buffer
+    in the main-gradient buffer's dtype (ctx.grad_bytes per parameter: Megatron reduces the buffer
     itself, accumulate_allreduce_grads_in_fp32 under bf16): all-reduce without ZeRO, reduce-scatter
     with ZeRO-1 (Megatron distributed optimizer); ZeRO-2/3 reduce per unit instead (_zero3_comm)."""
-    op = "all_reduce" if p.zero_stage == 0 else "reduce_scatter"
-    return _buckets(net, p, params, layout, group, op, grad_bytes)
+    op = "all_reduce" if setup.ctx.plan.zero_stage == 0 else "reduce_scatter"
+    return _buckets(setup, params, layout, group, op, setup.ctx.grad_bytes)
 
 
-def _buckets(net, p, params: float, layout: GroupLayout, group: int, op: str,
+def _buckets(setup: _Setup, params: float, layout: GroupLayout, group: int, op: str,
              bytes_per_param: float, *, whole: bool = False) -> list[tuple[float, float]]:
     """(seconds, seconds of it on the NIC) per DDP bucket of `params` running collective `op` over
     `layout`, `bytes_per_param` each (`whole`: one bucket). The distributed optimizer gathers the
@@ -385,9 +415,14 @@ def _buckets(net, p, params: float, layout: GroupLayout, group: int, op: str,
     (megatron/core/distributed/param_and_grad_buffer.py)."""
     if group <= 1 or params <= 0:
         return []
-    n = 1 if whole else max(1, math.ceil(params / max(BUCKET_PARAMS, 1_000_000 * p.dp * p.cp)))
-    t = collective_time(net, op, params / n * bytes_per_param, layout)
-    return [(t, t if layout.num_nodes > 1 else 0.0)] * n
+    key = (params, layout, group, op, bytes_per_param, whole)
+    kept = setup.buckets.get(key)
+    if kept is None:
+        p = setup.ctx.plan
+        n = 1 if whole else max(1, math.ceil(params / max(BUCKET_PARAMS, 1_000_000 * p.dp * p.cp)))
+        t = collective_time(setup.net, op, params / n * bytes_per_param, layout)
+        kept = setup.buckets[key] = [(t, t if layout.num_nodes > 1 else 0.0)] * n
+    return list(kept)
 
 
 @dataclass(frozen=True)
@@ -465,17 +500,21 @@ def _sync_time(sc: Scenario, net, emb_params: float, first_last: GroupLayout) ->
     return t
 
 
-def _moe_report(sc, ctx, draw, kinds, ep_layout, etp_layout, edp_layout, *, reference: bool) -> MoEReport:
+def _moe_report(sc, setup: _Setup, draw, kinds, *, reference: bool) -> MoEReport:
     """The imbalance effect: the drawn routing against a perfectly balanced router, per MoE layer
     and, when `reference`, for the whole step (a second simulation with balanced routing)."""
-    m = sc.model
-    ref = draw_routing(m.moe, sc.plan.ep, routed_tokens_per_rank(ctx), balanced=True)
-    ref_block = moe_block(ctx, ref, ep_layout, etp_layout, overlap_shared=sc.plan.moe_shared_expert_overlap)
+    m, ctx = sc.model, setup.ctx
+    etp_layout, ep_layout, edp_layout = setup.expert_layouts
     layer = kinds.fwd["moe"].total + kinds.bwd["moe"].total
-    ref_layer = layer_forward(ctx, ref_block).total + layer_backward(ctx, ref_block).total
     uniform_step = None
     if reference:
-        uniform_step = _iterate(sc, balanced=True, record_spans=False, memory=False).eng.step_time
+        ref = _iterate(sc, setup, balanced=True, record_spans=False, memory=False)
+        uniform_step = ref.eng.step_time
+        ref_layer = ref.kinds.fwd["moe"].total + ref.kinds.bwd["moe"].total
+    else:
+        balanced = draw_routing(m.moe, sc.plan.ep, routed_tokens_per_rank(ctx), balanced=True)
+        ref_block = moe_block(ctx, balanced, ep_layout, etp_layout, overlap_shared=sc.plan.moe_shared_expert_overlap)
+        ref_layer = layer_forward(ctx, ref_block).total + layer_backward(ctx, ref_block).total
     return MoEReport(
         routing=m.moe.routing.distribution,
         imbalance=draw.imbalance,

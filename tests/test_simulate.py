@@ -198,10 +198,8 @@ def test_weight_gradient_pass_is_the_wgrad_gemms(gpt3):
 def test_gradients_reduced_in_bf16_halve_the_buffer_and_the_buckets(gpt3):
     """training.grad_reduce_dtype bf16 (Megatron --grad-reduce-in-bf16): the main-gradient buffer
     holds 2 bytes per parameter and each DDP bucket reduces 2 bytes per parameter."""
-    from hwmodels.network import build_network, collective_time
-    from hwmodels.profile import load_profile
-    from paraplan.placement import group_layout
-    from simulator.simulate import _grad_buckets  # noqa: PLC2701
+    from hwmodels.network import collective_time
+    from simulator.simulate import _grad_buckets, _setup  # noqa: PLC2701
 
     p = gpt3.plan
     bf16 = replace(gpt3, training=replace(gpt3.training, grad_reduce_dtype="bf16"))
@@ -210,10 +208,10 @@ def test_gradients_reduced_in_bf16_halve_the_buffer_and_the_buckets(gpt3):
     for a, b in zip(fp32_run.stages, bf16_run.stages):
         assert b.memory["gradients"] == pytest.approx(a.memory["gradients"] / 2, rel=1e-12)
     assert bf16_run.breakdown["dp_comm"] < fp32_run.breakdown["dp_comm"]
-    net = build_network(gpt3.cluster, load_profile(gpt3.cluster.gpu))
-    dp = group_layout(("cp", "dp"), p, 8)
+    setup16, setup32 = _setup(bf16), _setup(gpt3)
+    net, dp = setup32.net, setup32.dp_layout
     params = 3e8
-    b16, b32 = _grad_buckets(net, p, params, dp, p.dp, 2), _grad_buckets(net, p, params, dp, p.dp, 4)
+    b16, b32 = _grad_buckets(setup16, params, dp, p.dp), _grad_buckets(setup32, params, dp, p.dp)
     assert len(b16) == len(b32) >= 2
     assert b16[0][0] == pytest.approx(collective_time(net, "reduce_scatter", params / len(b16) * 2, dp), rel=1e-12)
     assert b32[0][0] == pytest.approx(collective_time(net, "reduce_scatter", params / len(b32) * 4, dp), rel=1e-12)
