@@ -454,17 +454,19 @@ def run_iteration(
                 owed_next[stage] = 0.0
             if nic:  # the op's traffic (spread evenly) that falls while a bucket or a send holds the NIC
                 # (a gated forward's traffic waits for its weights: the gather charges that overlap)
-                if gate is not None and not gathered_events[gate].triggered:
-                    with_bucket = 0.0
-                else:
-                    busy = bucket_nic_until[stage] - start
-                    with_bucket = nic * (0.0 if busy <= 0 else busy if busy < duration else duration) / duration
-                owed_grad[stage] += with_bucket
+                busy = bucket_nic_until[stage] - start
+                with_bucket = 0.0
+                if busy > 0 and (gate is None or gathered_events[gate].triggered):
+                    with_bucket = nic * (busy if busy < duration else duration) / duration
+                    owed_grad[stage] += with_bucket
                 busy = link_nic_until[stage] - start
-                shared += with_bucket + nic * (0.0 if busy <= 0 else busy if busy < duration else duration) / duration
+                if busy > 0:
+                    shared += with_bucket + nic * (busy if busy < duration else duration) / duration
+                elif with_bucket:
+                    shared += with_bucket
                 op_nic[stage] = (start, start + duration + shared, nic, duration)
             busy = bucket_until[stage] - start  # the SMs a gradient bucket holds (held())
-            sm = sm_share * (0.0 if busy <= 0 else busy if busy < duration else duration)
+            sm = sm_share * (busy if busy < duration else duration) if busy > 0 else 0.0
             op_until[stage] = start + duration + shared + sm
             yield timeout(recv + duration + shared + sm)
             while owed_compute[stage] > 0 or owed_sm[stage] > 0:  # a bucket started during this op
