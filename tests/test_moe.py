@@ -392,3 +392,19 @@ def test_moe_activations_keep_each_copys_probability_not_its_output(h100_net):
     by_hand = (2 * ctx.tokens * e.num_experts * 4 + draw.sent_per_rank * 4
                + load * h * 2 + load * f * sc.model.ffn_matrices * 2)
     assert moe_activation_bytes(ctx, draw) == pytest.approx(by_hand, rel=1e-12)
+
+
+def test_the_balanced_reference_does_not_depend_on_the_drawn_routing(h100_net):
+    """The reference run shares the plan's setup with the drawn-routing run; nothing of the draw
+    may leak into it: zipf and uniform routing report the same balanced step and layer, and the
+    balanced layer the reference run simulates is the one costed without it."""
+    sc, _, _ = h100_net
+    zipf = replace(sc, model=replace(sc.model, moe=replace(sc.model.moe, routing=RoutingSpec(distribution="zipf", s=1.2))))
+    a, b = simulate(sc), simulate(zipf)
+    assert a.moe.balanced_step_time_s == b.moe.balanced_step_time_s
+    assert a.moe.balanced_moe_layer_time_s == b.moe.balanced_moe_layer_time_s
+    assert b.step_time_s > a.moe.balanced_step_time_s
+    without = simulate(zipf, imbalance_reference=False)
+    assert without.moe.balanced_step_time_s is None
+    assert without.moe.balanced_moe_layer_time_s == b.moe.balanced_moe_layer_time_s
+    assert without.step_time_s == b.step_time_s

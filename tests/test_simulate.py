@@ -195,6 +195,26 @@ def test_weight_gradient_pass_is_the_wgrad_gemms(gpt3):
     assert layer_weight_grad(replace(unfused, grad_bytes=2)) == pytest.approx(unfused16, rel=1e-12)
 
 
+def test_buckets_are_costed_once_per_plan_and_handed_out_as_copies(gpt3):
+    """Stages with the same parameters have the same DDP buckets: the plan's setup keeps each
+    costing, and every caller gets a list of its own."""
+    from hwmodels.network import collective_time
+    from simulator.simulate import _buckets, _setup  # noqa: PLC2701
+
+    setup = _setup(gpt3)
+    dp = setup.dp_layout
+    first = _buckets(setup, 3e8, dp, gpt3.plan.dp, "reduce_scatter", 4)
+    assert len(setup.buckets) == 1
+    n = len(first)
+    assert n >= 2 and first[0][0] == collective_time(setup.net, "reduce_scatter", 3e8 / n * 4, dp)
+    first.append("caller's own")
+    again = _buckets(setup, 3e8, dp, gpt3.plan.dp, "reduce_scatter", 4)
+    assert len(again) == n and len(setup.buckets) == 1
+    other = _buckets(setup, 3e8, dp, gpt3.plan.dp, "all_gather", 2, whole=True)
+    assert len(other) == 1 and len(setup.buckets) == 2
+    assert other[0][0] == collective_time(setup.net, "all_gather", 3e8 * 2, dp)
+
+
 def test_gradients_reduced_in_bf16_halve_the_buffer_and_the_buckets(gpt3):
     """training.grad_reduce_dtype bf16 (Megatron --grad-reduce-in-bf16): the main-gradient buffer
     holds 2 bytes per parameter and each DDP bucket reduces 2 bytes per parameter."""
