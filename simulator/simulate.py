@@ -149,6 +149,8 @@ class _Setup:
 
 
 def _setup(sc: Scenario) -> _Setup:
+    """The routing-independent part of `sc`'s iteration; refuses a plan that breaks a structural
+    rule (InfeasiblePlanError, every reason)."""
     gpu = load_profile(sc.cluster.gpu)
     problems = structural_problems(sc, gpu.arch)
     if problems:
