@@ -10,8 +10,6 @@ import sys
 import time
 from typing import TextIO
 
-from calibrate.interrupts import check as check_interrupt
-
 
 class Progress:
     def __init__(self, total: int, *, stream: TextIO | None = None, enabled: bool = True,
@@ -38,9 +36,7 @@ class Progress:
             self._write(f"calibrate: {name} ({count} item{'s' if count != 1 else ''}, {self.elapsed:.1f} s elapsed)\n")
 
     def step(self, what: str) -> None:
-        """The next item starts: `what` names it (a Ctrl-C that Python dropped is raised here,
-        calibrate.interrupts)."""
-        check_interrupt()
+        """The next item starts: `what` names it."""
         if self.tty:
             now = self._clock()
             if now - self._last_draw >= 0.1:

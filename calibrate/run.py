@@ -18,7 +18,6 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
 
-from calibrate import interrupts
 from calibrate.errors import CalibrationError
 from paraplan.errors import first_line
 from paraplan.fileio import check_distinct_files, check_output_file, check_profile_suffix
@@ -273,13 +272,12 @@ def calibrate(opts: Options, *, env: Mapping[str, str] | None = None, stream=Non
         progress = Progress(items, stream=stream, enabled=opts.progress)
         if phases:
             progress.note(f"{info.describe()}: {items} benchmarks" + (f", about {est:.0f} s" if est else ""))
-        with interrupts.kept():
-            for name, count, fn in phases:
-                progress.phase(name, count)
-                try:
-                    measurements += _guarded(name + " benchmark", out, lambda: fn(progress))
-                finally:
-                    progress.clear()
+        for name, count, fn in phases:
+            progress.phase(name, count)
+            try:
+                measurements += _guarded(name + " benchmark", out, lambda: fn(progress))
+            finally:
+                progress.clear()
 
         if clock.capture_failures:
             notes.append(f"{clock.capture_failures} short call(s) could not be captured into a CUDA graph and were "

@@ -1,7 +1,6 @@
 """`paraplan calibrate` as a user runs it: on the CPU (--device cpu --quick), with collectives on
 two gloo ranks under torchrun, every bad input, an interrupt and a failure mid-way. GPU runs are
 marked `gpu` and skip where there is no CUDA device."""
-import io
 import json
 import os
 import queue
@@ -9,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -231,42 +229,15 @@ def test_an_interrupted_calibration_writes_nothing(tmp_path):
         while not any("calibrate: gemm" in line for line in seen):
             seen.append(lines.get(timeout=90))
         proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            pass  # reported below, with what it printed
+        proc.wait(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-            proc.wait()
-    time.sleep(0.1)  # the reader thread's last lines
     while not lines.empty():
         seen.append(lines.get())
     assert proc.returncode == 130, seen
     assert seen[-1].strip() == f"error: calibration interrupted; nothing written to {out}"
     assert list(tmp_path.iterdir()) == []
-
-
-@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the dropped one
-def test_a_ctrl_c_python_drops_in_a_finalizer_stops_the_next_benchmark():
-    """KeyboardInterrupt raised inside a __del__ is printed and dropped by Python; while a
-    calibration runs the SIGINT is kept and the next benchmark's progress step raises it."""
-    from calibrate import interrupts
-    from calibrate.progress import Progress
-
-    class RaisesInFinalizer:
-        def __del__(self):
-            signal.raise_signal(signal.SIGINT)
-
-    progress = Progress(3, stream=io.StringIO())
-    with interrupts.kept():
-        progress.step("first")
-        obj = RaisesInFinalizer()
-        del obj  # Python prints "Exception ignored in ..." and goes on
-        with pytest.raises(KeyboardInterrupt):
-            progress.step("second")
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    progress.step("outside a calibration nothing is pending")
 
 
 def test_a_failure_midway_writes_nothing(tmp_path, monkeypatch, capsys):
