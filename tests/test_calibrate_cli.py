@@ -75,8 +75,8 @@ def test_cpu_quick_writes_a_profile_the_loader_accepts(cpu_run):
 
 def test_report_holds_the_held_out_error_of_the_written_profile(cpu_run):
     """The reported held-out MAPE is gemm_time's error on shapes a fit never saw (the same fit,
-    redone here from the report, gives it again); the written curve is then fitted to every shape,
-    so it predicts those shapes about as well or better."""
+    redone here from the report, gives it again); the written curve is the one fitted to every
+    shape (the refit's curve, through gemm_time, has the written profile's error on every shape)."""
     from calibrate.fit import fit_gemm
 
     _, out, report = cpu_run
@@ -92,11 +92,13 @@ def test_report_holds_the_held_out_error_of_the_written_profile(cpu_run):
         seconds = [m["seconds"] for m in ms]
         again = fit_gemm(shapes, seconds, dtype=dtype, profile=p, train=train, test=test)
         assert again.test_mape == pytest.approx(fit["test_mape"], rel=0.02, abs=0.05)
-        pred = [gemm_time(p, *shapes[i], dtype) for i in test]
-        # knots are chosen on each fit's own points and CPU timings are noisy, so "about as well" is
-        # a margin, not an inequality (a run here read 4.86% against a held-out 4.28%); a wrong or
-        # stale curve written to the profile misses by far more
-        assert mape(pred, [seconds[i] for i in test]) <= 1.25 * fit["test_mape"] + 0.5
+        # Deterministic given the report: comparing the written curve's error on the held-out shapes
+        # with the held-out fit's, as this test once did, depends on the timing noise (a loaded
+        # machine measured one shape at 1.5 and 6.1 ms, and the all-shape fit then read 52.9%
+        # against a held-out 24.3%). A wrong or stale curve written to the profile misses this.
+        written = mape([gemm_time(p, *sh, dtype) for sh in shapes], seconds)
+        assert written == pytest.approx(again.train_mape, rel=0.02, abs=0.05)
+        assert written == pytest.approx(fit["train_mape"], rel=0.02, abs=0.05)
         assert f"predicted those with MAPE {fit['test_mape']:.1f}%" in dict(p.provenance)[f"gemm_efficiency.{dtype}"]
     assert rep["fits"]["hbm.copy"]["n_test"] >= 1 and rep["device"]["kind"] == "cpu"
     assert {m["kind"] for m in rep["measurements"]} == {"gemm", "copy", "triad", "attention_fwd", "attention_bwd",
