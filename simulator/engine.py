@@ -38,12 +38,11 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
-from operator import itemgetter
 
 import simpy
 
 from hwmodels.network import COMM_SM_SHARE
-from simulator.schedules import Op
+from simulator.schedules import Op, splits_backward
 
 
 SPAN_CATEGORY = {"F": "forward", "B": "backward", "W": "weight_grad"}
@@ -160,7 +159,7 @@ def _op_slot(kind: str, chunk: int) -> int:
 def _grad_kind(ops: Sequence[Op]) -> str:
     """The kind of op that produces weight gradients: W when the schedule splits the backward,
     else B."""
-    return "W" if "W" in map(itemgetter(0), ops) else "B"
+    return "W" if splits_backward(ops) else "B"
 
 
 def _link(stage: int, to: int, pp: int) -> int:
@@ -191,16 +190,14 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
     special = final_b.keys() | launch_after.keys() | gates.keys()
     plan = []
     append = plan.append
-    per_slot = [0] * (len(KINDS) * num_chunks)  # ops per slot, and the slots in order of first use
-    first_seen = []
+    counts: dict[tuple[str, int], int] = {}  # in order of first use
     for i, op in enumerate(ops):
         kind, mb, chunk = op
-        slot = slot_of.get((kind, chunk))
+        kind_chunk = (kind, chunk)
+        slot = slot_of.get(kind_chunk)
         if slot is None:
             raise ValueError(f"stage {stage}: op {op} is not an F, B or W of a chunk below {num_chunks}")
-        if not per_slot[slot]:
-            first_seen.append((kind, chunk))
-        per_slot[slot] += 1
+        counts[kind_chunk] = counts.get(kind_chunk, 0) + 1
         vstage = chunk * pp + stage
         unit = mb * vstages + vstage  # output keys: unit x 2 for an F, + 1 for a B
         dep = out = None  # a W waits only for its own stage's B, which the op order puts first
@@ -216,7 +213,6 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
                 out = (unit * 2 + 1, down, down_link)
         append((dep, slot, out, (final_b.get(i), launch_after.get(i, ()), gates.get(i)) if i in special else None,
                 op))
-    counts = {key: per_slot[slot_of[key]] for key in first_seen}  # also the (kind, chunk)s used
     if isinstance(ops, tuple) and len(ops) <= _PLAN_CACHE_OPS:  # a list may change after the call
         with _PLAN_CACHE_LOCK:  # simulate() may run in several threads
             kept = sum(len(entry[0]) for entry in _PLAN_CACHE.values())
