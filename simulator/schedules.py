@@ -116,6 +116,11 @@ def zero_bubble(num_stages: int, num_microbatches: int, stage: int, num_chunks: 
     return ops + pending
 
 
+def splits_backward(ops: Sequence[Op]) -> bool:
+    """Whether an op order splits the backward into B and W (it has a W op)."""
+    return "W" in map(itemgetter(0), ops)
+
+
 SPLIT_BACKWARD_SCHEDULES = ("zero-bubble",)
 """Schedules whose ops split the backward into B (input gradient) and W (weight gradient)."""
 
@@ -149,7 +154,7 @@ def peak_in_flight(ops: Sequence[Op], chunk_weights: list[float] | None = None,
     inputs of the linear layers, the M_W of Qi et al. 2024, Sec. 3). `freed_by_b` (per chunk, also
     counted from the F) is what is known to be freed by the B pass even then, e.g. the loss's
     softmax, which only the input gradient of the logits reads."""
-    split = "W" in map(itemgetter(0), ops)
+    split = splits_backward(ops)
     chunks = 1 + max((op[2] for op in ops), default=0)
     weight = chunk_weights or [1.0] * chunks
     freed = freed_by_b or [0.0] * chunks
