@@ -67,15 +67,10 @@ class _Layers:
 
 @dataclass(frozen=True)
 class _Iteration:
-    """What one simulated iteration leaves for the report."""
+    """What one simulated iteration leaves for the report (besides its _Setup)."""
 
-    gpu: object
-    ctx: LayerContext
-    layers: list
-    num_microbatches: int
     kinds: _Layers
     draw: object  # the routing draw (None for a dense model)
-    expert_layouts: tuple[GroupLayout, GroupLayout, GroupLayout]  # (expert-TP, EP, expert-DP)
     mems: list  # per stage memory (empty when not asked for)
     eng: object  # engine.EngineResult
 
@@ -88,8 +83,8 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, record_spans: bo
     setup = _setup(sc)
     it = _iterate(sc, setup, balanced=False, record_spans=record_spans, memory=True)
     m, p, tr = sc.model, sc.plan, sc.training
-    gpu, ctx, layers, draw, kinds, mems, eng = it.gpu, it.ctx, it.layers, it.draw, it.kinds, it.mems, it.eng
-    etp_layout, ep_layout, edp_layout = it.expert_layouts
+    gpu, ctx, layers = setup.gpu, setup.ctx, setup.layers
+    draw, kinds, mems, eng = it.draw, it.kinds, it.mems, it.eng
     tokens = tr.global_batch_size * tr.seq_length
     peak = gpu.peak(ctx.dtype)
     kept = 1.0 - _dropped_fraction(draw) if draw is not None else 1.0  # copies the experts compute
@@ -118,7 +113,7 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, record_spans: bo
         hfu=hw_flops / eng.step_time / world / peak,
         flop_formula=flops_formula_for(m),
         peak_flops_per_gpu=peak,
-        num_microbatches=it.num_microbatches,
+        num_microbatches=sc.num_microbatches,
         peak_memory_bytes=peak_mem,
         memory_capacity_bytes=gpu.hbm_capacity,
         fits=peak_mem <= gpu.hbm_capacity,
@@ -186,7 +181,6 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
     m, p, tr = sc.model, sc.plan, sc.training
     shard = p.dp * p.cp
     vpp = p.virtual_pipeline_stages
-    n_mb = sc.num_microbatches
     split_backward = p.schedule in SPLIT_BACKWARD_SCHEDULES
     kinds, draw = _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, balanced=balanced)
     w_bytes, _, _ = state_bytes_per_param(tr.precision)
@@ -291,8 +285,7 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
     eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce,
                         sync_time=sync, p2p_nic=[t if hop.num_nodes > 1 else 0.0 for t, hop in zip(p2p, hops)],
                         align_grad_reduce=p.schedule in ("1f1b", "interleaved-1f1b"), record_spans=record_spans)
-    return _Iteration(gpu=gpu, ctx=ctx, layers=layers, num_microbatches=n_mb, kinds=kinds, draw=draw,
-                      expert_layouts=(etp_layout, ep_layout, edp_layout), mems=mems, eng=eng)
+    return _Iteration(kinds=kinds, draw=draw, mems=mems, eng=eng)
 
 
 def _dropped_fraction(draw) -> float:
