@@ -303,6 +303,14 @@ def _critical_stage(eng) -> int:
     return max(last, key=lambda s: (eng.stages[s].end - eng.stages[s].breakdown.get("pp_bubble", 0.0), -s))
 
 
+def _routed_block(ctx, ep_layout, etp_layout, *, balanced: bool):
+    """(routing draw, MoE block) of an MoE layer: the seeded draw of the scenario's router, or a
+    perfectly balanced one."""
+    p = ctx.plan
+    draw = draw_routing(ctx.model.moe, p.ep, routed_tokens_per_rank(ctx), balanced=balanced)
+    return draw, moe_block(ctx, draw, ep_layout, etp_layout, overlap_shared=p.moe_shared_expert_overlap)
+
+
 def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     """Per-layer forward/backward costs, parameters and activations of a dense layer and, for an
     MoE model, of an MoE layer (whose costs follow the seeded routing draw)."""
@@ -318,8 +326,7 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     if m.moe is None:
         return kinds, None
     e = m.moe
-    draw = draw_routing(e, p.ep, routed_tokens_per_rank(ctx), balanced=balanced)
-    block = moe_block(ctx, draw, ep_layout, etp_layout, overlap_shared=p.moe_shared_expert_overlap)
+    draw, block = _routed_block(ctx, ep_layout, etp_layout, balanced=balanced)
     kinds.fwd["moe"] = layer_forward(ctx, block)
     kinds.bwd["moe"] = layer_backward(ctx, block)
     kinds.wgrad["moe"] = layer_weight_grad(ctx, block)
@@ -507,8 +514,7 @@ def _moe_report(sc, setup: _Setup, draw, kinds, *, reference: bool) -> MoEReport
         uniform_step = ref.eng.step_time
         ref_layer = ref.kinds.fwd["moe"].total + ref.kinds.bwd["moe"].total
     else:
-        balanced = draw_routing(m.moe, sc.plan.ep, routed_tokens_per_rank(ctx), balanced=True)
-        ref_block = moe_block(ctx, balanced, ep_layout, etp_layout, overlap_shared=sc.plan.moe_shared_expert_overlap)
+        _, ref_block = _routed_block(ctx, ep_layout, etp_layout, balanced=True)
         ref_layer = layer_forward(ctx, ref_block).total + layer_backward(ctx, ref_block).total
     return MoEReport(
         routing=m.moe.routing.distribution,
