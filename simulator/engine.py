@@ -338,10 +338,12 @@ def run_iteration(
             link_nic_until[to] = until
         return t + seconds + delay
 
-    def last_grad_ops(ops: Sequence[Op]) -> dict[int, int]:
-        """Per chunk, the index of the op that produces its last weight gradients: its last W
-        when the backward is split, else its last B (found from the end)."""
-        kind = _grad_kind(ops)
+    grad_kinds = [_grad_kind(w.ops) for w in works]
+
+    def last_grad_ops(ops: Sequence[Op], kind: str) -> dict[int, int]:
+        """Per chunk, the index of the op of `kind` (the one that produces weight gradients: W
+        when the backward is split, else B) that produces its last weight gradients (found from
+        the end)."""
         last: dict[int, int] = {}
         for i in range(len(ops) - 1, -1, -1):
             op = ops[i]
@@ -351,7 +353,8 @@ def run_iteration(
                     break
         return last
 
-    last_b = [{c: i for c, i in last_grad_ops(w.ops).items() if c in w.grad_buckets} for w in works]
+    last_b = [{c: i for c, i in last_grad_ops(w.ops, k).items() if c in w.grad_buckets}
+              for w, k in zip(works, grad_kinds)]
 
     def launch_points(stage: int) -> tuple[dict[int, int], dict[int, list[int]], list[int]]:
         """Where each chunk's gradient reduction starts: (op index -> chunk whose buckets fill
@@ -363,9 +366,8 @@ def run_iteration(
         if num_chunks == 1:
             return ({i: c for c, i in chunks.items()}, {}, []) if stage == 0 else ({}, {}, sorted(chunks))
         # the passes that produce weight gradients: W when the backward is split, else B
-        ops = works[stage].ops
-        grad_kind = _grad_kind(ops)
-        backwards = [i for i, o in enumerate(ops) if o.kind == grad_kind]
+        grad_kind = grad_kinds[stage]
+        backwards = [i for i, o in enumerate(works[stage].ops) if o.kind == grad_kind]
         at_end: dict[int, list[int]] = {}
         after: list[int] = []
         for c, i in sorted(chunks.items(), key=lambda kv: kv[1]):
