@@ -48,7 +48,7 @@ BAD_INPUT = [
     (["CONFIG", "--set", "plan.dp=2"], "plan: tp*pp*cp*dp = 1*2*1*2 = 4 but the cluster has 2 GPUs"),
     (["CONFIG", "--set", "plan.tp=2", "--set", "plan.pp=1", "--set", "model.num_kv_heads=1"],
      "plan.tp: 2 does not divide model.num_kv_heads (1)"),
-    (["CONFIG", "--set", "training.global_batch_size=2"], "plan.schedule: 1f1b needs at least pp = 2 microbatches, got 1"),
+    (["CONFIG", "--set", "training.global_batch_size=2"], "plan.schedule: 1f1b needs at least 2 microbatches per pipeline, got 1"),
     (["CONFIG", "--set", "plan.pp=1", "--set", "plan.dp=2", "--set", "plan.ep=2"], "plan.ep: expert parallelism needs an MoE model"),
     (["CONFIG", "--set", "training.precision=fp8"], "training.precision: the executor trains in fp32 or bf16, not fp8"),
     (["CONFIG", "--hidden", "100"], "--hidden (run.hidden_size): 100 gives 6.25 attention heads"),

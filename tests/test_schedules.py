@@ -15,6 +15,19 @@ def test_1f1b_phases_match_pipedream_flush():
     assert names(one_f_one_b(4, 6, 3)) == "F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5"
 
 
+def test_1f1b_with_fewer_microbatches_than_stages_caps_the_warm_up():
+    # Megatron: num_warmup = min(pp - rank - 1, M); the pipeline is then GPipe-like, and stage s
+    # holds min(pp - s, M) microbatches
+    assert names(one_f_one_b(4, 2, 0)) == "F0 F1 B0 B1"
+    assert names(one_f_one_b(4, 2, 2)) == "F0 F1 B0 B1"
+    assert names(one_f_one_b(4, 2, 3)) == "F0 B0 F1 B1"
+    assert [peak_in_flight(one_f_one_b(4, 2, s)) for s in range(4)] == [2, 2, 2, 1]
+    works = uniform_works(build_schedule("1f1b", 4, 2))
+    res = run_iteration(works, num_chunks=1, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0)
+    # F of 2 microbatches through 4 stages, then their B back: (pp + M - 1) x (f + b) = 5 x 3
+    assert res.step_time == pytest.approx(15.0)
+
+
 def test_interleaved_matches_megatron_order():
     # p=2, M=4, v=2: stage 0 warms up with 2(p-1) + (v-1)p = 4 forwards
     assert names(interleaved_1f1b(2, 4, 0, 2)) == "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3"
