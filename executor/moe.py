@@ -2,7 +2,9 @@
 
 Routing (per token): softmax over the router logits (fp32), the top-k experts, their weights
 renormalised to sum to 1 when k > 1 (Mixtral; k = 1 keeps the raw probability, as Switch does, so
-the router still gets a gradient). No auxiliary load-balancing loss: the measurement reports the
+the router still gets a gradient). Group-limited routing (model.moe.expert_groups/groups_per_token):
+a token first keeps the groups_per_token groups whose two highest probabilities sum highest
+(DeepSeek-V3, arXiv 2412.19437 Sec. 2.1.2) and picks its top-k among their experts. No auxiliary load-balancing loss: the measurement reports the
 tokens each expert received instead. With a capacity factor, each rank keeps, per expert, the first
 ceil(cf x tokens x k / E) assignments of its local tokens (GShard's per-group capacity) and drops the
 rest (their expert output is zero); capacity None is dropless.
@@ -59,6 +61,7 @@ class MoE(nn.Module):
         super().__init__()
         m = spec.moe
         self.num_experts, self.top_k, self.capacity_factor = m.num_experts, m.top_k, m.capacity_factor
+        self.expert_groups, self.groups_per_token = m.expert_groups, m.groups_per_token
         self.router = nn.Linear(spec.hidden_size, m.num_experts, bias=False)
         self.experts = GroupedExperts(m.num_experts, spec.hidden_size, m.expert_ffn_hidden_size, spec.activation)
         self.shared = None
@@ -81,12 +84,23 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(n, e.w1.shape[2], e.w1.shape[1], "swiglu" if e.swiglu else "gelu").to(e.w1.device)
         self.ep_group, self.ep_size, self.ep_rank = ep_group, ep_size, ep_rank
 
+    def _limit_groups(self, probs: torch.Tensor) -> torch.Tensor:
+        """The router probabilities with the experts outside each token's chosen groups zeroed (the
+        top-k then picks among the chosen groups' experts only); unchanged without a group limit."""
+        groups, keep = self.expert_groups, self.groups_per_token
+        if keep >= groups:
+            return probs
+        per_group = probs.view(probs.shape[0], groups, -1)
+        score = per_group.topk(min(2, per_group.shape[-1]), dim=-1).values.sum(dim=-1)
+        chosen = torch.zeros_like(score, dtype=torch.bool).scatter_(1, score.topk(keep, dim=-1).indices, True)
+        return per_group.masked_fill(~chosen.unsqueeze(-1), 0.0).view_as(probs)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         tokens = x.shape[0]
         probs = torch.softmax(self.router(x).float(), dim=-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)
+        weights, experts = self._limit_groups(probs).topk(self.top_k, dim=-1)
         if self.top_k > 1:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         flat_e, flat_w = experts.reshape(-1), weights.reshape(-1)

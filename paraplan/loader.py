@@ -235,6 +235,8 @@ MOE = _schema(
     first_dense_layers=Key(_integer(minimum=0)),
     moe_layer_freq=Key(POSITIVE),
     capacity_factor=Key(_optional(_number(positive=True))),
+    expert_groups=Key(POSITIVE),
+    groups_per_token=Key(POSITIVE),
     routing=Key(_anything),
 )
 ROUTING = _schema(
@@ -474,7 +476,10 @@ def _hf_deepseek_v3(cfg: Mapping, need: Callable[[str], Any]) -> dict:
                 "expert_ffn_hidden_size": need("moe_intermediate_size"),
                 "num_shared_experts": cfg.get("n_shared_experts") or 0,
                 "first_dense_layers": cfg.get("first_k_dense_replace") or 0,
-                "moe_layer_freq": cfg.get("moe_layer_freq") or 1},
+                "moe_layer_freq": cfg.get("moe_layer_freq") or 1,
+                # group-limited routing (DeepseekV3Config n_group / topk_group)
+                "expert_groups": cfg.get("n_group") or 1,
+                "groups_per_token": cfg.get("topk_group") or cfg.get("n_group") or 1},
     }
 
 
@@ -583,6 +588,17 @@ def _moe(raw: Any, num_layers: int) -> MoESpec:
     experts = values["num_experts"]
     if values["top_k"] > experts:
         raise ConfigError("model.moe.top_k", f"{values['top_k']} is more than num_experts ({experts})")
+    groups, per_token = values.get("expert_groups", 1), values.get("groups_per_token")
+    if per_token is None:
+        values["groups_per_token"] = per_token = groups  # every group: no limit
+    if experts % groups:
+        raise ConfigError("model.moe.expert_groups", f"{groups} does not divide num_experts ({experts})")
+    if per_token > groups:
+        raise ConfigError("model.moe.groups_per_token", f"{per_token} is more than expert_groups ({groups})")
+    if per_token * (experts // groups) < values["top_k"]:
+        raise ConfigError("model.moe.groups_per_token",
+                          f"{per_token} groups of {experts // groups} experts hold fewer than top_k "
+                          f"({values['top_k']}) experts")
     if values.get("first_dense_layers", 0) >= num_layers:
         raise ConfigError("model.moe.first_dense_layers",
                           f"{values['first_dense_layers']} leaves no MoE layer of num_layers ({num_layers})")

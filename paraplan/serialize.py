@@ -97,11 +97,14 @@ def moe_to_mapping(e: MoESpec) -> dict[str, Any]:
         routing["s"] = r.s
     if r.tokens_per_expert:
         routing["tokens_per_expert"] = list(r.tokens_per_expert)
-    return {
+    out = {
         "num_experts": e.num_experts, "top_k": e.top_k, "expert_ffn_hidden_size": e.expert_ffn_hidden_size,
         "num_shared_experts": e.num_shared_experts, "first_dense_layers": e.first_dense_layers,
         "moe_layer_freq": e.moe_layer_freq, "capacity_factor": e.capacity_factor, "routing": routing,
     }
+    if e.expert_groups > 1:
+        out.update(expert_groups=e.expert_groups, groups_per_token=e.groups_per_token)
+    return out
 
 
 def _gpu(gpu: str) -> str:

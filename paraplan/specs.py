@@ -56,6 +56,12 @@ class MoESpec:
     """Every n-th layer (after the dense ones) is MoE; the others dense (Mixtral/Qwen3: 1)."""
     capacity_factor: float | None = None
     """Tokens an expert accepts, as a multiple of the average; None = dropless."""
+    expert_groups: int = 1
+    """Group-limited routing: the experts form this many equal groups of consecutive experts, and a
+    token picks groups_per_token groups before its top_k experts among theirs (DeepSeek-V3's
+    node-limited routing, 8 groups, 4 per token: a token reaches at most 4 nodes when each node
+    holds one group; Megatron-Core --moe-router-num-groups / --moe-router-group-topk). 1: no limit."""
+    groups_per_token: int = 1
     routing: RoutingSpec = field(default_factory=RoutingSpec)
 
     def is_moe_layer(self, index: int) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -230,12 +231,40 @@ def _expert_activation(ctx, n: float, backward: bool) -> float:
     return activation_time(ctx, n, _expert_width(ctx), backward)
 
 
-def nodes_reached(experts: int, top_k: int, nodes: int) -> float:
-    """Expected distinct nodes holding a token's top_k experts, experts spread evenly over `nodes`
-    and picked uniformly without replacement: N x (1 - C(E - E/N, k) / C(E, k))."""
-    per_node = experts // nodes
-    miss = math.comb(experts - per_node, top_k) / math.comb(experts, top_k)
-    return nodes * (1.0 - miss)
+@lru_cache(maxsize=256)
+def nodes_reached(experts: int, top_k: int, nodes: int, groups: int = 1, groups_per_token: int = 1) -> float:
+    """Expected distinct nodes (or ranks) holding a token's top_k experts, each node holding an
+    equal slice of consecutive experts, the experts picked uniformly without replacement:
+    N x (1 - C(E - E/N, k) / C(E, k)).
+
+    Under group-limited routing (the experts in `groups` equal groups of consecutive experts; a
+    token picks `groups_per_token` groups, then its top_k among their experts: DeepSeek-V3's
+    node-limited routing, arXiv 2412.19437 Sec. 2.1.2, which with one group per node caps a token
+    at groups_per_token nodes) the groups are picked uniformly too. A node whose experts fall in
+    the groups J, c_j of them in group j, is missed with probability
+    sum over the chosen groups S of C(pool - sum_{j in S} c_j, k) / C(pool, k) / C(G, g),
+    pool = g x E/G; the subsets of J are counted by size and experts covered."""
+    if groups_per_token == groups:  # every group: no limit
+        per_node = experts // nodes
+        miss = math.comb(experts - per_node, top_k) / math.comb(experts, top_k)
+        return nodes * (1.0 - miss)
+    per_node, per_group = experts // nodes, experts // groups
+    pool = groups_per_token * per_group
+    subsets = math.comb(groups, groups_per_token)
+    reached = 0.0
+    for node in range(nodes):
+        lo, hi = node * per_node, (node + 1) * per_node
+        covered = [min(hi, (j + 1) * per_group) - max(lo, j * per_group) for j in range(groups)]
+        covered = [c for c in covered if c > 0]
+        ways: dict[tuple[int, int], int] = {(0, 0): 1}  # (groups of J chosen, node experts in them) -> subsets
+        for c in covered:
+            for (a, m), n in list(ways.items()):
+                if a < groups_per_token:
+                    ways[a + 1, m + c] = ways.get((a + 1, m + c), 0) + n
+        miss = sum(n * math.comb(groups - len(covered), groups_per_token - a) * math.comb(pool - m, top_k)
+                   for (a, m), n in ways.items()) / (subsets * math.comb(pool, top_k))
+        reached += 1.0 - miss
+    return reached
 
 
 def deepep_time(ctx, routed: float, skew: float, ep_layout) -> float:
@@ -250,7 +279,9 @@ def deepep_time(ctx, routed: float, skew: float, ep_layout) -> float:
     the busiest rank's receive side."""
     m, b = ctx.model, ctx.act_bytes
     h, nodes = m.hidden_size, ep_layout.num_nodes
-    remote_nodes = nodes_reached(m.moe.num_experts, m.moe.top_k, nodes) * (nodes - 1) / nodes
+    e = m.moe
+    remote_nodes = nodes_reached(e.num_experts, e.top_k, nodes, e.expert_groups, e.groups_per_token) \
+        * (nodes - 1) / nodes
     net_bytes = routed * remote_nodes * h * b * skew
     # one network hop per destination node, each a point-to-point transfer of its share
     rdma = collective_time(ctx.network, "send_recv", net_bytes,
@@ -268,7 +299,7 @@ def deepep_rank_share(ctx, ep_layout) -> float:
     is_token_in_rank with get_dispatch_layout, DeepEP Buffer.intranode_dispatch receives
     num_recv_tokens distinct tokens). Qwen3-235B, 128 experts top-8 on EP 8: 5.3 of 8."""
     e = ctx.model.moe
-    return nodes_reached(e.num_experts, e.top_k, ep_layout.size) / e.top_k
+    return nodes_reached(e.num_experts, e.top_k, ep_layout.size, e.expert_groups, e.groups_per_token) / e.top_k
 
 
 def _shared_experts(ctx, backward: bool) -> tuple[float, float]:

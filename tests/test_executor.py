@@ -508,3 +508,26 @@ def test_moe_weights_each_copy_inside_the_expert_activation():
     assert torch.allclose(inside, outside, atol=1e-6)
     inside.sum().backward()
     assert p.grad is not None and p.grad.abs().sum() > 0
+
+
+def test_group_limited_routing_keeps_each_token_in_its_chosen_groups():
+    """DeepSeek-V3's node-limited routing: a token picks groups_per_token groups (by the sum of
+    their two highest probabilities), then its top-k among their experts only."""
+    from executor.moe import MoE
+
+    spec = dataclasses.replace(MOE, moe=dataclasses.replace(MOE.moe, num_experts=8, top_k=2, expert_groups=4,
+                                                            groups_per_token=1))
+    torch.manual_seed(0)
+    layer = MoE(spec)
+    probs = torch.softmax(layer.router(torch.randn(64, spec.hidden_size)), dim=-1)
+    limited = layer._limit_groups(probs)
+    _, experts = limited.topk(2, dim=-1)
+    assert bool(((experts // 2)[:, 0] == (experts // 2)[:, 1]).all())  # both experts in one group of 2
+    best = probs.view(64, 4, 2).sum(dim=-1).argmax(dim=-1)  # groups of 2: the top-2 sum is the group's sum
+    assert torch.equal(experts[:, 0] // 2, best)
+    unlimited = probs[:, :4]
+    assert MoE(MOE)._limit_groups(unlimited) is unlimited
+    for w in layer.parameters():
+        torch.nn.init.normal_(w, std=0.1)
+    layer(torch.randn(2, 8, spec.hidden_size)).sum().backward()  # the masked routing still trains the router
+    assert layer.router.weight.grad.abs().sum() > 0

@@ -735,12 +735,14 @@ def test_hf_deepseek_config_loads_its_latent_attention(tmp_path):
            "qk_rope_head_dim": 64, "v_head_dim": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
            "vocab_size": 129280, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_shared_experts": 1,
            "first_k_dense_replace": 3, "moe_layer_freq": 1, "tie_word_embeddings": False,
-           "num_nextn_predict_layers": 1}
+           "num_nextn_predict_layers": 1, "n_group": 8, "topk_group": 4}
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     hf = load_scenario({**tiny(), "model": {"hf_config": str(tmp_path)}}).model
     preset = load_scenario({**tiny(), "model": "deepseek-v3"}).model
     assert hf.mla == preset.mla and hf.head_dim == 128 and hf.num_kv_heads == 128 and hf.mtp_layers == 1
     assert hf.total_params() == preset.total_params()
+    assert (hf.moe.expert_groups, hf.moe.groups_per_token) == (preset.moe.expert_groups, preset.moe.groups_per_token) \
+        == (8, 4)
 
 
 @pytest.mark.parametrize("extra, key, words", [

@@ -1,4 +1,6 @@
 """Mixture-of-experts: routing draws, all-to-all costs, imbalance, expert placement, bad input."""
+import itertools
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -52,6 +54,35 @@ def test_nodes_reached_hand_computed():
     # 16 experts on 2 nodes, top-2: P(a node is missed) = C(8,2)/C(16,2) = 28/120
     assert nodes_reached(16, 2, 2) == pytest.approx(2 * (1 - 28 / 120))
     assert nodes_reached(64, 8, 1) == pytest.approx(1.0)
+
+
+def test_nodes_reached_under_group_limited_routing():
+    # 8 experts on 4 nodes (2 each) in 2 groups of 4 (2 nodes each), 1 group per token, top-2: both
+    # experts on one node with probability 2/C(4,2), else on the group's two nodes: 1/3 + 2 x 2/3
+    assert nodes_reached(8, 2, 4, 2, 1) == pytest.approx(5 / 3)
+    assert nodes_reached(8, 2, 4) == pytest.approx(4 * (1 - 15 / 28))  # no limit: more nodes
+    assert nodes_reached(8, 2, 4, 2, 2) == nodes_reached(8, 2, 4)  # every group kept: no limit
+    # DeepSeek-V3 on 8 nodes, one group of 32 experts each: at most 4 nodes, against 5.29 without
+    # the limit; 4 x (1 - C(96, 8) / C(128, 8)) of them on average
+    limited = nodes_reached(256, 8, 8, 8, 4)
+    assert limited == pytest.approx(4 * (1 - math.comb(96, 8) / math.comb(128, 8)))
+    assert limited < 4 < nodes_reached(256, 8, 8)
+    # groups that do not line up with the nodes (60 experts on 6 nodes, 4 groups of 15): against
+    # an exhaustive count over every group choice and every expert choice
+    exact = 0.0
+    for chosen in itertools.combinations(range(4), 2):
+        pool = [e for g in chosen for e in range(15 * g, 15 * g + 15)]
+        picks = list(itertools.combinations(pool, 3))
+        exact += sum(len({e // 10 for e in pick}) for pick in picks) / len(picks) / math.comb(4, 2)
+    assert nodes_reached(60, 3, 6, 4, 2) == pytest.approx(exact)
+
+
+def test_node_limited_routing_moves_fewer_bytes_across_nodes():
+    sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml")
+    free = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml", ["model.moe.groups_per_token=8"])
+    limited, unlimited = (simulate(s, imbalance_reference=False, record_spans=False) for s in (sc, free))
+    assert limited.breakdown["ep_comm"] < unlimited.breakdown["ep_comm"]
+    assert limited.step_time_s < unlimited.step_time_s
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +259,16 @@ def test_bad_moe_input_is_named():
     with pytest.raises(ConfigError, match=r"model.moe.routing.tokens_per_expert: has 3 counts but model.moe.num_experts is 8"):
         load_scenario(with_("model", moe={"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 14336,
                                           "routing": {"distribution": "histogram", "tokens_per_expert": [1, 2, 3]}}))
+    for extra, words in (({"expert_groups": 3}, r"model.moe.expert_groups: 3 does not divide num_experts \(8\)"),
+                         ({"expert_groups": 2, "groups_per_token": 3},
+                          r"model.moe.groups_per_token: 3 is more than expert_groups \(2\)"),
+                         ({"expert_groups": 8, "groups_per_token": 1},
+                          r"model.moe.groups_per_token: 1 groups of 1 experts hold fewer than top_k \(2\)")):
+        with pytest.raises(ConfigError, match=words):
+            load_scenario(with_("model", moe={"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 14336, **extra}))
+    grouped = load_scenario(with_("model", moe={"num_experts": 8, "top_k": 2, "expert_ffn_hidden_size": 14336,
+                                                "expert_groups": 4}))
+    assert grouped.model.moe.groups_per_token == 4  # every group unless limited
     with pytest.raises(InfeasiblePlanError, match=r"plan.ep: 16 does not divide model.moe.num_experts \(8\)"):
         simulate(load_scenario(with_("plan", ep=16)))
     with pytest.raises(InfeasiblePlanError, match=r"plan.ep: ep x expert_tp = 8 x 1 does not divide the 4 ranks"):

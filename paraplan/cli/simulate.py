@@ -114,6 +114,8 @@ def format_result(sc, r) -> str:
 def _moe_lines(sc, moe) -> list[str]:
     e, p = sc.model.moe, sc.plan
     shared = f" + {e.num_shared_experts} shared" if e.num_shared_experts else ""
+    if e.groups_per_token < e.expert_groups:
+        shared += f", each within {e.groups_per_token} of {e.expert_groups} expert groups"
     tiers = "+".join(moe.ep_tiers) or "local"
     out = [
         f"  MoE: {e.num_experts} experts top-{e.top_k}{shared}; EP {p.ep} = {moe.ep_group} over {tiers}; "
