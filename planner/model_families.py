@@ -52,8 +52,6 @@ class Family:
     qk_norm: bool = False
     router: tuple[str, ...] = ()
     """Megatron-LM router flags where the family's router is not Megatron's default."""
-    router_groups: tuple[int, int] | None = None
-    """(groups, groups chosen per token) of group-limited routing."""
     notes: tuple[str, ...] = ()
     torchtitan_name: str | None = None
     """torchtitan's model of this architecture, where its flavors are this family's."""
@@ -141,11 +139,10 @@ QWEN3_MOE = Family(
 # mscale 1, mscale_all_dim 1; Megatron's MLATransformerConfig defaults hold the 4096, 32 and 1,
 # arguments.py's --rotary-scaling-factor (default 1.0) and --mscale-all-dim (0.0) must be given),
 # RMSNorm on the MLA latents (Megatron: --qk-layernorm), no biases; router scoring_func sigmoid,
-# aux-loss-free expert bias (topk_method noaux_tc), n_group 8 / topk_group 4, routed_scaling_factor
-# 2.5. Flags as in NVIDIA's examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh
+# aux-loss-free expert bias (topk_method noaux_tc), routed_scaling_factor 2.5 (its n_group 8 /
+# topk_group 4 are the preset's model.moe.expert_groups / groups_per_token, emitted with the experts). Flags as in NVIDIA's examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh
 # (same architecture), --moe-router-pre-softmax included because arguments.py's help ties the
-# scaling factor to it ("only works when --moe-router-pre-softmax enabled");
-# transformer_config.py requires num_experts % moe_router_num_groups == 0.
+# scaling factor to it ("only works when --moe-router-pre-softmax enabled").
 DEEPSEEK_V3 = Family(
     name="DeepSeek-V3", presets=("deepseek-v3",),
     source="deepseek-ai/DeepSeek-V3 config.json",
@@ -155,7 +152,6 @@ DEEPSEEK_V3 = Family(
     rope_variant="YaRN (factor 40 over 4096 positions)", linear_bias=False, qk_norm=True,
     router=("--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias", "--moe-router-pre-softmax",
             "--moe-router-topk-scaling-factor", "2.5"),
-    router_groups=(8, 4),
     notes=("RoPE is YaRN as in the released config.json; DeepSeek-V3 pretrained with plain RoPE and added YaRN for "
            "its long-context phases (arXiv 2412.19437, Sec. 4.3): to pretrain as it did, replace the --rope-type, "
            "--rotary-scaling-factor, --mscale and --mscale-all-dim lines with --rope-type rope and --no-rope-fusion "
@@ -195,9 +191,6 @@ def megatron_architecture_args(model: ModelSpec) -> list[str]:
         a.append("--qk-layernorm")
     if model.moe is not None:
         a += fam.router
-        if fam.router_groups and model.moe.num_experts % fam.router_groups[0] == 0:
-            a += ["--moe-router-num-groups", str(fam.router_groups[0]),
-                  "--moe-router-group-topk", str(fam.router_groups[1])]
     return a
 
 
@@ -214,10 +207,6 @@ def megatron_architecture_comments(model: ModelSpec) -> list[str]:
                 "--add-qkv-bias, and --qk-layernorm as your model has them."]
     lines = [f"Architecture: {fam.describe()}; from {fam.source}."]
     lines += [f"Note: {n}" for n in fam.notes]
-    if model.moe is not None and fam.router_groups and model.moe.num_experts % fam.router_groups[0]:
-        lines.append(f"Note: {fam.name} limits each token to {fam.router_groups[1]} of {fam.router_groups[0]} "
-                     f"expert groups; {model.moe.num_experts} experts do not split into {fam.router_groups[0]} "
-                     "groups, so these arguments route over all experts.")
     return lines
 
 

@@ -117,11 +117,18 @@ def test_deepseek_v3_arguments_build_its_attention_and_router():
     assert ns.num_experts % ns.moe_router_num_groups == 0
 
 
-def test_group_limited_routing_left_out_where_the_experts_do_not_split():
-    m = scenario("deepseek-v3-2048xh800").model
-    odd = dataclasses.replace(m, moe=dataclasses.replace(m.moe, num_experts=100))
-    assert "--moe-router-num-groups" not in megatron_architecture_args(odd)
-    assert "--moe-router-score-function" in megatron_architecture_args(odd)
+def test_group_limited_routing_follows_the_model():
+    """The simulated groups are the emitted ones: none without a limit, the scenario's own with one."""
+    sc = scenario("deepseek-v3-2048xh800")
+    free = dataclasses.replace(sc, model=dataclasses.replace(
+        sc.model, moe=dataclasses.replace(sc.model.moe, groups_per_token=sc.model.moe.expert_groups)))
+    assert "--moe-router-num-groups" not in megatron_args(free)
+    assert "--moe-router-score-function" in megatron_architecture_args(free.model)
+    mixtral = scenario("mixtral-8x7b-64xh100")
+    grouped = dataclasses.replace(mixtral, model=dataclasses.replace(
+        mixtral.model, moe=dataclasses.replace(mixtral.model.moe, expert_groups=4, groups_per_token=2)))
+    ns = megatron_parse(megatron_args(grouped))
+    assert (ns.moe_router_num_groups, ns.moe_router_group_topk) == (4, 2)
 
 
 @pytest.mark.parametrize("name, groups, base, eps", [("qwen3-235b-256xh100", 4, 1000000, 1e-6),
