@@ -306,6 +306,7 @@ PLAN = _schema(
     tp_comm_overlap=Key(_boolean),
     tp_backward_overlap=Key(_boolean),
     gradient_accumulation_fusion=Key(_optional(_boolean)),
+    p2p_scatter_gather=Key(_boolean),
     expert_tp=Key(POSITIVE),
     moe_shared_expert_overlap=Key(_boolean),
     moe_dispatcher=Key(_one_of(MOE_DISPATCHERS)),

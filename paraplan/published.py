@@ -54,6 +54,10 @@ ASSUMPTIONS = (
     "layer's input-gradient reduce-scatter/all-reduce with its weight-gradient GEMM and the sequence-parallel input "
     "re-gather with its input-gradient GEMM (the 'AsyncCommunication' of that port's "
     "LinearWithGradAccumulationAndAsyncCommunication); the earlier ones expose every backward TP collective",
+    "pipeline sends without sequence parallelism: records from before 2023 (Megatron-LM with its default "
+    "--scatter-gather-tensors-in-pipeline, DeepSpeed's partitioned pipeline activations) send each TP rank's 1/tp "
+    "slice and all-gather it on the receiving node; later ones send the whole activation from every TP rank, as "
+    "Megatron-Core does (plan.p2p_scatter_gather)",
     "GPU: H100 rows run on the profile measured on an H100 SXM (h100-sxm-80gb-calibrated: paraplan calibrate, "
     "torch 2.11 + CUDA 13.0; its large bf16 GEMMs ran at a median 0.68 of peak sustained at the 700 W power "
     "limit, below the 0.80 of the burst-measured public figures in h100-sxm-80gb; its flash3 curve is cuDNN's fused attention as "
@@ -323,6 +327,9 @@ def record_to_scenario(rec: dict) -> dict:
             # null: the plan's default (fused, unfused under ZeRO-2/3)
             "gradient_accumulation_fusion": None if megatron_2022 else False,
             "tp_backward_overlap": megatron_2022,
+            # Megatron-LM before Megatron-Core (--scatter-gather-tensors-in-pipeline on by default)
+            # and DeepSpeed's pipeline engine send each TP rank's slice of a pipeline activation
+            "p2p_scatter_gather": not modern,
             "ep": int(par.get("ep") or 1),
             "expert_tp": int(par.get("expert_tp") or 1),
             **({"moe_dispatcher": "deepep"} if "deepep" in str(par.get("moe_dispatcher")).lower() else {}),

@@ -326,6 +326,13 @@ class PlanSpec:
     --gradient-accumulation-fusion); off (--no-gradient-accumulation-fusion), a separate kernel adds
     each microbatch's 16-bit gradient in. None: Megatron's default for the plan, see
     fused_grad_accumulation."""
+    p2p_scatter_gather: bool = False
+    """Without sequence parallelism, each TP rank sends only its 1/tp slice of a pipeline
+    activation and the receivers all-gather it over NVLink (Megatron-LM's
+    --scatter-gather-tensors-in-pipeline, SC'21 Sec. 4.1, on by default until Megatron-Core;
+    DeepSpeed's pipeline engine partitions the same way). false, as Megatron-Core runs: every TP
+    rank sends the whole activation (p2p_communication get_tensor_shapes divides the sequence by tp
+    only under sequence parallelism)."""
     first_stage_layers: int | None = None
     """Layers on the first (virtual) pipeline stage when it differs (Megatron --decoder-first-pipeline-num-layers)."""
     last_stage_layers: int | None = None

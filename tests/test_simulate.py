@@ -294,6 +294,28 @@ def test_embedding_and_head_collectives_follow_megatrons_mappings(gpt3, sp):
             assert fn(ctx, backward).parts["tp_comm"] == pytest.approx(coll(op), rel=1e-12), (fn.__name__, backward)
 
 
+def test_pipeline_sends_move_the_tensor_megatron_sends(gpt3):
+    """Megatron-Core sends (s/cp [/tp under sequence parallelism], mbs, h) per TP rank; Megatron-LM's
+    older scatter-gather (SC'21 Sec. 4.1) sends a 1/tp slice that the receivers all-gather over NVLink."""
+    from hwmodels.network import collective_time
+    from simulator.simulate import _p2p_time, _setup
+
+    setup = _setup(gpt3)
+    ctx, net, hop = setup.ctx, setup.net, setup.hops[0]
+    assert hop.num_nodes == 2  # a stage per node: the send crosses the network
+    whole = 2048 * 12288 * 2  # one sequence of h-wide bf16 activations
+
+    def send(nbytes):
+        return collective_time(net, "send_recv", nbytes, hop)
+
+    plans = {sp_sg: replace(gpt3.plan, sequence_parallel=sp_sg[0], p2p_scatter_gather=sp_sg[1])
+             for sp_sg in ((True, False), (True, True), (False, False), (False, True))}
+    assert _p2p_time(ctx, plans[True, False], net, hop) == _p2p_time(ctx, plans[True, True], net, hop) == send(whole / 8)
+    assert _p2p_time(ctx, plans[False, False], net, hop) == send(whole)
+    gathered = send(whole / 8) + collective_time(net, "all_gather", whole, ctx.tp_layout)
+    assert _p2p_time(ctx, plans[False, True], net, hop) == gathered < send(whole)
+
+
 def test_head_final_norm_runs_on_the_sequence_parallel_shard(gpt3):
     """Under sequence parallelism the final norm sees tokens/tp (it runs before the head's
     all-gather); everything else in the head's compute is the same with or without SP."""
