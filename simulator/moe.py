@@ -29,7 +29,8 @@ class RoutingDraw:
 
     expert_tokens: np.ndarray
     sent_per_rank: float
-    """Token copies each rank dispatches (its tokens x top_k): the all-to-all send side."""
+    """Token copies each rank dispatches (its tokens x top_k, less the copies its router dropped at
+    capacity): the all-to-all send side."""
     dropped: float
     """Copies over an expert's capacity (capacity_factor), dropped as in GShard/Switch."""
 
@@ -99,6 +100,8 @@ def draw_routing(moe, ep: int, tokens_per_rank: float, *, balanced: bool = False
     the reference the imbalance is measured against."""
     e, k = moe.num_experts, moe.top_k
     total = tokens_per_rank * k * ep
+    if moe.capacity_factor is not None:
+        return _draw_with_capacity(moe, ep, tokens_per_rank, balanced)
     if balanced:
         counts = np.full(e, total / e)
     else:
@@ -106,13 +109,28 @@ def draw_routing(moe, ep: int, tokens_per_rank: float, *, balanced: bool = False
         counts = rng.multinomial(int(round(total)), expert_probabilities(moe, rng)).astype(float)
         # sampling noise can push a capped expert past one copy per token; keep it at the cap
         counts = cap_shares(counts / counts.sum(), 1.0 / k) * counts.sum()
-    dropped = 0.0
-    if moe.capacity_factor is not None:
-        # expert capacity = capacity_factor x tokens x top_k / experts (Fedus et al. 2021, Eq. 3)
-        cap = math.ceil(moe.capacity_factor * total / e)
-        dropped = float(np.maximum(counts - cap, 0).sum())
-        counts = np.minimum(counts, cap)
-    return RoutingDraw(counts.reshape(ep, e // ep), tokens_per_rank * k, dropped)
+    return RoutingDraw(counts.reshape(ep, e // ep), tokens_per_rank * k, 0.0)
+
+
+def _draw_with_capacity(moe, ep: int, tokens_per_rank: float, balanced: bool) -> RoutingDraw:
+    """The draw under an expert capacity, applied where Megatron-Core applies it: in each rank's
+    router, before the dispatch. Expert capacity = capacity_factor x tokens x top_k / experts
+    (Fedus et al. 2021, Eq. 3) of the rank's own tokens (moe_utils.get_capacity on the rank's
+    num_tokens x topk; TopKRouter.apply_token_drop masks the copies over it out of the routing map),
+    so a dropped copy is never sent: the ranks dispatch the kept copies only (sent_per_rank is
+    their mean), and a rank's copies are drawn on their own, not pooled over the EP group."""
+    e, k = moe.num_experts, moe.top_k
+    per_rank = tokens_per_rank * k
+    if balanced:
+        rows = np.full((ep, e), per_rank / e)
+    else:
+        rng = np.random.default_rng(moe.routing.seed)
+        probs = expert_probabilities(moe, rng)
+        rows = rng.multinomial(int(round(per_rank)), probs, size=ep).astype(float)
+        rows = np.stack([cap_shares(r / r.sum(), 1.0 / k) * r.sum() for r in rows])
+    kept = np.minimum(rows, math.ceil(moe.capacity_factor * per_rank / e))
+    counts = kept.sum(axis=0)
+    return RoutingDraw(counts.reshape(ep, e // ep), float(counts.sum()) / ep, float((rows - kept).sum()))
 
 
 def routed_tokens_per_rank(ctx) -> float:
@@ -346,7 +364,9 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     # gradients of both).
     a2a_bytes = max(copies, load) * h * b
     if ctx.plan.moe_dispatcher == "deepep" and ep_layout.num_nodes > 1:
-        a2a = deepep_time(ctx, routed, max(1.0, load / copies), ep_layout)
+        # tokens with at least one kept copy: with drops, about the kept copies' share of them
+        sent_tokens = routed if not draw.dropped else copies / m.moe.top_k
+        a2a = deepep_time(ctx, sent_tokens, max(1.0, load / copies), ep_layout)
     elif ctx.plan.moe_dispatcher == "deepep":  # inside one node: each token once per destination rank
         a2a = collective_time(ctx.network, "all_to_all", a2a_bytes * deepep_rank_share(ctx, ep_layout), ep_layout)
     else:
