@@ -4,7 +4,8 @@ One function for the simulator (which link tier a group crosses) and the executo
 groups to build), so the two cannot disagree. The order is Megatron-Core's default
 `tp-cp-ep-dp-pp` (megatron/core/parallel_state.py, RankGenerator): tensor parallel varies
 fastest, so a TP group sits on consecutive ranks inside a node, and pipeline parallel varies
-slowest, so stages are spread across nodes. Expert parallelism is carved out of cp x dp.
+slowest, so stages are spread across nodes. Expert layers re-divide a stage's tp x cp x dp ranks
+into expert_tp x ep x expert-data-parallel, expert_tp fastest (MoE parallel folding).
 """
 from __future__ import annotations
 

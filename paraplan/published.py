@@ -25,6 +25,8 @@ ASSUMPTIONS = (
     "SC'21 Table 1 micro-batch sizes, virtual pipeline stages and DDP implementation from Megatron-LM "
     "examples/sc21/run_table_1.sh (DDP torch: gradients all-reduced during the backward; local: after it)",
     "micro_batch_size null -> 1 (Megatron's default)",
+    "expert_tp null on an MoE record -> tp (Megatron's default: --expert-tensor-parallel-size follows "
+    "--tensor-model-parallel-size)",
     "activation_recompute null -> none (Megatron-Core default when the plan fits); 'selective (norm, act)' and "
     "the like name Megatron-Core --recompute-modules (norm -> layernorm, act -> moe_act, attention -> core_attn); "
     "plain 'selective' -> core_attn",
@@ -331,7 +333,9 @@ def record_to_scenario(rec: dict) -> dict:
             # and DeepSpeed's pipeline engine send each TP rank's slice of a pipeline activation
             "p2p_scatter_gather": not modern,
             "ep": int(par.get("ep") or 1),
-            "expert_tp": int(par.get("expert_tp") or 1),
+            # unset on an MoE run, Megatron shards the experts like the dense layers (arguments.py:
+            # expert tensor parallelism defaults to --tensor-model-parallel-size)
+            "expert_tp": int(par.get("expert_tp") or (tp if m.get("moe") else 1)),
             **({"moe_dispatcher": "deepep"} if "deepep" in str(par.get("moe_dispatcher")).lower() else {}),
             **_uneven_stages(int(m["num_layers"]), int(par["pp"]), vpp),
         },

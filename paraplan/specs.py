@@ -286,7 +286,9 @@ class PlanSpec:
     dp: int = 1
     cp: int = 1
     ep: int = 1
-    """Expert parallelism, carved out of dp x cp (Megatron-Core): ep divides dp*cp when expert_tp = 1."""
+    """Expert parallelism (Megatron-Core MoE parallel folding): the expert layers re-divide a
+    stage's tp x cp x dp ranks into expert_tp x ep x expert-data-parallel, so ep x expert_tp
+    divides tp x cp x dp."""
     expert_tp: int = 1
     """Tensor parallelism inside each expert (Megatron --expert-tensor-parallel-size)."""
     moe_shared_expert_overlap: bool = False
