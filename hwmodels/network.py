@@ -164,11 +164,34 @@ def _crosses_spine(net: Network, group: GroupLayout) -> bool:
     return group.num_nodes > net.nodes_per_leaf
 
 
-def _nic_bw(net: Network, group: GroupLayout) -> float:
+def _spine_share(net: Network, group: GroupLayout, op: str) -> float:
+    """The share of a leaf's network traffic that crosses to the spine while every group of this
+    kind runs `op` at once (the symmetric assumption), its nodes packed under leaves of
+    nodes_per_leaf: a ring (or tree) over the group's nodes leaves a leaf once for the
+    min(N, nodes_per_leaf) edges it runs inside it; an all-to-all sends (N - n)/(N - 1) of each
+    node's off-node bytes to nodes of other leaves, n = its nodes under the leaf (an even split for a
+    group that straddles a boundary); a point-to-point hop between leaves takes all of it."""
+    nodes = group.num_nodes
+    here = min(nodes, net.nodes_per_leaf)
+    if op == "send_recv":
+        return 1.0
+    if op == "all_to_all":
+        if nodes <= net.nodes_per_leaf:  # straddling a boundary: half of it on each side
+            here = nodes / 2
+        return (nodes - here) / (nodes - 1)
+    return 1.0 / here
+
+
+def _nic_bw(net: Network, group: GroupLayout, op: str) -> float:
     """Per-GPU NIC bandwidth under the symmetric assumption (every group of this kind communicates
-    at once, so each GPU owns 1/gpus_per_node of the node's NICs), over the spine's oversubscription
-    once the group leaves its leaf."""
-    return net.nic_share / (net.oversubscription if _crosses_spine(net, group) else 1.0)
+    at once, so each GPU owns 1/gpus_per_node of the node's NICs). Once the group leaves its leaf,
+    its spine-crossing traffic shares uplinks of 1/oversubscription of the leaf's NIC capacity, so
+    the NICs slow down by max(1, oversubscription x _spine_share): a ring over whole leaves never
+    fills them (one edge in min(N, nodes_per_leaf) leaves the leaf), an all-to-all over many leaves
+    nearly does."""
+    if not _crosses_spine(net, group):
+        return net.nic_share
+    return net.nic_share / max(1.0, net.oversubscription * _spine_share(net, group, op))
 
 
 # ----------------------------------------------------------------------------- inside one node
@@ -265,7 +288,7 @@ def _multi_node_time(net: Network, op: str, nbytes: float, g: GroupLayout) -> fl
     # Hierarchical ring: each node's ranks share ppn GPUs' worth of NIC (inter-node ring busbw =
     # min(B_intra, gpus_per_node x B_nic), stas00 ml-engineering network README:
     # https://github.com/stas00/ml-engineering/blob/744d01e18b79512572f64a6bbd8b5f4a725203a7/network/README.md).
-    busbw = min(ring_intra, ppn * _nic_bw(net, g))
+    busbw = min(ring_intra, ppn * _nic_bw(net, g, op))
     ll_max = LL_MAX_BW_MULTINODE[min(nodes, 3)]
     best = math.inf
     for algo in ("ring", "tree") if op == "all_reduce" else ("ring",):
@@ -289,7 +312,7 @@ def _all_to_all_time(net: Network, nbytes: float, g: GroupLayout) -> float:
     On-node share (ppn-1)/n over NVLink. The two overlap;
     latency is one network hop plus NCCL's per-peer network overhead for the n-1 point-to-point ops."""
     n, ppn, nodes = g.size, g.ranks_per_node, g.num_nodes
-    t_off = nbytes * (nodes - 1) / nodes / _nic_bw(net, g)
+    t_off = nbytes * (nodes - 1) / nodes / _nic_bw(net, g, "all_to_all")
     # the node's own all-to-all among its ppn ranks moves the same (ppn-1)/n of the buffer
     t_on = _intra_time(net, "all_to_all", nbytes * ppn / n, ppn) if ppn > 1 else 0.0
     simple = PROTOCOLS.index("Simple")
@@ -308,7 +331,7 @@ def _send_recv_time(net: Network, nbytes: float, g: GroupLayout) -> float:
         bw = net.gpu.nvlink_ring_busbw * net.intra_scale
         ll_max = LL_MAX_BW_ONE_NODE[net.gpu.arch]
     else:
-        bw = _nic_bw(net, g)
+        bw = _nic_bw(net, g, "send_recv")
         ll_max = LL_MAX_BW_MULTINODE[2]
     best = math.inf
     for proto in range(len(PROTOCOLS)):

@@ -231,7 +231,9 @@ class InterNodeSpec:
     """bytes/s per NIC per direction (the YAML gives nic_bandwidth_Gbps, bits)."""
     topology: str = "rail-optimized"
     oversubscription: float = 1.0
-    """Leaf-to-spine oversubscription; traffic that leaves a leaf switch sees bandwidth / this."""
+    """Leaf-to-spine oversubscription: a leaf's uplinks carry 1/this of its NICs' bandwidth, so
+    traffic that crosses the spine slows by max(1, this x the share of the leaf's traffic that
+    crosses; hwmodels.network._spine_share)."""
     latency: float = 5e-6
     nodes_per_leaf: int = 32
     """Nodes under one leaf (rail) switch: a group inside it never crosses the spine."""
