@@ -64,7 +64,8 @@ PLANS = (
 def scenario(p: Plan, gpu: str, *, steps: int, warmup: int) -> Scenario:
     model = ModelSpec(name=p.name.split()[0], num_layers=p.layers, hidden_size=p.hidden,
                       num_attention_heads=p.heads, num_kv_heads=p.kv_heads, head_dim=p.hidden // p.heads,
-                      ffn_hidden_size=p.ffn, vocab_size=p.vocab, activation=p.activation)
+                      ffn_hidden_size=p.ffn, vocab_size=p.vocab, activation=p.activation,
+                      dropout=0.0)  # the executor trains without dropout
     return Scenario(
         name=p.name, model=model,
         cluster=ClusterSpec(gpu=gpu, num_nodes=1, gpus_per_node=1),

@@ -237,6 +237,8 @@ def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
     if p.tp > 1 and p.tp_backward_overlap and not p.tp_comm_overlap:
         out.append("plan.tp_backward_overlap: the executor's tensor-parallel backward (DTensor) reduces each input "
                    "gradient after its layer's weight gradient, not beside it")
+    if sc.model.dropout:
+        out.append(f"model.dropout {sc.model.dropout:g}: the executor trains without dropout")
     if p.p2p_scatter_gather and p.tp > 1 and p.pp > 1 and not p.sequence_parallel:
         out.append("plan.p2p_scatter_gather: the executor's pipeline stages send whole activations, not 1/tp slices")
     if not p.overlap_grad_reduce and p.dp * p.cp > 1:

@@ -83,6 +83,14 @@ MAX_SEED, MAX_SEED_TEXT = 2**32 - 1, "2**32 - 1"
 SEED = _integer(minimum=0, maximum=MAX_SEED, maximum_text=MAX_SEED_TEXT)
 
 
+def _probability(value):
+    """A dropout probability: a number in [0, 1)."""
+    value = _number(minimum=0)(value)
+    if value >= 1:
+        raise _Invalid(f"expected a probability in [0, 1), got {value}")
+    return value
+
+
 def _number(*, positive: bool = False, minimum: float | None = None) -> Check:
     """A finite int or float (not a bool), > 0 if `positive`, >= `minimum` if given; returned as float."""
     def check(value):
@@ -216,6 +224,7 @@ MODEL = _schema(
     vocab_size=Key(POSITIVE, required=True),
     activation=Key(_one_of(ACTIVATIONS), required=True),
     tied_embeddings=Key(_boolean),
+    dropout=Key(_probability),
     moe=Key(_anything),
     mla=Key(_anything),
     mtp_layers=Key(_integer(minimum=0)),
@@ -440,6 +449,7 @@ def _hf_llama(cfg: Mapping, need: Callable[[str], Any]) -> dict:
         "vocab_size": need("vocab_size"),
         "activation": "swiglu",
         "tied_embeddings": cfg.get("tie_word_embeddings", False),
+        "dropout": float(cfg.get("attention_dropout") or 0.0),  # the only dropout these configs have
     }
     if cfg.get("head_dim") is not None:
         out["head_dim"] = cfg["head_dim"]
@@ -473,6 +483,7 @@ def _hf_deepseek_v3(cfg: Mapping, need: Callable[[str], Any]) -> dict:
                 "v_head_dim": need("v_head_dim")},
         "ffn_hidden_size": need("intermediate_size"), "vocab_size": need("vocab_size"),
         "activation": "swiglu", "tied_embeddings": cfg.get("tie_word_embeddings", False),
+        "dropout": float(cfg.get("attention_dropout") or 0.0),
         "moe": {"num_experts": need("n_routed_experts"), "top_k": need("num_experts_per_tok"),
                 "expert_ffn_hidden_size": need("moe_intermediate_size"),
                 "num_shared_experts": cfg.get("n_shared_experts") or 0,
@@ -499,6 +510,7 @@ def _hf_gpt2(cfg: Mapping, need: Callable[[str], Any]) -> dict:
         "vocab_size": need("vocab_size"),
         "activation": "gelu",
         "tied_embeddings": cfg.get("tie_word_embeddings", True),
+        "dropout": float(cfg.get("resid_pdrop", 0.1)),  # GPT2Config's default
     }
     if cfg.get("n_inner") is not None:
         out["ffn_hidden_size"] = cfg["n_inner"]

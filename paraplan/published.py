@@ -25,6 +25,9 @@ ASSUMPTIONS = (
     "SC'21 Table 1 micro-batch sizes, virtual pipeline stages and DDP implementation from Megatron-LM "
     "examples/sc21/run_table_1.sh (DDP torch: gradients all-reduced during the backward; local: after it)",
     "micro_batch_size null -> 1 (Megatron's default)",
+    "dropout (records never state it) -> 0 for SwiGLU models (the Llama-family, Mixtral and Qwen3 configs "
+    "train without it) and MPT (llm-foundry's attn_pdrop and resid_pdrop 0), else Megatron's default 0.1 "
+    "(--hidden-dropout, --attention-dropout); without dropout no masks are stored or written",
     "expert_tp null on an MoE record -> tp (Megatron's default: --expert-tensor-parallel-size follows "
     "--tensor-model-parallel-size)",
     "activation_recompute null -> none (Megatron-Core default when the plan fits); 'selective (norm, act)' and "
@@ -237,6 +240,15 @@ _SCRIPT_KEYS = {"micro_batch_size", "layers_per_virtual_stage", "ddp_impl", "pre
 MEGATRON_VOCAB_DIVISOR = 128
 
 
+def _dropout(rec: dict) -> float:
+    """ASSUMPTIONS' dropout: none for SwiGLU (Llama-family) models and llm-foundry's MPT, whose
+    configs train without it; Megatron's default 0.1 otherwise."""
+    if (rec["model"].get("activation") == "swiglu"
+            or "llm-foundry" in str(rec.get("framework")) or "mosaic" in str(rec.get("id"))):
+        return 0.0
+    return 0.1
+
+
 def _vocab(model: dict, tp: int) -> int:
     """The record's vocabulary; padded as Megatron pads it, to a multiple of 128 x tp, where the
     record says Megatron padded it (MT-NLG: 'GPT-2 BPE vocabulary (50257, padded by Megatron)')."""
@@ -296,6 +308,7 @@ def record_to_scenario(rec: dict) -> dict:
         "vocab_size": _vocab(m, tp), "activation": m.get("activation") or "gelu",
         "tied_embeddings": (m.get("activation") != "swiglu") if m.get("tied_embeddings") is None
         else bool(m["tied_embeddings"]),
+        "dropout": _dropout(rec),
     }
     if m.get("head_dim"):
         model["head_dim"] = m["head_dim"]

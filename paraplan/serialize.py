@@ -79,7 +79,7 @@ def model_to_mapping(m: ModelSpec) -> dict[str, Any]:
         "name": m.name, "num_layers": m.num_layers, "hidden_size": m.hidden_size,
         "num_attention_heads": m.num_attention_heads, "num_kv_heads": m.num_kv_heads,
         "head_dim": m.head_dim, "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": m.vocab_size,
-        "activation": m.activation, "tied_embeddings": m.tied_embeddings,
+        "activation": m.activation, "tied_embeddings": m.tied_embeddings, "dropout": m.dropout,
     }
     if m.moe is not None:
         out["moe"] = moe_to_mapping(m.moe)

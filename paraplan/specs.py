@@ -104,6 +104,11 @@ class ModelSpec:
     """Per-head width; hidden_size // num_attention_heads unless the model says otherwise."""
     tied_embeddings: bool = False
     """Input embedding and LM head share one matrix (Megatron GPT default); costs a first/last-stage all-reduce under PP."""
+    dropout: float = 0.1
+    """Hidden and attention dropout probability (Megatron --hidden-dropout / --attention-dropout,
+    0.1 by default). 0, as the Llama-family, Mixtral, Qwen3, DeepSeek-V3 and MPT recipes train,
+    stores no dropout masks and writes none: torch's dropout with p = 0 returns its input
+    (aten/src/ATen/native/Dropout.cpp)."""
     moe: MoESpec | None = None
     """Mixture-of-experts FFN; None for a dense model."""
     mla: MLASpec | None = None

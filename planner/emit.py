@@ -216,6 +216,8 @@ def _megatron_model(sc: Scenario) -> list[str]:
         a.append("--swiglu")
     if not m.tied_embeddings:
         a.append("--untie-embeddings-and-output-weights")
+    # the simulated dropout (arguments.py _add_regularization_args: both default to 0.1)
+    a += ["--hidden-dropout", f"{m.dropout:g}", "--attention-dropout", f"{m.dropout:g}"]
     a += _megatron_vocabulary(m.vocab_size, p.tp)
     a += megatron_architecture_args(m)
     return a

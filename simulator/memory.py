@@ -80,7 +80,9 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     softmax and dropout outputs, dropout mask) unless the attention is fused (FlashAttention keeps
     only the fp32 logsumexp) or recomputed (selective core_attn). Full recompute keeps only each
     layer's input (2h). Selective recompute of other modules frees what they would keep: layernorm
-    the two norm outputs (4h of the 10h), mlp the dense MLP intermediates.
+    the two norm outputs (4h of the 10h), mlp the dense MLP intermediates. Without dropout
+    (model.dropout 0) there are no masks and no dropout output: the h-wide tensors lose their 2h
+    bytes of masks and the unfused softmax terms keep only the softmax output.
     For an MoE layer `moe_ffn_bytes` (this rank's router, dispatch and expert tensors, from
     simulator.moe.moe_activation_bytes) replaces the dense MLP intermediates."""
     e = act_bytes
@@ -93,7 +95,8 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     if plan.recompute == "full":
         return tokens * e * h / sp
     recomputed = plan.recomputed_modules
-    h_wide = ((2 if "layernorm" in recomputed else 4) * e + 2) * h / sp
+    masks = 2 if model.dropout else 0  # the two bias-dropout-adds' 1-byte masks
+    h_wide = ((2 if "layernorm" in recomputed else 4) * e + masks) * h / sp
     mlp_mats = model.ffn_matrices - 1
     mlp = e * (mlp_mats * f + f) / t if moe_ffn_bytes is None and "mlp" not in recomputed else 0.0
     tp_sharded = e * (model.q_channels + model.k_channels + model.v_channels + model.o_channels) / t + mlp
@@ -104,7 +107,8 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     elif "core_attn" in recomputed:
         scores = 0.0
     else:
-        scores = (2 * e + 1) * a * seq_length / t  # softmax out (e), dropout mask (1), dropout out (e)
+        # softmax out (e), dropout mask (1), dropout out (e); without dropout AV reads the softmax out
+        scores = ((2 * e + 1) if model.dropout else e) * a * seq_length / t
     return tokens * (h_wide + tp_sharded + latents + scores) + (moe_ffn_bytes or 0.0)
 
 

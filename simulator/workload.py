@@ -142,6 +142,7 @@ def _attention_step(ctx: LayerContext, backward: bool) -> float:
         dtype=ctx.dtype,
         causal=True,
         backward=backward,
+        **({"dropout": bool(m.dropout)} if ctx.attention_kernel == "unfused" else {}),
     )
 
 
@@ -189,9 +190,10 @@ def _norm_bytes(ctx: LayerContext) -> float:
 
 
 def _residual_bytes(ctx: LayerContext) -> float:
-    """One bias-dropout-add on the h-wide tokens: reads 2h, writes h plus a 1-byte mask."""
+    """One bias-dropout-add on the h-wide tokens: reads 2h, writes h plus a 1-byte mask (no mask
+    without dropout)."""
     h, b = ctx.model.hidden_size, ctx.act_bytes
-    return _h_wide_tokens(ctx) * (3 * h * b + h)
+    return _h_wide_tokens(ctx) * (3 * h * b + (h if ctx.model.dropout else 0))
 
 
 def activation_time(ctx: LayerContext, tokens: float, width: int, backward: bool) -> float:

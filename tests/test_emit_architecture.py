@@ -44,6 +44,8 @@ def megatron_parse(args, *, defaults=True):
     p.add_argument("--add-qkv-bias", action="store_true")
     p.add_argument("--qk-layernorm", action="store_true")
     p.add_argument("--swiglu", action="store_true")
+    p.add_argument("--hidden-dropout", type=float, default=0.1)
+    p.add_argument("--attention-dropout", type=float, default=0.1)
     p.add_argument("--untie-embeddings-and-output-weights", action="store_true")
     p.add_argument("--group-query-attention", action="store_true")
     p.add_argument("--num-query-groups", type=int, default=1)
@@ -191,3 +193,10 @@ def test_torchtitan_names_a_model_only_where_it_is_that_model(overrides, name, f
     model = tomllib.loads(text)["model"]
     assert (model["name"], model["flavor"]) == (name, flavor)
     assert "# Architecture: " in text
+
+
+@pytest.mark.parametrize("name, dropout", [("gpt3-175b-1024xa100", 0.1), ("llama3-70b-1024xh100", 0.0),
+                                           ("deepseek-v3-2048xh800", 0.0)])
+def test_megatron_trains_with_the_simulated_dropout(name, dropout):
+    ns = megatron_parse(megatron_args(scenario(name)))
+    assert ns.hidden_dropout == ns.attention_dropout == dropout == scenario(name).model.dropout

@@ -27,7 +27,7 @@ LOSS_ATOL = 1e-4
 """Per-step loss tolerance, fp32 on CPU. Observed differences are about 1e-6 (reduction order)."""
 
 DENSE = ModelSpec(name="tiny", num_layers=4, hidden_size=64, num_attention_heads=4, num_kv_heads=2, head_dim=16,
-                  ffn_hidden_size=128, vocab_size=256, activation="swiglu")
+                  ffn_hidden_size=128, vocab_size=256, activation="swiglu", dropout=0.0)
 TIED = dataclasses.replace(DENSE, name="tiny-tied", activation="gelu", num_kv_heads=4, tied_embeddings=True)
 MOE = dataclasses.replace(DENSE, name="tiny-moe", activation="gelu", moe=MoESpec(
     num_experts=4, top_k=2, expert_ffn_hidden_size=64, num_shared_experts=1, first_dense_layers=1))
@@ -364,6 +364,12 @@ def test_overlapped_backward_tp_collectives_are_said_to_run_exposed():
     assert any("plan.tp_backward_overlap" in n for n in notes(scenario("x", tp=2), on_gpu=True))
     assert not notes(scenario("x", tp=2, tp_backward_overlap=False), on_gpu=True)
     assert not notes(scenario("x", dp=2), on_gpu=True)  # no TP, nothing to overlap
+
+
+def test_dropout_the_executor_does_not_run_is_said():
+    sc = scenario("x", dp=2)
+    with_dropout = dataclasses.replace(sc, model=dataclasses.replace(sc.model, dropout=0.1))
+    assert notes(with_dropout, on_gpu=True) == ["model.dropout 0.1: the executor trains without dropout"]
 
 
 def test_scenario_round_trip():

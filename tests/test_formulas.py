@@ -47,6 +47,42 @@ def test_activation_memory_matches_korthikanti_table2(sp):
     assert full == pytest.approx(2 * s * b * h / (t if sp else 1))
 
 
+@pytest.mark.parametrize("sp", [False, True])
+def test_no_dropout_stores_no_masks(sp):
+    """Korthikanti's 34 sbh counts two 1-byte dropout masks (2sbh, h-wide) and in the 5as term the
+    attention's mask (as) and dropout output (2as); without dropout torch's dropout returns its
+    input, so 32 sbh and 2as remain (the softmax output AV reads)."""
+    t, s, b, h, a = 8, 2048, 1, 12288, 96
+    plan = PlanSpec(tp=t, pp=8, dp=16, sequence_parallel=sp, recompute="none")
+    got = activation_bytes_per_layer(replace(GPT3, dropout=0.0), plan, s, "unfused")
+    if sp:
+        want = s * b * h / t * (32 + 2 * a * s / h)
+    else:
+        want = s * b * h * (8 + 24 / t + 2 * a * s / (h * t))
+    assert got == pytest.approx(want, rel=1e-12)
+    flash = [activation_bytes_per_layer(replace(GPT3, dropout=d), plan, s, "flash") for d in (0.1, 0.0)]
+    assert flash[0] - flash[1] == pytest.approx(2 * s * b * h / (t if sp else 1), rel=1e-12)
+
+
+def test_no_dropout_writes_no_masks():
+    """The bias-dropout-add reads 2h and writes h, plus its 1-byte mask only with dropout; the
+    unfused attention drops its dropout kernels."""
+    from dataclasses import replace as _replace
+
+    from paraplan.loader import load_scenario
+    from simulator.simulate import _setup
+    from simulator.workload import _attention_step, _residual_bytes
+
+    ROOT = Path(__file__).resolve().parents[1]
+    sc = load_scenario(ROOT / "scenarios" / "gpt3-175b-1024xa100.yaml", ["training.attention=unfused"])
+    ctx = _setup(sc).ctx
+    off = _replace(ctx, model=_replace(ctx.model, dropout=0.0))
+    tokens = ctx.tokens / 8  # sequence parallel
+    assert _residual_bytes(ctx) - _residual_bytes(off) == pytest.approx(tokens * 12288)
+    assert _attention_step(off, False) < _attention_step(ctx, False)
+    assert _attention_step(off, True) < _attention_step(ctx, True)
+
+
 def test_fp32_activations_take_four_bytes_an_element():
     """Korthikanti's sbh(34 + 5as/h) counts 2-byte elements and 1-byte masks: with 4-byte
     elements the 2-byte terms double (LayerNorm/QKV/MLP inputs 8h -> 16h, the 24h tp-sharded ones

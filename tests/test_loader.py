@@ -762,3 +762,21 @@ def test_mla_bad_input_names_the_key(extra, key, words):
 def test_negative_mtp_layers_is_rejected():
     err = error_of({**tiny(), "model": {"preset": "deepseek-v3", "mtp_layers": -1}})
     assert err.path == "model.mtp_layers"
+
+
+def test_dropout_defaults_to_megatrons_and_the_presets_say_theirs():
+    assert load_scenario(tiny()).model.dropout == 0.1  # Megatron's --hidden-dropout / --attention-dropout
+    assert load_scenario({**tiny(), "model": "gpt3-175b"}).model.dropout == 0.1
+    for preset in ("llama3-8b", "llama2-7b", "mpt-7b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3"):
+        assert load_scenario({**tiny(), "model": preset}).model.dropout == 0.0, preset
+    assert load_scenario(tiny(), ["model.dropout=0"]).model.dropout == 0.0
+    for bad, words in (("1.0", "expected a probability in [0, 1), got 1.0"), ("-0.1", "expected a number >= 0"),
+                       ("true", "expected a number")):
+        err = error_of(tiny(), [f"model.dropout={bad}"])
+        assert err.path == "model.dropout" and words in str(err)
+
+
+@pytest.mark.parametrize("fixture, want", [("hf-gpt2", 0.1), ("hf-llama3-8b", 0.0)])
+def test_hf_configs_give_their_dropout(tmp_path, fixture, want):
+    folder = FIXTURES / fixture
+    assert load_scenario({**tiny(), "model": {"hf_config": str(folder)}}).model.dropout == want
