@@ -170,11 +170,12 @@ def _spine_share(net: Network, group: GroupLayout, op: str) -> float:
     nodes_per_leaf: a ring (or tree) over the group's nodes leaves a leaf once for the
     min(N, nodes_per_leaf) edges it runs inside it; an all-to-all sends (N - n)/(N - 1) of each
     node's off-node bytes to nodes of other leaves, n = its nodes under the leaf (an even split for a
-    group that straddles a boundary); a point-to-point hop between leaves takes all of it."""
+    group that straddles a boundary); a pipeline link, the share of the leaf's GPUs whose partner
+    on it sits under another leaf (GroupLayout.leaf_share, from the placement), else all of it."""
     nodes = group.num_nodes
     here = min(nodes, net.nodes_per_leaf)
     if op == "send_recv":
-        return 1.0
+        return 1.0 if group.leaf_share is None else group.leaf_share
     if op == "all_to_all":
         if nodes <= net.nodes_per_leaf:  # straddling a boundary: half of it on each side
             here = nodes / 2

@@ -87,6 +87,10 @@ class GroupLayout:
     """Whether the group's nodes sit under more than one leaf switch (its traffic then crosses the
     spine), read off the placement where the leaf size was given; None: not placed, the network
     model judges by the node count."""
+    leaf_share: float | None = None
+    """For a pipeline link: the share of a leaf's GPUs whose send over this link crosses to another
+    leaf (all links send at about the same time), which sets how far the spine's oversubscription
+    slows it; None: the network model's rule for the kind of collective."""
 
 
 def _layout_at(residue: int, offsets: list[int], gpus_per_node: int) -> GroupLayout:
@@ -119,6 +123,19 @@ def _straddles(first: int, last: int, unit: int) -> bool:
     """Whether ranks first..last (consecutive runs of `unit` ranks: a node's, a leaf's) lie in more
     than one unit."""
     return first // unit != last // unit
+
+
+def _pairs_across(a: int, block: int, d: int, unit: int) -> int:
+    """How many of the pairs (a + j, a + j + d), j < block, have their ranks in different runs of
+    `unit` ranks: j with a + j < b <= a + j + d for some boundary b (a multiple of unit); each
+    boundary's j form an interval, and the union of those intervals is counted."""
+    count, reach = 0, 0  # reach: the first j not yet counted
+    for b in range((a // unit + 1) * unit, a + block + d, unit):
+        lo, hi = max(b - d - a, reach, 0), min(b - a, block)  # j in [lo, hi)
+        if hi > lo:
+            count += hi - lo
+            reach = hi
+    return count
 
 
 def _residues(strides_sizes: list[tuple[int, int]], period: int) -> set[int]:
@@ -171,9 +188,13 @@ def pp_hop_layouts(plan: PlanSpec, gpus_per_node: int, *, nodes_per_leaf: int | 
         # a + block - 1 + d sit in different nodes (leaves)
         a, d = min(s, nxt) * block, abs(nxt - s) * block
         crosses = _straddles(a, a + block - 1 + d, gpus_per_node)
-        leaf = None if nodes_per_leaf is None else _straddles(a, a + block - 1 + d, gpus_per_node * nodes_per_leaf)
+        leaf = share = None
+        if nodes_per_leaf is not None:
+            unit = gpus_per_node * nodes_per_leaf
+            leaf = _straddles(a, a + block - 1 + d, unit)
+            share = min(1.0, _pairs_across(a, block, d, unit) / unit) if leaf else None
         out.append(GroupLayout(size=2, ranks_per_node=1 if crosses else 2, num_nodes=2 if crosses else 1,
-                               crosses_leaf=leaf))
+                               crosses_leaf=leaf, leaf_share=share))
     return out
 
 

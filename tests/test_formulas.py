@@ -228,5 +228,24 @@ def test_a_hop_between_leaves_pays_the_spine_oversubscription():
     same_leaf, across = pp_hop_layouts(PlanSpec(tp=8, pp=4, dp=16), 8, nodes_per_leaf=32)[:2]
     big = 256e6  # bandwidth-bound
     assert collective_time(over, "send_recv", big, same_leaf) == collective_time(flat, "send_recv", big, same_leaf)
+    # the 16 nodes of stage 1 fill half of leaf 0 and all send to leaf 1 at once: half the leaf's
+    # NICs through uplinks of a quarter of their bandwidth, 4 x 0.5 = 2x slower
+    assert across.leaf_share == 0.5
     ratio = collective_time(over, "send_recv", big, across) / collective_time(flat, "send_recv", big, across)
+    assert 1.95 < ratio <= 2.0
+    # 32-node stages fill their leaves: every NIC of the leaf sends across, the full 4x
+    whole = pp_hop_layouts(PlanSpec(tp=8, pp=4, dp=32), 8, nodes_per_leaf=32)[0]
+    assert whole.leaf_share == 1.0
+    ratio = collective_time(over, "send_recv", big, whole) / collective_time(flat, "send_recv", big, whole)
     assert 3.9 < ratio <= 4.0
+
+
+def test_pipeline_pairs_across_a_leaf_boundary_counted_by_hand():
+    """Pairs (a + j, a + j + d), j < block, split by a boundary every `unit` ranks, against a count."""
+    import itertools
+
+    from paraplan.placement import _pairs_across
+
+    for a, block, d, unit in itertools.product((0, 5, 250), (1, 7, 128, 300), (1, 8, 128, 700), (8, 256)):
+        want = sum((a + j) // unit != (a + j + d) // unit for j in range(block))
+        assert _pairs_across(a, block, d, unit) == want
