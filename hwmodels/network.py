@@ -201,9 +201,11 @@ def _nic_bw(net: Network, group: GroupLayout, op: str) -> float:
 def _reference_time(net: Network, nbytes: float) -> float:
     """Time of the profile's 8-GPU all_reduce of `nbytes`: interpolated as a power law between the
     measured sizes (monotone, unlike busbw linear in log size), constant below the smallest
-    (latency-bound), proportional to size beyond the largest; over intra_scale."""
+    (latency-bound), proportional to size beyond the largest. On a link intra_scale times the
+    profile's bandwidth it is the measured time of nbytes / intra_scale: the bandwidth-bound part
+    scales, the latency-bound part (small buffers) does not."""
     logs, logt = net.ref_logs
-    x = math.log(nbytes)
+    x = math.log(nbytes / net.intra_scale)
     if x <= logs[0]:
         log_t = logt[0]
     elif x >= logs[-1]:
@@ -211,7 +213,7 @@ def _reference_time(net: Network, nbytes: float) -> float:
     else:
         i = bisect.bisect_right(logs, x)
         log_t = logt[i - 1] + (x - logs[i - 1]) / (logs[i] - logs[i - 1]) * (logt[i] - logt[i - 1])
-    return math.exp(log_t) / net.intra_scale
+    return math.exp(log_t)
 
 
 def _intra_time(net: Network, op: str, nbytes: float, n: int) -> float:

@@ -132,7 +132,22 @@ def test_faster_nvlink_override_speeds_large_intra_node_collectives():
                                      intra_node=LinkSpec(bandwidth=600e9, latency=0.6e-6)), gpu)
     base = net_for(nodes=1)
     ratio = collective_time(base, "all_reduce", 4 * GiB, G(8, 8, 1)) / collective_time(fast, "all_reduce", 4 * GiB, G(8, 8, 1))
-    assert ratio == pytest.approx(2.0, rel=1e-9)
+    assert ratio == pytest.approx(2.0, rel=0.005)
+
+
+def test_nvlink_override_scales_the_bandwidth_not_the_latency():
+    """An H800-style link (200 of the H100's 450 GB/s): a large all-reduce takes 450/200 = 2.25x
+    as long, a latency-bound one as long as on the H100 (the measured time of nbytes x 2.25)."""
+    gpu = load_profile("h100-sxm-80gb")
+    slow = build_network(ClusterSpec(gpu="h100-sxm-80gb", num_nodes=1, gpus_per_node=8,
+                                     intra_node=LinkSpec(bandwidth=200e9, latency=3e-6)), gpu)
+    base = net_for("h100-sxm-80gb", nodes=1)
+    g = G(8, 8, 1)
+    assert collective_time(slow, "all_reduce", 16 * GiB, g) / collective_time(base, "all_reduce", 16 * GiB, g) == \
+        pytest.approx(450 / 200, rel=0.01)
+    assert collective_time(slow, "all_reduce", 8, g) == pytest.approx(collective_time(base, "all_reduce", 8, g))
+    assert collective_time(slow, "all_reduce", 8, g) < collective_time(base, "all_reduce", 8, g) * 1.01 < \
+        collective_time(slow, "all_reduce", 1 << 20, g)
 
 
 def test_send_recv_one_node_uses_nvlink_p2p():
