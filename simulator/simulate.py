@@ -265,7 +265,9 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
         working = max(kinds.working[k] for k in stage_kinds) if stage_kinds else 0.0
         freed_by_b = [0.0] * len(layers[s])
         if s == p.pp - 1:
-            working += logits_bytes(m, p, tr.seq_length, ctx.act_bytes)
+            # the LM head's 16-bit logits live in the forward, a recomputed layer's tensors (and the
+            # dispatch buffers) in the layers' passes: never both at once
+            working = max(working, logits_bytes(m, p, tr.seq_length, ctx.act_bytes))
             freed_by_b[-1] = softmax
         holds_embedding = s == 0 or (s == p.pp - 1 and own_head)
         gathered_layer = max((gathered_of[k] for k in stage_kinds), default=0.0)
