@@ -243,8 +243,7 @@ MEGATRON_VOCAB_DIVISOR = 128
 def _dropout(rec: dict) -> float:
     """ASSUMPTIONS' dropout: none for SwiGLU (Llama-family) models and llm-foundry's MPT, whose
     configs train without it; Megatron's default 0.1 otherwise."""
-    if (rec["model"].get("activation") == "swiglu"
-            or "llm-foundry" in str(rec.get("framework")) or "mosaic" in str(rec.get("id"))):
+    if rec["model"].get("activation") == "swiglu" or "llm-foundry" in str(rec.get("framework")):
         return 0.0
     return 0.1
 

@@ -98,10 +98,10 @@ def draw_routing(moe, ep: int, tokens_per_rank: float, *, balanced: bool = False
     from each of the ep ranks, drawn from the routing distribution as a multinomial with the
     scenario's seed (deterministic). `balanced` gives the exact expectation of a uniform router,
     the reference the imbalance is measured against."""
-    e, k = moe.num_experts, moe.top_k
-    total = tokens_per_rank * k * ep
     if moe.capacity_factor is not None:
         return _draw_with_capacity(moe, ep, tokens_per_rank, balanced)
+    e, k = moe.num_experts, moe.top_k
+    total = tokens_per_rank * k * ep
     if balanced:
         counts = np.full(e, total / e)
     else:
@@ -364,9 +364,8 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     # gradients of both).
     a2a_bytes = max(copies, load) * h * b
     if ctx.plan.moe_dispatcher == "deepep" and ep_layout.num_nodes > 1:
-        # tokens with at least one kept copy: with drops, about the kept copies' share of them
-        sent_tokens = routed if not draw.dropped else copies / m.moe.top_k
-        a2a = deepep_time(ctx, sent_tokens, max(1.0, load / copies), ep_layout)
+        # the tokens sent: top_k copies each (with drops, about the kept copies' share of them)
+        a2a = deepep_time(ctx, copies / m.moe.top_k, max(1.0, load / copies), ep_layout)
     elif ctx.plan.moe_dispatcher == "deepep":  # inside one node: each token once per destination rank
         a2a = collective_time(ctx.network, "all_to_all", a2a_bytes * deepep_rank_share(ctx, ep_layout), ep_layout)
     else:

@@ -281,7 +281,7 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
         ))
 
     hops = setup.hops
-    p2p = [_p2p_time(ctx, p, net, hop) if p.pp > 1 else 0.0 for hop in hops]
+    p2p = [_p2p_time(ctx, hop) if p.pp > 1 else 0.0 for hop in hops]
     sync = _sync_time(sc, net, emb_params, hops[-1])
     eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce,
                         sync_time=sync, p2p_nic=[t if hop.num_nodes > 1 else 0.0 for t, hop in zip(p2p, hops)],
@@ -289,13 +289,14 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
     return _Iteration(kinds=kinds, draw=draw, mems=mems, eng=eng)
 
 
-def _p2p_time(ctx, p, net, hop) -> float:
+def _p2p_time(ctx, hop) -> float:
     """One pipeline send of a microbatch's activation (or its gradient) over `hop`: each TP rank
     sends its sequence-parallel shard, or with p2p_scatter_gather its 1/tp slice, which the
     receivers then all-gather inside their node (SC'21 Sec. 4.1); else the whole activation
     (Megatron-Core p2p_communication: the sequence is divided by tp only under sequence parallelism).
     ctx.tokens is the microbatch's tokens on one CP rank, before the sequence-parallel split; the
     re-gather runs on the receiver before its op, so it is counted in the send."""
+    p, net = ctx.plan, ctx.network
     whole = ctx.tokens * ctx.model.hidden_size * ctx.act_bytes
     if p.tp == 1 or p.sequence_parallel:
         return collective_time(net, "send_recv", whole / p.tp, hop)

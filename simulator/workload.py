@@ -128,7 +128,7 @@ def _attention_step(ctx: LayerContext, backward: bool) -> float:
     m, p = ctx.model, ctx.plan
     step_len = ctx.seq_length // p.cp
     if ctx.attention_kernel == "unfused":
-        fn = unfused_attention_time
+        fn = partial(unfused_attention_time, dropout=bool(m.dropout))
     else:
         fn = partial(attention_time, kernel=ctx.attention_kernel)
     return fn(
@@ -142,7 +142,6 @@ def _attention_step(ctx: LayerContext, backward: bool) -> float:
         dtype=ctx.dtype,
         causal=True,
         backward=backward,
-        **({"dropout": bool(m.dropout)} if ctx.attention_kernel == "unfused" else {}),
     )
 
 
