@@ -780,3 +780,14 @@ def test_dropout_defaults_to_megatrons_and_the_presets_say_theirs():
 def test_hf_configs_give_their_dropout(tmp_path, fixture, want):
     folder = FIXTURES / fixture
     assert load_scenario({**tiny(), "model": {"hf_config": str(folder)}}).model.dropout == want
+
+
+def test_hf_config_dropout_is_read_not_defaulted(tmp_path):
+    """The fixtures' values equal the defaults (GPT-2 0.1, Llama 0.0); a config that says otherwise
+    is followed."""
+    for fixture, key, value in (("hf-gpt2", "resid_pdrop", 0.0), ("hf-llama3-8b", "attention_dropout", 0.05)):
+        cfg = json.loads((FIXTURES / fixture / "config.json").read_text())
+        cfg[key] = value
+        (tmp_path / fixture).mkdir()
+        (tmp_path / fixture / "config.json").write_text(json.dumps(cfg))
+        assert load_scenario({**tiny(), "model": {"hf_config": str(tmp_path / fixture)}}).model.dropout == value
