@@ -66,7 +66,11 @@ def _interleaved_unit(k: int, num_stages: int, num_chunks: int, forward: bool) -
 
 def _interleaved_units(num_stages: int, num_microbatches: int, num_chunks: int) -> tuple[list[Op], list[Op]]:
     """Every virtual microbatch's F and B op, in Megatron's order (`_interleaved_unit`); the same
-    for every stage, so built once per schedule."""
+    for every stage, so built once per schedule. The mapping walks whole groups of p microbatches,
+    so over virtual stages M must be a multiple of p."""
+    if num_chunks > 1 and num_microbatches % num_stages:
+        raise ValueError(f"interleaved order over {num_chunks} virtual stages needs the number of "
+                         f"microbatches ({num_microbatches}) to be a multiple of pp ({num_stages})")
     total = num_microbatches * num_chunks
     fwd = [Op("F", *_interleaved_unit(k, num_stages, num_chunks, True)) for k in range(total)]
     bwd = [Op("B", *_interleaved_unit(k, num_stages, num_chunks, False)) for k in range(total)]
@@ -84,11 +88,11 @@ def _interleaved_order(num_stages: int, num_microbatches: int, stage: int, num_c
 def interleaved_1f1b(num_stages: int, num_microbatches: int, stage: int, num_chunks: int,
                      units: tuple[list[Op], list[Op]] | None = None) -> list[Op]:
     """Interleaved 1F1B with virtual stages (Narayanan et al. SC'21, Sec. 2.2.2), Megatron order:
-    warmup = 2(p - s - 1) + (v - 1)p forwards, then 1F1B, then cooldown. Needs M % p == 0."""
-    if num_microbatches == num_stages:
-        warmup = num_microbatches * num_chunks
-    else:
-        warmup = (num_stages - stage - 1) * 2 + (num_chunks - 1) * num_stages
+    warmup = 2(p - s - 1) + (v - 1)p forwards (at most all of them), then 1F1B, then cooldown.
+    Needs M % p == 0. With M == p too (megatron/core/pipeline_parallel/schedules.py,
+    get_pp_rank_microbatches; PyTorch ScheduleInterleaved1F1B): the all-forwards-first special case
+    of earlier Megatron-LM releases is gone from both."""
+    warmup = (num_stages - stage - 1) * 2 + (num_chunks - 1) * num_stages
     return _interleaved_order(num_stages, num_microbatches, stage, num_chunks, warmup, units)
 
 

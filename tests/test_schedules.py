@@ -236,7 +236,8 @@ class _StageStub:
     ("zero-bubble", "ScheduleInterleavedZeroBubble", 4, 6, 1), ("zero-bubble", "ScheduleInterleavedZeroBubble", 2, 4, 2),
     ("zero-bubble", "ScheduleInterleavedZeroBubble", 4, 8, 2), ("zero-bubble", "ScheduleInterleavedZeroBubble", 4, 12, 3),
     ("interleaved-1f1b", "ScheduleInterleaved1F1B", 2, 4, 2), ("interleaved-1f1b", "ScheduleInterleaved1F1B", 4, 8, 2),
-    ("interleaved-1f1b", "ScheduleInterleaved1F1B", 4, 12, 3),
+    ("interleaved-1f1b", "ScheduleInterleaved1F1B", 4, 12, 3), ("interleaved-1f1b", "ScheduleInterleaved1F1B", 2, 2, 2),
+    ("interleaved-1f1b", "ScheduleInterleaved1F1B", 4, 4, 2), ("zero-bubble", "ScheduleInterleavedZeroBubble", 4, 4, 2),
 ])
 def test_schedule_is_the_order_the_executor_runs(name, torch_class, p, m, v):
     # the simulator replays exactly what PyTorch's schedule class (the one paraplan launch runs for
