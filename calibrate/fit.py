@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import least_squares
 
-from hwmodels.compute import KERNEL_OVERHEAD, attention_time, dtype_bytes, gemm_time, memory_bound_time
+from hwmodels.compute import KERNEL_OVERHEAD, attention_time, gemm_bytes, gemm_time, memory_bound_time
 from hwmodels.curves import Curve
 from hwmodels.profile import GpuProfile
 from paraplan.specs import InterNodeSpec
@@ -270,7 +270,7 @@ def fit_gemm(shapes: Sequence[tuple[int, int, int]], seconds: Sequence[float], *
     t = np.asarray(seconds, float)
     flops = 2.0 * m * n * k
     peak = profile.peak(dtype)
-    nbytes = (m * k + k * n + m * n) * dtype_bytes(dtype)
+    nbytes = gemm_bytes(m, n, k, dtype)
     t_mem = nbytes / (profile.hbm_bandwidth * np.array([profile.hbm_efficiency(x) for x in nbytes]))
     if train is None:  # a repeated shape is one unit of the hold-out
         train, test = holdout_split(flops, keys=[tuple(sh) for sh in shapes])

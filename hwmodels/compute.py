@@ -58,13 +58,23 @@ def memory_bound_time(gpu: GpuProfile, nbytes: float) -> float:
     return KERNEL_OVERHEAD + nbytes / (gpu.hbm_bandwidth * gpu.hbm_efficiency(nbytes))
 
 
+def gemm_bytes(m, n, k, dtype: str, batch=1, out_bytes: float | None = None):
+    """HBM bytes of C[m,n] = A[m,k] @ B[k,n] (gemm_time; scalars or numpy arrays): A and B read
+    in `dtype`, C written at `out_bytes` per element, by default 16-bit under fp8 (Transformer
+    Engine's fp8 GEMMs return the activation dtype; the calibration's torch._scaled_mm runs with
+    out_dtype=bfloat16) and `dtype` otherwise."""
+    c_bytes = max(dtype_bytes(dtype), 2) if out_bytes is None else out_bytes
+    return batch * ((m * k + k * n) * dtype_bytes(dtype) + m * n * c_bytes)
+
+
 def gemm_time(gpu: GpuProfile, m: int, n: int, k: int, dtype: str, batch: int = 1,
               out_bytes: float | None = None) -> float:
     """C[m,n] = A[m,k] @ B[k,n], `batch` times in one (batched) kernel.
 
     Compute: 2mnk x batch FLOPs at peak(dtype) x gemm_curve(dtype)(FLOPs); the curve is measured
     on whole GEMMs, so it already holds launch and wave-quantisation losses.
-    Memory: A, B and C each cross HBM once, batch x (mk + kn + mn) x dtype bytes, at
+    Memory: A, B and C each cross HBM once, batch x (mk + kn + mn) x dtype bytes (C at 2 under
+    fp8), at
     hbm_bandwidth x hbm_efficiency(bytes). `out_bytes` replaces C's bytes per element where C is
     not simply written in `dtype`: a GEMM that accumulates into an existing fp32 C (cuBLAS
     beta = 1, as Megatron's fused weight-gradient GEMM does) reads and writes it, 4 + 4 bytes.
@@ -81,8 +91,7 @@ def gemm_time(gpu: GpuProfile, m: int, n: int, k: int, dtype: str, batch: int = 
         return 0.0
     flops = 2.0 * m * n * k * batch
     t_compute = _compute_time(flops, gpu.peak(dtype), gpu.gemm_curve(dtype))
-    c_bytes = dtype_bytes(dtype) if out_bytes is None else out_bytes
-    nbytes = batch * ((m * k + k * n) * dtype_bytes(dtype) + m * n * c_bytes)
+    nbytes = gemm_bytes(m, n, k, dtype, batch, out_bytes)
     t_memory = nbytes / (gpu.hbm_bandwidth * gpu.hbm_efficiency(nbytes))
     return max(math.hypot(t_compute, t_memory), KERNEL_OVERHEAD)
 

@@ -33,19 +33,30 @@ from simulator.workload import (
 # Megatron DDP bucket size: max(40M, 1M x dp) parameters, dp the gradient-reduction group (dp x cp)
 # (megatron/core/distributed/distributed_data_parallel.py; training.py: dp_cp group size)
 BUCKET_PARAMS = 40_000_000
-# Adam step over fp32 master weights, bytes per parameter moved by the fused multi-tensor kernel:
-# read grad, master, m, v (16), write master, m, v (12), write the 16-bit weight copy (2), plus the
-# gradient-norm read (4) and the grad-buffer zeroing (4) (Megatron clip_grad_norm + zero_grad).
+# Adam step over fp32 master weights, bytes per parameter of the optimizer's shard: the fused
+# multi-tensor kernel reads grad, master, m, v (16) and writes master, m, v (12); the gradient norm
+# reads the grad (4, Megatron clip_grad_norm); the updated master is copied into the 16-bit weights
+# by a kernel of its own, read 4 and write 2 (Megatron _copy_main_params_to_model_params,
+# _multi_tensor_copy_this_to_that).
 ADAM_BYTES_PER_PARAM = 38
 
 
 def adam_bytes_per_param(precision: str, grad_bytes: int) -> int:
-    """ADAM_BYTES_PER_PARAM, less the 16-bit weight copy in fp32 training. 16-bit main gradients
-    are cast to an fp32 copy first (Megatron _copy_model_grads_to_main_grads: main_param.grad =
-    model_grad.float(); read g, write 4), which the norm and Adam read, and the buffer zeroing
-    writes g bytes: 2 x g more than fp32 main gradients move."""
-    base = ADAM_BYTES_PER_PARAM - (2 if precision == "fp32" else 0)
-    return base + (2 * grad_bytes if grad_bytes < MAIN_GRAD_BYTES else 0)
+    """ADAM_BYTES_PER_PARAM per parameter of the optimizer's shard, less the 16-bit weight copy in
+    fp32 training. 16-bit main gradients are cast to an fp32 copy first (Megatron
+    _copy_model_grads_to_main_grads: main_param.grad = model_grad.float(); read g, write 4), which
+    the norm and Adam then read."""
+    base = ADAM_BYTES_PER_PARAM - (6 if precision == "fp32" else 0)
+    return base + (grad_bytes + 4 if grad_bytes < MAIN_GRAD_BYTES else 0)
+
+
+def optimizer_time(gpu, shard_params: float, buffer_params: float, precision: str, grad_bytes: int) -> float:
+    """The optimizer step of a rank: Adam over its shard (adam_bytes_per_param), then the zeroing
+    of its gradient buffer, g bytes per parameter of the buffer (Megatron zero_grad_buffer): the
+    whole model chunk's gradients under ZeRO-0/1, whose buffer is not sharded, the shard under
+    ZeRO-2/3."""
+    return memory_bound_time(gpu, shard_params * adam_bytes_per_param(precision, grad_bytes)) \
+        + memory_bound_time(gpu, buffer_params * grad_bytes)
 
 
 def compute_dtype(precision: str) -> str:
@@ -248,7 +259,7 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
                     for j, (t, nic) in enumerate(bl)), key=lambda b: b[2])
         local_opt = dense_params / (shard if p.zero_stage >= 1 else 1) \
             + expert_params / (edp_layout.size if p.zero_stage >= 1 else 1)
-        opt_bytes = adam_bytes_per_param(tr.precision, ctx.grad_bytes)
+        buffer = local_opt if p.zero_stage >= 2 else dense_params + expert_params
         param_gather = 0.0
         if p.zero_stage in (1, 2) and not p.overlap_param_gather:  # gathered whole after the step
             param_gather = (collective_time(net, "all_gather", dense_params * w_bytes, dp_layout)
@@ -257,7 +268,7 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
             ops=schedule[s], op_cost=op_cost,
             grad_buckets={c: [t for t, _ in bl] for c, bl in buckets.items() if bl},
             grad_bucket_nic={c: [nic for _, nic in bl] for c, bl in buckets.items() if bl},
-            optimizer_time=memory_bound_time(gpu, local_opt * opt_bytes), param_gather_time=param_gather,
+            optimizer_time=optimizer_time(gpu, local_opt, buffer, tr.precision, ctx.grad_bytes), param_gather_time=param_gather,
             param_gather_buckets={c: bl for c, bl in gathers.items() if bl},
         ))
         if not memory:

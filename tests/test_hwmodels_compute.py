@@ -134,6 +134,15 @@ def test_gemm_time_is_monotonic_in_size(name):
             assert all(b >= a for a, b in zip(series, series[1:]))
 
 
+def test_fp8_gemms_write_16_bit_outputs():
+    # a memory-bound shape (k = 64): its output dominates the bytes moved
+    h100 = load_profile("h100-sxm-80gb")
+    shape = (16384, 16384, 64)
+    assert gemm_time(h100, *shape, "fp8") == gemm_time(h100, *shape, "fp8", out_bytes=2)
+    assert gemm_time(h100, *shape, "fp8") > 1.5 * gemm_time(h100, *shape, "fp8", out_bytes=1)
+    assert gemm_time(h100, *shape, "bf16") == gemm_time(h100, *shape, "bf16", out_bytes=2)
+
+
 def test_fp32_gemms_run_at_tf32_and_fp8_is_refused_on_ampere():
     a100 = load_profile("a100-sxm-80gb")
     assert gemm_time(a100, 4096, 4096, 4096, "fp32") == gemm_time(a100, 4096, 4096, 4096, "tf32")

@@ -33,6 +33,17 @@ def test_interleaved_matches_megatron_order():
     assert names(interleaved_1f1b(2, 4, 0, 2)) == "F0 F1 F0.1 F1.1 F2 B0.1 F3 B1.1 F2.1 B0 F3.1 B1 B2.1 B3.1 B2 B3"
     assert names(interleaved_1f1b(2, 4, 1, 2)) == "F0 F1 F0.1 B0.1 F1.1 B1.1 F2 B0 F3 B1 F2.1 B2.1 F3.1 B3.1 B2 B3"
 
+    # M == p: the same warm-up, capped at every forward (current Megatron-Core and PyTorch; earlier
+    # Megatron-LM ran all forwards first), so the last stage holds fewer microbatches than the first
+    assert names(interleaved_1f1b(2, 2, 0, 2)) == "F0 F1 F0.1 F1.1 B0.1 B1.1 B0 B1"
+    assert names(interleaved_1f1b(2, 2, 1, 2)) == "F0 F1 F0.1 B0.1 F1.1 B1.1 B0 B1"
+    assert [peak_in_flight(interleaved_1f1b(2, 2, s, 2)) for s in range(2)] == [4, 3]
+
+
+def test_interleaved_order_needs_whole_groups_of_pp_microbatches():
+    with pytest.raises(ValueError, match=r"microbatches \(3\) to be a multiple of pp \(2\)"):
+        interleaved_1f1b(2, 3, 0, 2)
+
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),
                                     ("zero-bubble", 1), ("zero-bubble", 2)])

@@ -754,12 +754,12 @@ def test_zero_per_unit_transfers_are_on_the_dp_comm_track(zero, kinds):
 
 
 @pytest.mark.parametrize("schedule,vpp,batch,held", [("gpipe", 1, 16, 4), ("1f1b", 1, 16, 1),
-                                                     ("interleaved-1f1b", 2, 16, 1), ("interleaved-1f1b", 2, 8, 2),
+                                                     ("interleaved-1f1b", 2, 16, 1), ("interleaved-1f1b", 2, 8, 1),
                                                      ("zero-bubble", 1, 16, 1)])
 def test_last_stage_keeps_a_softmax_per_microbatch_in_flight(schedule, vpp, batch, held):
     """The cross-entropy saves its fp32 softmax over the vocabulary for its backward: the last stage
-    holds one per microbatch whose backward has not run (gpipe: all M; 1F1B and interleaved: one;
-    interleaved with M == pp: all, every forward runs before the first backward; zero-bubble: one,
+    holds one per microbatch whose backward has not run (gpipe: all M; 1F1B and interleaved: one,
+    with M == pp too (its last virtual stage runs each backward right after its forward); zero-bubble: one,
     the B pass frees it even where the W pass comes later), plus one microbatch of 16-bit logits
     while it casts. A larger vocabulary adds exactly that to the last
     stage's activations."""
@@ -889,3 +889,26 @@ def test_random_plan_overrides_simulate_or_are_refused_by_name(name):
         except ParaplanError as e:
             assert "\n" not in str(e) and str(e), overrides
     assert simulated >= 4  # the draw reaches plans that run, not only refusals
+
+
+@pytest.mark.parametrize("zero,grads,precision", [(0, "fp32", "bf16"), (1, "fp32", "bf16"), (3, "fp32", "bf16"),
+                                                   (1, "bf16", "bf16"), (1, "fp32", "fp32")])
+def test_optimizer_step_is_adam_over_the_shard_and_zeroing_of_the_gradient_buffer(zero, grads, precision):
+    # hand count per parameter of the shard: read g, master, m, v and write master, m, v (28), the
+    # norm's read (4), the copy into 16-bit weights (read 4, write 2; none in fp32 training), the
+    # cast of 16-bit gradients to fp32 (read 2, write 4); then g bytes of zeroing per parameter of
+    # the gradient buffer, whole under ZeRO-0/1
+    from hwmodels.compute import memory_bound_time
+    from hwmodels.profile import load_profile
+    sc = load_scenario(ROOT / "scenarios/llama3-8b-64xh100.yaml",
+                       [f"plan.zero_stage={zero}", f"training.grad_reduce_dtype={grads}",
+                        f"training.precision={precision}"])
+    res = simulate(sc)
+    whole = simulate(replace(sc, plan=replace(sc.plan, zero_stage=0)))  # unsharded weights
+    params = whole.stages[0].memory["weights"] / (4 if precision == "fp32" else 2)
+    shard = params / 64 if zero else params
+    g = 2 if grads == "bf16" else 4
+    per_shard = 28 + 4 + (0 if precision == "fp32" else 6) + (2 + 4 if g == 2 else 0)
+    gpu = load_profile(sc.cluster.gpu)
+    want = memory_bound_time(gpu, shard * per_shard) + memory_bound_time(gpu, (shard if zero >= 2 else params) * g)
+    assert res.stages[0].breakdown["optimizer"] == pytest.approx(want, rel=1e-9)
