@@ -395,28 +395,35 @@ def run_iteration(
 
     gate_ops = [first_forwards(s) for s in range(pp)]
 
-    def op_costs(work: StageWork) -> list:
+    def op_costs(work: StageWork) -> tuple[list, list]:
         """Indexed by (kind, chunk) slot (_op_slot): the op's duration, seconds on the NIC, span
-        category and ZeRO transfers. The NIC is held at most for the whole op (traffic of several
-        kinds inside one op, e.g. a ZeRO-3 gather and a cross-node CP ring, can add up to more than
-        its duration)."""
+        category and ZeRO transfers; and the share of its NIC traffic of each kind ((component,
+        fraction), ...), under which the delays it suffers from sharing the NIC are booked. The NIC
+        is held at most for the whole op (traffic of several kinds inside one op, e.g. a ZeRO-3
+        gather and a cross-node CP ring, can add up to more than its duration)."""
         table = [None] * (len(KINDS) * num_chunks)
+        shares = [()] * len(table)
         for (kind, chunk), cost in work.op_cost.items():
             if kind in _KIND_INDEX and 0 <= chunk < num_chunks:
-                table[_op_slot(kind, chunk)] = (cost.total, min(cost.nic, cost.total), SPAN_CATEGORY[kind],
-                                                cost.dp_spans)
-        return table
+                slot = _op_slot(kind, chunk)
+                nic = cost.nic
+                table[slot] = (cost.total, min(nic, cost.total), SPAN_CATEGORY[kind], cost.dp_spans)
+                if nic:
+                    shares[slot] = tuple((k, v / nic) for k, v in cost.nic_parts.items() if v)
+        return table, shares
 
     def compute_stream(stage: int):
         work = works[stage]
         bd = traces[stage].breakdown
         timeout = env.timeout
-        bubble = comm = contention = slowed = 0.0
+        bubble = comm = slowed = 0.0
         ready_events = grad_ready[stage]
         gathered_events = gathered[stage]
         final_b, launch_after, _ = launches[stage]
         ops, counts = _op_plan(work.ops, stage, pp, num_chunks, final_b, launch_after, gate_ops[stage])
-        costs = op_costs(work)
+        costs, nic_shares = op_costs(work)
+        contended = [0.0] * len(costs)  # per slot, the delays its ops' traffic took from sharing the NIC
+        prev_slot = None
         missing = sorted(key for key in counts if key not in work.op_cost)
         if missing:
             raise KeyError(f"stage {stage}: no op cost for (kind, chunk) {missing}")
@@ -447,9 +454,10 @@ def run_iteration(
                 if gate is not None:
                     gated_chunk[stage] = gate  # reset to None once the gated op ends
             # a send that landed while the previous op ran: its share, paid now (one event fewer)
-            shared = owed_next[stage]
+            paid = shared = owed_next[stage]
             if shared:
                 owed_next[stage] = 0.0
+                contended[prev_slot] += shared  # the previous op's traffic met the send
             if nic:  # the op's traffic (spread evenly) that falls while a bucket or a send holds the NIC
                 # (a gated forward's traffic waits for its weights: the gather charges that overlap)
                 busy = bucket_nic_until[stage] - start
@@ -482,7 +490,9 @@ def run_iteration(
                     yield timeout(ready - env.now)
                 slowed += env.now - t_wait
                 gated_chunk[stage] = None
-            contention += shared
+            if shared:
+                contended[slot] += shared - paid
+            prev_slot = slot
             slowed += sm
             end = env.now
             if record_spans:
@@ -505,7 +515,7 @@ def run_iteration(
                 gate = launched_after = None
         traces[stage].ops_done = len(ops)
         if owed_next[stage]:  # a send landed during the last op
-            contention += owed_next[stage]
+            contended[prev_slot] += owed_next[stage]
             yield timeout(owed_next[stage])
         for c in launches[stage][2]:
             ready_events[c].succeed((env.now, env.now))
@@ -514,7 +524,10 @@ def run_iteration(
             for k, v in work.op_cost[key].parts.items():
                 if v:
                     _add(bd, k, n * v)
-        for k, v in (("pp_bubble", bubble), ("pp_comm", comm), ("ep_comm", contention), ("dp_comm", slowed)):
+        for slot, v in enumerate(contended):
+            for k, share in nic_shares[slot] if v else ():
+                _add(bd, k, v * share)
+        for k, v in (("pp_bubble", bubble), ("pp_comm", comm), ("dp_comm", slowed)):
             if v:
                 _add(bd, k, v)
         traces[stage].compute_end = env.now

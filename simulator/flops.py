@@ -72,10 +72,12 @@ def model_flops(model, seq_length: int, tokens: int, kept: float = 1.0) -> float
 
 def hardware_flops(model, seq_length: int, tokens: int, recompute: str,
                    recompute_modules: tuple[str, ...] = ("core_attn",), kept: float = 1.0) -> float:
-    """Model FLOPs plus what recomputation re-runs, as in Korthikanti et al. 2022's HFU: full =
-    every layer's forward; selective = its modules' GEMMs (core_attn the attention products, mlp
-    the dense MLPs, moe the router and active experts, shared_experts the shared experts; the norm
-    and activation modules are elementwise)."""
+    """Model FLOPs plus what recomputation re-runs (hardware FLOPs, Korthikanti et al. 2022's HFU):
+    full = every layer's forward; selective = its modules' GEMMs once (core_attn the attention
+    products, mlp the dense MLPs, moe the router and active experts, shared_experts the shared
+    experts; the norm and activation modules are elementwise). For GPT with core_attn that is
+    72BsLh^2(1 + s/4.5h + V/12hL); Korthikanti's Table 5 selective HFU follows 1 + s/3h, which
+    counts the attention products twice more than they are run."""
     gemm, attention, _ = forward_flops_per_token(model, seq_length, kept)
     extra = 0.0
     if recompute == "full":

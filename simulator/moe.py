@@ -384,7 +384,7 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     cost = Cost().add("compute", router + permute + unpermute + experts_t + shared)
     cost.add("ep_comm", dispatch + a2a + etp_comm).add("tp_comm", shared_tp)
     if ep_layout.num_nodes > 1:
-        cost.nic += 2 * a2a  # network-bound: the NIC is busy for both exchanges
+        cost.add_nic("ep_comm", 2 * a2a)  # network-bound: the NIC is busy for both exchanges
     return cost
 
 

@@ -501,7 +501,7 @@ def _zero3_chain(pieces: list[tuple[Cost, float, float]], name: str) -> Cost:
     total = Cost()
     for cost, _, nic in pieces:
         total += cost
-        total.nic += nic
+        total.add_nic("dp_comm", nic)
     if not any(comm for _, comm, _ in pieces):
         return total
     steps = [overlapped(cost.total, nxt) for (cost, _, _), (_, nxt, _) in zip(pieces, pieces[1:])]

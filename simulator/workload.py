@@ -263,7 +263,7 @@ def _cp_ring(ctx: LayerContext, backward: bool) -> Cost:
     step_compute = _attention_step(ctx, backward)
     cost = Cost().add("cp_comm", (p.cp - 1) * (overlapped(step_compute, step_comm) - step_compute))
     if ctx.cp_layout.num_nodes > 1:
-        cost.nic = (p.cp - 1) * step_comm
+        cost.add_nic("cp_comm", (p.cp - 1) * step_comm)
     return cost
 
 

@@ -183,8 +183,7 @@ def test_nic_sharing_slows_overlapping_traffic():
     from simulator.schedules import build_schedule
 
     def works(nic):
-        op = Cost().add("ep_comm", 1.0)
-        op.nic = nic
+        op = Cost().add("ep_comm", 1.0).add_nic("ep_comm", nic)
         return [StageWork(ops=build_schedule("1f1b", 1, 2)[0], op_cost={("F", 0): op, ("B", 0): op.scaled(1.0)},
                           grad_buckets={0: [1.0, 1.0]}, grad_bucket_nic={0: [1.0, 1.0]}, optimizer_time=0.0,
                           param_gather_time=0.0)]
@@ -193,6 +192,26 @@ def test_nic_sharing_slows_overlapping_traffic():
     # bucket 0 starts mid-way through the last backward (3.5 s) and shares the NIC with its
     # all-to-all for 0.5 s: both are delayed by 0.5 s
     assert (quiet.step_time, shared.step_time) == (5.5, 6.0)
+
+
+def test_nic_sharing_delays_are_booked_under_the_ops_own_traffic():
+    """The same op and bucket as above, its NIC time half all-to-all and half a ZeRO-3 transfer:
+    the 0.5 s it loses to the bucket is booked half as ep_comm, half as dp_comm; a dense ZeRO-3
+    plan books none as ep_comm."""
+    from simulator.cost import Cost
+    from simulator.engine import StageWork, run_iteration
+    from simulator.schedules import build_schedule
+
+    op = Cost().add("compute", 1.0).add_nic("ep_comm", 0.5).add_nic("dp_comm", 0.5)
+    work = StageWork(ops=build_schedule("1f1b", 1, 2)[0], op_cost={("F", 0): op, ("B", 0): op.scaled(1.0)},
+                     grad_buckets={0: [1.0, 1.0]}, grad_bucket_nic={0: [1.0, 1.0]}, optimizer_time=0.0,
+                     param_gather_time=0.0)
+    res = run_iteration([work], num_chunks=1, p2p_time=0, overlap_grad_reduce=True, sync_time=0)
+    bd = res.stages[0].breakdown
+    assert res.step_time == 6.0 and bd["ep_comm"] == pytest.approx(0.25)
+    assert sum(bd.values()) == pytest.approx(res.step_time)
+    dense = simulate(load_scenario(ROOT / "scenarios/gpt3-175b-1024xa100.yaml", ["plan.zero_stage=3"]))
+    assert dense.breakdown.get("ep_comm", 0.0) == 0.0 and dense.breakdown["dp_comm"] > 0
 
 
 def test_pipeline_send_shares_the_nic_with_the_receivers_all_to_all():
@@ -212,8 +231,7 @@ def test_pipeline_send_shares_the_nic_with_the_receivers_all_to_all():
         for stage, ops in enumerate(build_schedule("1f1b", 2, 2)):
             f = Cost().add("compute", 1.0)
             if stage == 1:
-                f = Cost().add("ep_comm", 1.0)
-                f.nic = 1.0
+                f = Cost().add("ep_comm", 1.0).add_nic("ep_comm", 1.0)
             out.append(StageWork(ops=ops, op_cost={("F", 0): f, ("B", 0): Cost().add("compute", 1.0)},
                                  grad_buckets={}, optimizer_time=0.0, param_gather_time=0.0))
         return out

@@ -152,7 +152,7 @@ def test_overlapped_grad_reduce_hides_behind_backward():
 
 def _gathered_works(buckets, f_nic=0.0, bucket_nic=False):
     ops = build_schedule("1f1b", 1, 1)[0]
-    forward = Cost(nic=f_nic).add("compute", 1.0)
+    forward = Cost().add("compute", 1.0).add_nic("ep_comm", f_nic)
     return [StageWork(ops=ops, op_cost={("F", 0): forward, ("B", 0): Cost().add("compute", 2.0)},
                       grad_buckets={}, optimizer_time=0.0, param_gather_time=0.0,
                       param_gather_buckets={0: [(t, t if bucket_nic else 0.0, j / len(buckets))
