@@ -43,6 +43,19 @@ class Rendezvous:
     endpoint: str
 
 
+def torchrun_command(nproc: int, rendezvous: Rendezvous | None, job_file, out_dir) -> list[str]:
+    """The torchrun command line that starts this node's workers on `job_file` (one standalone node,
+    or a c10d rendezvous at node 0's endpoint); the executor's root goes on PYTHONPATH."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "--monitor-interval", "0.5"]
+    if rendezvous is None or rendezvous.nnodes == 1:
+        cmd += ["--standalone"]
+    else:
+        cmd += ["--nnodes", str(rendezvous.nnodes), "--node-rank", str(rendezvous.node_rank),
+                "--rdzv-backend", "c10d", "--rdzv-endpoint", rendezvous.endpoint, "--rdzv-id", "paraplan"]
+    return cmd + ["-m", "executor.worker", str(job_file), "--out-dir", str(out_dir)]
+
+
 def launch(scenarios: list[Scenario], *, nproc: int, backend: str, timeout_s: float,
            run_dir: str | os.PathLike | None = None, rendezvous: Rendezvous | None = None,
            env: dict | None = None, echo=print, job_timeout_s: float | None = None,
@@ -64,14 +77,7 @@ def launch(scenarios: list[Scenario], *, nproc: int, backend: str, timeout_s: fl
     job = {"backend": backend, "timeout_s": timeout_s, "cpu_bf16": cpu_bf16,
            "runs": [scenario_to_json(s) for s in scenarios]}
     (run_dir / "job.json").write_text(json.dumps(job, indent=1))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--monitor-interval", "0.5"]
-    if rendezvous is None or rendezvous.nnodes == 1:
-        cmd += ["--standalone"]
-    else:
-        cmd += ["--nnodes", str(rendezvous.nnodes), "--node-rank", str(rendezvous.node_rank),
-                "--rdzv-backend", "c10d", "--rdzv-endpoint", rendezvous.endpoint, "--rdzv-id", "paraplan"]
-    cmd += ["-m", "executor.worker", str(run_dir / "job.json"), "--out-dir", str(out_dir)]
+    cmd = torchrun_command(nproc, rendezvous, run_dir / "job.json", out_dir)
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))
     full_env.update(env or {})

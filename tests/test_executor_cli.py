@@ -214,3 +214,18 @@ def test_mfu_peak_is_the_device_that_ran(config, device, memory, profile, noted)
     assert m["peak_flops_per_rank"] == load_profile(profile).peak("bf16")
     assert m["mfu"] == pytest.approx(m["model_flops_per_step"] / 0.5 / 2 / m["peak_flops_per_rank"])
     assert any("matches no bundled GPU profile" in n for n in m["notes"]) == noted
+
+
+def test_dry_run_checks_a_gpu_plan_on_a_host_without_gpus_and_prints_the_command(config, tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this host has CUDA")
+    r = paraplan(config, "--backend", "nccl", "--dry-run", "--run-dir", str(tmp_path / "run"))
+    assert r.returncode == 0, r.stderr
+    assert "note: not on this host: run.backend nccl needs CUDA GPUs" in r.stdout
+    assert (f"-m torch.distributed.run --nproc-per-node 2 --monitor-interval 0.5 --standalone -m executor.worker "
+            f"{tmp_path / 'run'}/job.json --out-dir {tmp_path / 'run'}/out") in r.stdout
+    assert not (tmp_path / "run").exists()  # nothing written, nothing started
+    out = json.loads(paraplan(config, "--backend", "nccl", "--dry-run", "--json").stdout)
+    assert out["command"].endswith("executor.worker RUN_DIR/job.json --out-dir RUN_DIR/out")
+    assert any("needs CUDA GPUs" in n for n in out["notes"])

@@ -51,8 +51,10 @@ _RUN_FLAGS = {"backend": "backend", "steps": "steps", "warmup": "warmup_steps", 
               "hidden": "hidden_size", "timeout": "timeout_s"}
 
 
-def prepare(args, *, need_torch: bool = True):
-    """The checked, scaled scenario and the process layout; raises ParaplanError for any bad input."""
+def prepare(args, *, need_torch: bool = True, notes: list | None = None):
+    """The checked, scaled scenario and the process layout; raises ParaplanError for any bad input.
+    With `notes` (a dry run, which may check a GPU plan from a machine without GPUs), what this
+    host lacks to run it is appended there instead of refused."""
     from executor.config import launch_problems, scaled_scenario
     from paraplan.fileio import check_distinct_files, check_output_dir, check_output_file
     from paraplan.loader import load_scenario
@@ -98,10 +100,15 @@ def prepare(args, *, need_torch: bool = True):
     if sc.run.backend == "nccl" and torch_problem("the executor") is None:
         import torch
 
+        problem = None
         if not torch.cuda.is_available():
-            raise ParaplanError("run.backend nccl needs CUDA GPUs and this host has none; use --backend gloo to run on CPUs")
-        if torch.cuda.device_count() < nproc:
-            raise ParaplanError(f"{nproc} processes need {nproc} GPUs on this node, it has {torch.cuda.device_count()}")
+            problem = "run.backend nccl needs CUDA GPUs and this host has none; use --backend gloo to run on CPUs"
+        elif torch.cuda.device_count() < nproc:
+            problem = f"{nproc} processes need {nproc} GPUs on this node, it has {torch.cuda.device_count()}"
+        if problem and notes is None:
+            raise ParaplanError(problem)
+        if problem:
+            notes.append(f"not on this host: {problem}")
     return sc, nproc
 
 
@@ -123,19 +130,32 @@ def _check_host_memory(sc, nproc: int) -> None:
 def run(args) -> int:
     from executor.launch import LaunchError, Rendezvous, launch
 
-    sc, nproc = prepare(args, need_torch=not args.dry_run)  # a dry run checks the plan without torch
+    # a dry run checks the plan without torch, and a GPU plan on a host without GPUs
+    notes: list[str] | None = [] if args.dry_run else None
+    sc, nproc = prepare(args, need_torch=not args.dry_run, notes=notes)
     rdzv = Rendezvous(nnodes=args.nnodes, node_rank=args.node_rank, endpoint=args.rdzv_endpoint) if args.nnodes > 1 else None
     if args.dry_run:
+        import shlex
+
+        from executor.launch import torchrun_command
+
         shape = f"{sc.model.num_layers} layers, hidden {sc.model.hidden_size}"
         missing = torch_problem("the launch")
+        notes += [missing] if missing else []
+        run_dir = args.run_dir or "RUN_DIR"
+        cmd = shlex.join(torchrun_command(nproc, rdzv, f"{run_dir}/job.json", f"{run_dir}/out"))
         if args.json:
             print(json.dumps({"scenario": sc.name, "plan_ok": True, "processes_per_node": nproc, "nodes": args.nnodes,
                               "backend": sc.run.backend, "model": sc.model.name, "num_layers": sc.model.num_layers,
-                              "hidden_size": sc.model.hidden_size, "torch_problem": missing}, indent=1))
+                              "hidden_size": sc.model.hidden_size, "torch_problem": missing, "command": cmd,
+                              "notes": notes}, indent=1))
             return 0
         print(f"{sc.name}: plan OK; would start {nproc} process(es) x {args.nnodes} node(s), backend {sc.run.backend}, "
-              f"model {sc.model.name}" + ("" if shape in sc.model.name else f" ({shape})")
-              + (f"\nnote: {missing}" if missing else ""))
+              f"model {sc.model.name}" + ("" if shape in sc.model.name else f" ({shape})"))
+        print(f"  command: {cmd}")
+        print(f"  ({run_dir}/job.json holds the plan; the executor's root goes on PYTHONPATH)")
+        for note in notes:
+            print(f"note: {note}")
         return 0
     try:
         results = launch([sc], nproc=nproc, backend=sc.run.backend, timeout_s=sc.run.timeout_s, run_dir=args.run_dir,
