@@ -65,6 +65,11 @@ BAD_INPUT = [
     (["CONFIG", "--seed", "4294967296"], "--seed (run.seed): expected an integer from 0 to 2**32 - 1"),
     (["CONFIG", "--hidden", "131072", "--set", "run.num_layers=64"], "run.backend gloo: the 2 CPU process(es) need at least"),
     (["CONFIG", "--run-dir", "CONFIG/x"], "is a file, so nothing can be written under it"),
+    # a planner-written layout (the embedding and the loss alone on their stages) scaled by --layers
+    (["CONFIG", "--set", "plan.schedule=interleaved-1f1b", "--set", "plan.virtual_pipeline_stages=3",
+      "--set", "plan.first_stage_layers=0", "--set", "plan.last_stage_layers=0", "--set", "training.global_batch_size=16",
+      "--layers", "6"],
+     "do not split evenly over the other 4 (virtual) stages (--layers 6 sets model.num_layers; this layout splits 4 or 8)"),
 ]
 
 

@@ -74,6 +74,8 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
         # the user typed the flag, not the config key: name both
         raise ConfigError(f"{given[exc.path]} ({exc.path})", str(exc)[len(exc.path) + 2:]) from None
     problems = launch_problems(sc)
+    if problems and sc.run.num_layers is not None:
+        problems = _with_layer_hint(sc, problems)
     if problems:
         raise InfeasiblePlanError(problems)
     if args.nnodes < 1 or (args.nproc is not None and args.nproc < 1):
@@ -110,6 +112,29 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
         if problem:
             notes.append(f"not on this host: {problem}")
     return sc, nproc
+
+
+_LAYER_SPLIT_KEYS = ("plan.first_stage_layers/last_stage_layers", "plan.pp: model.num_layers")
+
+
+def _with_layer_hint(sc, problems: list[str]) -> list[str]:
+    """A --layers count the plan's pipeline layout cannot split is named as the flag's doing, with
+    the nearest counts that split (the plan's first/last stage layers, e.g. as the planner wrote
+    them, stay as they are)."""
+    import dataclasses
+
+    from simulator.feasibility import structural_problems
+
+    def splits(n: int) -> bool:
+        model = dataclasses.replace(sc.model, num_layers=n)
+        return not any(r.startswith(_LAYER_SPLIT_KEYS) for r in structural_problems(dataclasses.replace(sc, model=model)))
+
+    n = sc.model.num_layers
+    fits = [k for k in range(max(1, n - 64), n + 65) if splits(k)]
+    nearest = sorted(fits, key=lambda k: (abs(k - n), k))[:2]
+    hint = (f" (--layers {n} sets model.num_layers; this layout splits "
+            + (" or ".join(map(str, sorted(nearest))) if nearest else "no count near it") + ")")
+    return [r + hint if r.startswith(_LAYER_SPLIT_KEYS) else r for r in problems]
 
 
 def _check_host_memory(sc, nproc: int) -> None:
