@@ -59,6 +59,10 @@ def optimizer_time(gpu, shard_params: float, buffer_params: float, precision: st
         + memory_bound_time(gpu, buffer_params * grad_bytes)
 
 
+MFU_PEAK_DTYPE = {"fp8": "bf16"}
+"""The peak MFU is quoted against, by GEMM dtype where it differs from that dtype's own."""
+
+
 def compute_dtype(precision: str) -> str:
     """GEMM dtype: fp32 training runs its matmuls on TF32 tensor cores (PyTorch allow_tf32)."""
     return "tf32" if precision == "fp32" else precision
@@ -97,7 +101,9 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, record_spans: bo
     gpu, ctx, layers = setup.gpu, setup.ctx, setup.layers
     draw, kinds, mems, eng = it.draw, it.kinds, it.mems, it.eng
     tokens = tr.global_batch_size * tr.seq_length
-    peak = gpu.peak(ctx.dtype)
+    # MFU against the 16-bit dense peak under fp8 too, as torchtitan and most published fp8 runs
+    # quote it (attention and the LM head run in bf16 anyway), so MFU compares across precisions
+    peak = gpu.peak(MFU_PEAK_DTYPE.get(ctx.dtype, ctx.dtype))
     kept = 1.0 - _dropped_fraction(draw) if draw is not None else 1.0  # copies the experts compute
     flops = model_flops(m, tr.seq_length, tokens, kept)
     hw_flops = hardware_flops(m, tr.seq_length, tokens, p.recompute, p.recompute_modules, kept)

@@ -912,3 +912,13 @@ def test_optimizer_step_is_adam_over_the_shard_and_zeroing_of_the_gradient_buffe
     gpu = load_profile(sc.cluster.gpu)
     want = memory_bound_time(gpu, shard * per_shard) + memory_bound_time(gpu, (shard if zero >= 2 else params) * g)
     assert res.stages[0].breakdown["optimizer"] == pytest.approx(want, rel=1e-9)
+
+
+def test_fp8_mfu_is_quoted_against_the_16_bit_peak():
+    # so that MFU compares across precisions: the same plan in fp8 is faster and has the higher MFU
+    from hwmodels.profile import load_profile
+    bf16 = simulate(load_scenario(ROOT / "scenarios/llama3-70b-512xh100.yaml"))
+    fp8 = simulate(load_scenario(ROOT / "scenarios/llama3-70b-512xh100.yaml", ["training.precision=fp8"]))
+    assert fp8.peak_flops_per_gpu == bf16.peak_flops_per_gpu == load_profile("h100-sxm-80gb").peak("bf16")
+    assert fp8.step_time_s < bf16.step_time_s and fp8.mfu > bf16.mfu
+    assert fp8.mfu == pytest.approx(fp8.tflops_per_gpu * 1e12 / fp8.peak_flops_per_gpu)

@@ -64,8 +64,8 @@ def format_result(sc, r) -> str:
     unit, scale = _time_unit(r.step_time_s)
     lines = [
         f"{sc.name}",
-        f"  {sc.model.name} on {sc.cluster.world_size} x {_gpu_label(sc.cluster.gpu)}, seq {sc.training.seq_length}, "
-        f"global batch {sc.training.global_batch_size}, {sc.training.precision}",
+        f"  {sc.model.name} on {sc.cluster.world_size} x {_gpu_label(sc.cluster.gpu)}{_network_label(sc.cluster)}, "
+        f"seq {sc.training.seq_length}, global batch {sc.training.global_batch_size}, {sc.training.precision}",
         f"  plan: tp {p.tp}  pp {p.pp}  dp {p.dp}  cp {p.cp}  mbs {p.micro_batch_size}  "
         f"{p.schedule}" + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
         + (f"  sp {'on' if p.sequence_parallel else 'off'}" if p.tp > 1 else "")
@@ -75,7 +75,8 @@ def format_result(sc, r) -> str:
         f"  step time        {r.step_time_s * scale:10.3f} {unit}",
         f"  tokens/s         {r.tokens_per_s:10.0f}",
         f"  TFLOP/s per GPU  {_figure(r.tflops_per_gpu):>10}   (model FLOPs, see below)",
-        f"  MFU              {r.mfu * 100:9.1f} %  of {r.peak_flops_per_gpu / 1e12:.4g} TFLOP/s   (HFU {r.hfu * 100:.1f} %)",
+        f"  MFU              {r.mfu * 100:9.1f} %  of {r.peak_flops_per_gpu / 1e12:.4g} TFLOP/s   (HFU {r.hfu * 100:.1f} %)"
+        + ("  bf16 dense peak, the usual basis for fp8 runs" if sc.training.precision == "fp8" else ""),
         f"  peak memory      {r.peak_memory_bytes / GiB:10.1f} GiB of {r.memory_capacity_bytes / GiB:.1f} GiB"
         f"  -> {'fits' if r.fits else 'DOES NOT FIT'}",
         "",
@@ -144,6 +145,19 @@ def _time_unit(step_time_s: float) -> tuple[str, float]:
 def _figure(x: float) -> str:
     """One decimal from 10 up, else three significant digits (a CPU's 0.52 TFLOP/s is not 1)."""
     return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
+
+
+def _network_label(cluster) -> str:
+    """The network the scenario states in place of the GPU profile's defaults, e.g. an H800's
+    NVLink: ' (NVLink 200 GB/s, 8 x 400 Gb/s NICs rail-optimized)'; empty for the defaults."""
+    parts = []
+    if cluster.intra_node is not None:
+        parts.append(f"NVLink {cluster.intra_node.bandwidth / 1e9:.4g} GB/s")
+    net = cluster.inter_node
+    if net is not None and cluster.num_nodes > 1:
+        parts.append(f"{net.nics_per_node} x {net.nic_bandwidth * 8 / 1e9:.4g} Gb/s NICs {net.topology}"
+                     + (f" {net.oversubscription:g}:1 oversubscribed" if net.oversubscription > 1 else ""))
+    return f" ({', '.join(parts)})" if parts else ""
 
 
 def _gpu_label(gpu: str) -> str:
