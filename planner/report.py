@@ -115,7 +115,7 @@ def stage_layers(p: PlanSpec) -> str:
     return f"{first}/{last}"
 
 
-def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool) -> str:
+def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool, recompute_width: int = 9) -> str:
     e = r.evaluation
     p = e.candidate.plan
     sched = {"interleaved-1f1b": "inter", "1f1b": "1f1b", "gpipe": "gpipe", "zero-bubble": "zb"}[p.schedule]
@@ -129,7 +129,7 @@ def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool) -
     if show_stages:
         cols.append(f"{stage_layers(p) or '-':<6}")
     cols += [f"{'on' if p.sequence_parallel else 'off':<3}",
-             f"{p.zero_stage:>4}", f"{p.recompute_label:<9}", f"{e.step_time_s:8.4g}", f"{e.tokens_per_s:>11,.0f}",
+             f"{p.zero_stage:>4}", f"{p.recompute_label:<{recompute_width}}", f"{e.step_time_s:8.4g}", f"{e.tokens_per_s:>11,.0f}",
              f"{e.mfu * 100:5.1f}%", f"{e.peak_memory_bytes / GiB:5.1f}/{e.memory_capacity_bytes / GiB:<5.1f}",
              f"{e.headroom * 100:4.0f}%"]
     if objective.name == "cost":
@@ -161,16 +161,18 @@ def format_report(rep: Report) -> str:
         # the stage split is derived from pp (and the virtual stages), not searched: a column only
         # when some plan in the table has an uneven one
         show_stages = any(stage_layers(r.evaluation.candidate.plan) for r in rep.plans)
-        head = ["  #"] + (["  GPUs"] if show_nodes else []) + [
+        # selective recompute names its modules, e.g. selective(core_attn,mlp): the column fits the longest
+        rc_width = max(len("recompute"), *(len(r.evaluation.candidate.plan.recompute_label) for r in rep.plans))
+        head = [" #"] + (["  GPUs"] if show_nodes else []) + [
             "tp", " pp", "  dp", "cp", "ep", "mbs", "schedule"] + (["stages"] if show_stages else []) + [
-            "sp ", "zero", "recompute", "  step s", "   tokens/s", "   MFU", "mem GiB    ", "free"]
+            "sp ", "zero", f"{'recompute':<{rc_width}}", "  step s", "   tokens/s", "   MFU", "mem GiB    ", "free"]
         if obj.name == "cost":
             head.append("cost/1M tok")
         title = "Pareto front (tokens/s vs " + obj.labels[1] + ")" if obj.multi else "top plans"
         lines.append(f"  {title}:")
         lines.append("  " + "  ".join(head) + "  limited by")
         for r in rep.plans:
-            lines.append("  " + _row(r, obj, show_nodes, show_stages))
+            lines.append("  " + _row(r, obj, show_nodes, show_stages, rc_width))
         if show_stages:
             lines.append("  (stages: layers on the first/last pipeline stage, or virtual stage when interleaved, "
                          "where they differ from the rest; - even)")

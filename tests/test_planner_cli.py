@@ -264,3 +264,18 @@ def test_too_small_is_judged_on_the_largest_cluster_searched(tmp_path):
     r = paraplan("plan", TINY, "--out", str(tmp_path / "o"), "--quiet", "--no-plots", "--trials", "5", *args)
     assert r.returncode == 2 and "even sharded over all 24 GPUs; at least 25 GPUs" in r.stderr, r.stderr
     assert not (tmp_path / "o").exists()  # refused before the search: nothing simulated, nothing written
+
+
+def test_the_recompute_column_fits_named_modules(tmp_path):
+    r = paraplan("plan", TINY, "--trials", "5", "--strategy", "tpe", "--quiet", "--no-plots", *SMALL,
+                 "--set", "plan.recompute=selective", "--set", "plan.recompute_modules=[core_attn,mlp]",
+                 "--set", "search.recompute=[selective]", "--out", str(tmp_path / "p"))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    head = next(line for line in lines if "recompute" in line and "step s" in line)
+    rows = [line for line in lines[lines.index(head) + 1:] if "selective(core_attn,mlp)" in line and "%" in line
+            and line.split()[0].isdigit()]
+    assert rows
+    for row in rows:  # every column after the label starts where its heading does
+        assert row.index("selective(core_attn,mlp)") == head.index("recompute")
+        assert row[head.index("step s") + len("step s") - 1] != " "  # the step time ends under its heading
