@@ -19,7 +19,7 @@ from hwmodels.compute import gemm_time, memory_bound_time
 from hwmodels.network import collective_time, overlapped
 from paraplan.placement import GroupLayout
 from simulator.cost import Cost
-from simulator.workload import (activation_time, ffn_norm_residual, mlp_linear_shapes, mlp_transfers, outside_fp8,
+from simulator.workload import (activation_time, fp8_cast_time, ffn_norm_residual, mlp_linear_shapes, mlp_transfers, outside_fp8,
                                 tp_exposed, weight_grad_time)
 
 
@@ -196,8 +196,8 @@ def _moe_weight_grad(ctx, draw: RoutingDraw) -> float:
 def _gemm(ctx, m: float, k: int, n: int, backward: bool) -> float:
     """A linear layer on m tokens, x (m, k) @ W (k, n); backward is dgrad plus wgrad."""
     if not backward:
-        return gemm_time(ctx.gpu, _rows(m), n, k, ctx.dtype)
-    return gemm_time(ctx.gpu, _rows(m), k, n, ctx.dtype) + _wgrad(ctx, m, k, n)
+        return gemm_time(ctx.gpu, _rows(m), n, k, ctx.dtype) + fp8_cast_time(ctx, _rows(m) * k)
+    return gemm_time(ctx.gpu, _rows(m), k, n, ctx.dtype) + _wgrad(ctx, m, k, n) + fp8_cast_time(ctx, _rows(m) * n)
 
 
 def _wgrad(ctx, m: float, k: int, n: int) -> float:

@@ -43,14 +43,33 @@ class LayerContext:
         return 2 if self.dtype == "fp8" else DTYPE_BYTES[self.dtype]
 
 
-def _linear(ctx: LayerContext, k: int, n: int, backward: bool, tokens: float | None = None) -> float:
+def _linear(ctx: LayerContext, k: int, n: int, backward: bool, tokens: float | None = None,
+            norm_fed: bool = False) -> float:
     """A linear layer y = x W with x (tokens, k), W (k, n); `tokens` defaults to the microbatch's
     (ctx.tokens). Backward is dgrad (tokens, n)x(n, k) plus wgrad (k, tokens)x(tokens, n), each as
-    many FLOPs as the forward (2x total)."""
+    many FLOPs as the forward (2x total). Under fp8, plus the casts of its 16-bit operands
+    (fp8_cast_time): dY in the backward, x in the forward unless `norm_fed` (Transformer Engine's
+    LayerNormLinear writes the norm's output in fp8 itself)."""
     m = ctx.tokens if tokens is None else tokens
     if not backward:
-        return gemm_time(ctx.gpu, m, n, k, ctx.dtype)
-    return gemm_time(ctx.gpu, m, k, n, ctx.dtype) + _weight_grad_gemm(ctx, k, n, m)
+        return gemm_time(ctx.gpu, m, n, k, ctx.dtype) + (0.0 if norm_fed else fp8_cast_time(ctx, m * k))
+    return gemm_time(ctx.gpu, m, k, n, ctx.dtype) + _weight_grad_gemm(ctx, k, n, m) + fp8_cast_time(ctx, m * n)
+
+
+FP8_CAST_BYTES = 4
+"""Bytes per element of casting a 16-bit activation or gradient to fp8 for a GEMM: read 2, write
+the fp8 copy the GEMM reads (1) and its transpose, which the weight-gradient GEMM reads (1)
+(Transformer Engine's fused cast_transpose, transformer_engine/common/transpose/cast_transpose.cu;
+Linear casts its input in the forward and grad_output in the backward)."""
+
+
+def fp8_cast_time(ctx: LayerContext, elements: float) -> float:
+    """Seconds to cast `elements` 16-bit values to fp8 for an fp8 GEMM (FP8_CAST_BYTES each); 0
+    unless the layer's GEMMs run in fp8. The weights' casts (once per step, cached across
+    microbatches) are left out."""
+    if ctx.dtype != "fp8" or elements <= 0:
+        return 0.0
+    return memory_bound_time(ctx.gpu, elements * FP8_CAST_BYTES)
 
 
 def _weight_grad_gemm(ctx: LayerContext, k: int, n: int, tokens: float | None = None) -> float:
@@ -341,9 +360,13 @@ def attention_block(ctx: LayerContext, backward: bool) -> Cost:
     down-projections and column-parallel up-projections), attention core, output projection
     (row-parallel) and the residual; with its TP collectives and the context-parallel exchange."""
     shapes = _attention_shapes(ctx)
-    gemms = [_linear(ctx, k, n, backward, tokens) for k, n, tokens in shapes]
+    transfers = _attention_transfers(ctx)
+    # every projection but the row-parallel output one reads a norm's output (Megatron-Core's
+    # TELayerNormColumnParallelLinear: the input norm, MLA's latent norms)
+    gemms = [_linear(ctx, k, n, backward, tokens, norm_fed=mode != "row")
+             for (k, n, tokens), (mode, _) in zip(shapes, transfers)]
     compute = sum(gemms) + _attention_core(ctx, backward) + _attention_elementwise(ctx, backward)
-    tp = tp_exposed(ctx, _attention_transfers(ctx), shapes, gemms, backward)
+    tp = tp_exposed(ctx, transfers, shapes, gemms, backward)
     cost = Cost().add("compute", compute).add("tp_comm", tp)
     cost += _cp_ring(ctx, backward)
     return cost
@@ -353,7 +376,7 @@ def mlp_block(ctx: LayerContext, backward: bool) -> Cost:
     """The MLP module: up (+gate, column-parallel), activation, down (row-parallel), with their TP
     collectives."""
     shapes = [(k, n, ctx.tokens) for k, n in _mlp_shapes(ctx)]
-    gemms = [_linear(ctx, k, n, backward) for k, n, _ in shapes]
+    gemms = [_linear(ctx, k, n, backward, norm_fed=i == 0) for i, (k, n, _) in enumerate(shapes)]
     compute = sum(gemms) + activation_time(ctx, ctx.tokens, ctx.model.ffn_hidden_size // ctx.plan.tp, backward)
     tp = tp_exposed(ctx, mlp_transfers(ctx), shapes, gemms, backward)
     return Cost().add("compute", compute).add("tp_comm", tp)

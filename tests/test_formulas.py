@@ -249,3 +249,24 @@ def test_pipeline_pairs_across_a_leaf_boundary_counted_by_hand():
     for a, block, d, unit in itertools.product((0, 5, 250), (1, 7, 128, 300), (1, 8, 128, 700), (8, 256)):
         want = sum((a + j) // unit != (a + j + d) // unit for j in range(block))
         assert _pairs_across(a, block, d, unit) == want
+
+
+def test_fp8_linears_pay_the_casts_of_their_16_bit_operands():
+    """Under fp8 a linear's forward casts its input (unless a norm wrote it in fp8) and its backward
+    casts the output gradient, each to an fp8 copy and its transpose: read 2, write 1 + 1 bytes."""
+    from hwmodels.compute import gemm_time, memory_bound_time
+    from paraplan.loader import load_scenario
+    from simulator.simulate import _setup
+    from simulator.workload import _linear, _weight_grad_gemm
+
+    ROOT = Path(__file__).resolve().parents[1]
+    sc = load_scenario(ROOT / "scenarios" / "llama3-70b-512xh100.yaml", ["training.precision=fp8"])
+    ctx = _setup(sc).ctx
+    m, k, n = ctx.tokens, 8192, 28672 // 8
+    fwd = gemm_time(ctx.gpu, m, n, k, "fp8")
+    bwd = gemm_time(ctx.gpu, m, k, n, "fp8") + _weight_grad_gemm(ctx, k, n, m)
+    assert _linear(ctx, k, n, False) == pytest.approx(fwd + memory_bound_time(ctx.gpu, 4 * m * k))
+    assert _linear(ctx, k, n, False, norm_fed=True) == pytest.approx(fwd)
+    assert _linear(ctx, k, n, True) == pytest.approx(bwd + memory_bound_time(ctx.gpu, 4 * m * n))
+    bf16 = _setup(load_scenario(ROOT / "scenarios" / "llama3-70b-512xh100.yaml")).ctx
+    assert _linear(bf16, k, n, False) == gemm_time(bf16.gpu, m, n, k, "bf16")
