@@ -245,8 +245,7 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
             f, b, w, c_dense, c_expert, acts = chunk
             op_cost[("F", c)], op_cost[("B", c)] = f, b
             if split_backward:
-                op_cost[("B", c)] = b.scaled(1.0).add("compute", -w)
-                op_cost[("W", c)] = Cost().add("compute", w)
+                op_cost[("W", c)] = w
             dense_params += c_dense
             expert_params += c_expert
             chunk_acts.append(acts)
@@ -380,30 +379,32 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
 def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, *, first: bool, last: bool,
                 emb_params: float, own_head: bool, mtp_embedding: bool = False,
                 ) -> tuple[Cost, Cost, float, float, float, float]:
-    """(forward cost, backward cost, seconds of the backward that are weight-gradient GEMMs,
-    params sharded over dp x cp, expert params, activation bytes per microbatch) of one model
-    chunk: its layers, plus the embedding on the first chunk of the pipeline and the LM head and
+    """(forward cost, backward cost, weight-gradient cost, params sharded over dp x cp, expert
+    params, activation bytes per microbatch) of one model chunk: its layers, plus the embedding on the first chunk of the pipeline and the LM head and
     the multi-token prediction modules on the last (`mtp_embedding`: the last stage holds its own
-    copy of the input embedding for them)."""
-    dense = expert = acts = wgrad = 0.0
+    copy of the input embedding for them). Under a split backward (zero-bubble) the backward cost
+    is the B pass's and the weight-gradient cost the W pass's, which also runs the ZeRO-2/3
+    reduce-scatters (the weight gradients exist only after it); otherwise the backward cost is the
+    whole backward and the weight-gradient cost its weight-gradient GEMMs."""
+    dense = expert = acts = 0.0
     for kind in dict.fromkeys(kinds_in_chunk):  # the kinds present, in a fixed order
         n = kinds_in_chunk.count(kind)
-        wgrad += n * kinds.wgrad[kind]
         dense += n * kinds.params[kind][0]
         expert += n * kinds.params[kind][1]
         acts += n * kinds.acts[kind]
-    # (forward cost, backward cost, ZeRO-2/3 (gather, scatter)) of each piece in forward order
-    pieces = [(kinds.fwd[k], kinds.bwd[k], per_unit.get(k, NO_ZERO3_COMM)) for k in kinds_in_chunk]
+    # (forward cost, backward cost, ZeRO-2/3 (gather, scatter), weight-gradient seconds) of each
+    # piece in forward order
+    pieces = [(kinds.fwd[k], kinds.bwd[k], per_unit.get(k, NO_ZERO3_COMM), kinds.wgrad[k]) for k in kinds_in_chunk]
     no_comm = NO_ZERO3_COMM
     if first:
         pieces.insert(0, (embedding_cost(ctx, backward=False), embedding_cost(ctx, backward=True),
-                          per_unit.get("embedding", no_comm)))
+                          per_unit.get("embedding", no_comm), 0.0))
         dense += emb_params
     if last:
         # a head without its own weights (own_head false) uses those gathered with the embedding
         head = {backward: head_cost(ctx, backward) for backward in (False, True)}
-        pieces.append((head[False], head[True], per_unit.get("embedding", no_comm) if own_head else no_comm))
-        wgrad += head_weight_grad(ctx)
+        pieces.append((head[False], head[True], per_unit.get("embedding", no_comm) if own_head else no_comm,
+                       head_weight_grad(ctx)))
         if own_head:
             dense += emb_params
         if mtp_embedding:
@@ -420,19 +421,25 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
                 module[backward] += mtp_projection(ctx, backward)
                 module[backward] += (kinds.bwd if backward else kinds.fwd)[kind]
                 module[backward] += head[backward]
-            pieces += [(module[False], module[True], per_unit.get(kind, no_comm))] * m.mtp_layers
-            wgrad += m.mtp_layers * (kinds.wgrad[kind] + mtp_weight_grad(ctx) + head_weight_grad(ctx))
+            module_wgrad = kinds.wgrad[kind] + mtp_weight_grad(ctx) + head_weight_grad(ctx)
+            pieces += [(module[False], module[True], per_unit.get(kind, no_comm), module_wgrad)] * m.mtp_layers
             dense += m.mtp_layers * (kinds.params[kind][0] + m.mtp_projection_params() / p.tp)
             expert += m.mtp_layers * kinds.params[kind][1]
             # its layer's activations and the saved 2h projection input (SP-sharded); its logits
             # and softmax are counted with the head's (memory.logits_bytes)
             sp = p.tp if p.sequence_parallel else 1
             acts += m.mtp_layers * (kinds.acts[kind] + ctx.tokens * 2 * m.hidden_size * ctx.act_bytes / sp)
-    f = _zero3_chain([(fwd, c.gather, c.gather_nic) for fwd, _, c in pieces], "param all-gather")
-    b = _zero3_chain([(bwd, c.gather + c.scatter, c.gather_nic + c.scatter_nic) for _, bwd, c in reversed(pieces)],
-                     "param all-gather + grad reduce-scatter" if any(c.gather for _, _, c in pieces)
+    f = _zero3_chain([(fwd, c.gather, c.gather_nic) for fwd, _, c, _ in pieces], "param all-gather")
+    if ctx.plan.schedule in SPLIT_BACKWARD_SCHEDULES:
+        b = _zero3_chain([(bwd.scaled(1.0).add("compute", -wg), c.gather, c.gather_nic)
+                          for _, bwd, c, wg in reversed(pieces)], "param all-gather")
+        w = _zero3_chain([(Cost().add("compute", wg), c.scatter, c.scatter_nic) for _, _, c, wg in reversed(pieces)],
+                         "grad reduce-scatter")
+        return f, b, w, dense, expert, acts
+    b = _zero3_chain([(bwd, c.gather + c.scatter, c.gather_nic + c.scatter_nic) for _, bwd, c, _ in reversed(pieces)],
+                     "param all-gather + grad reduce-scatter" if any(c.gather for _, _, c, _ in pieces)
                      else "grad reduce-scatter")
-    return f, b, wgrad, dense, expert, acts
+    return f, b, Cost().add("compute", sum(wg for *_, wg in pieces)), dense, expert, acts
 
 
 def _grad_buckets(setup: _Setup, params: float, layout: GroupLayout, group: int) -> list[tuple[float, float]]:

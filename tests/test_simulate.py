@@ -737,17 +737,22 @@ def test_multi_token_prediction_on_the_last_stage_by_hand():
     assert model_flops(m, s, tokens) - model_flops(without.model, s, tokens) == pytest.approx(3 * tokens * per_token)
 
 
-@pytest.mark.parametrize("zero,kinds", [(3, {"F", "B"}), (2, {"B"})])
-def test_zero_per_unit_transfers_are_on_the_dp_comm_track(zero, kinds):
+@pytest.mark.parametrize("zero,schedule,kinds", [(3, "1f1b", {"F", "B"}), (2, "1f1b", {"B"}),
+                                                   (3, "zero-bubble", {"F", "B", "W"}), (2, "zero-bubble", {"W"})])
+def test_zero_per_unit_transfers_are_on_the_dp_comm_track(zero, schedule, kinds):
     """ZeRO-2/3 move each unit's gradients (and ZeRO-3 its weights) inside the forward and backward
     ops: the trace shows them on the dp-comm stream, inside their op's span, every op of those
-    kinds with its own."""
-    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml", [f"plan.zero_stage={zero}"])
+    kinds with its own. Under zero-bubble the reduce-scatters run in the W pass, which makes the
+    weight gradients, and B gathers only (ZeRO-3)."""
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml",
+                       [f"plan.zero_stage={zero}", f"plan.schedule={schedule}"])
     r = simulate(sc)
     s = r.critical_stage
     ops = {sp.name: sp for sp in r.spans if sp.stage == s and sp.stream == "compute"}
     moved = [sp for sp in r.spans if sp.stage == s and sp.stream == "dp-comm" and "(unit" in sp.name]
     assert {sp.name.split()[-1] for sp in moved} == {name for name in ops if name[0] in kinds}
+    assert all(("reduce-scatter" in sp.name) == (sp.name.split()[-1][0] in "BW" and (schedule == "1f1b" or
+                                                 sp.name.split()[-1][0] == "W")) for sp in moved)
     for sp in moved:
         op = ops[sp.name.split()[-1]]
         assert op.start - 1e-12 <= sp.start < sp.end <= op.end + 1e-12
