@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from hwmodels.compute import memory_bound_time
-from hwmodels.network import build_network, collective_time, overlapped, tier_names_crossed
+from hwmodels.network import build_network, COMM_SM_SHARE, collective_time, tier_names_crossed
 from hwmodels.profile import load_profile
 from paraplan.errors import InfeasiblePlanError
 from paraplan.placement import GroupLayout, expert_group_layouts, group_layout, pp_hop_layouts
@@ -429,16 +429,13 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
             # and softmax are counted with the head's (memory.logits_bytes)
             sp = p.tp if p.sequence_parallel else 1
             acts += m.mtp_layers * (kinds.acts[kind] + ctx.tokens * 2 * m.hidden_size * ctx.act_bytes / sp)
-    f = _zero3_chain([(fwd, c.gather, c.gather_nic) for fwd, _, c, _ in pieces], "param all-gather")
+    f = _zero3_chain([(fwd, c.gather, 0.0, c.gather_nic) for fwd, _, c, _ in pieces])
     if ctx.plan.schedule in SPLIT_BACKWARD_SCHEDULES:
-        b = _zero3_chain([(bwd.scaled(1.0).add("compute", -wg), c.gather, c.gather_nic)
-                          for _, bwd, c, wg in reversed(pieces)], "param all-gather")
-        w = _zero3_chain([(Cost().add("compute", wg), c.scatter, c.scatter_nic) for _, _, c, wg in reversed(pieces)],
-                         "grad reduce-scatter")
+        b = _zero3_chain([(bwd.scaled(1.0).add("compute", -wg), c.gather, 0.0, c.gather_nic)
+                          for _, bwd, c, wg in reversed(pieces)])
+        w = _zero3_chain([(Cost().add("compute", wg), 0.0, c.scatter, c.scatter_nic) for _, _, c, wg in reversed(pieces)])
         return f, b, w, dense, expert, acts
-    b = _zero3_chain([(bwd, c.gather + c.scatter, c.gather_nic + c.scatter_nic) for _, bwd, c, _ in reversed(pieces)],
-                     "param all-gather + grad reduce-scatter" if any(c.gather for _, _, c, _ in pieces)
-                     else "grad reduce-scatter")
+    b = _zero3_chain([(bwd, c.gather, c.scatter, c.gather_nic + c.scatter_nic) for _, bwd, c, _ in reversed(pieces)])
     return f, b, Cost().add("compute", sum(wg for *_, wg in pieces)), dense, expert, acts
 
 
@@ -500,33 +497,52 @@ def _zero3_comm(net, parts: list[tuple[float, GroupLayout]], w_bytes: float, gra
     return Zero3Comm(gather=gather, scatter=scatter, gather_nic=gather_nic, scatter_nic=scatter_nic)
 
 
-def _zero3_chain(pieces: list[tuple[Cost, float, float]], name: str) -> Cost:
-    """Pieces run in order, each (cost, ZeRO-3 communication: its weights' all-gather, in backward
-    also its gradients' reduce-scatter) on a separate stream, prefetched one piece ahead (FSDP
-    forward/backward prefetch, Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3.3): time =
-    comm_1 + sum_i max(compute_i, comm_(i+1)) + compute_n. The part above the compute is exposed
-    data-parallel communication. For n identical layers: comm + (n-1) x max(compute, comm) + compute,
-    with each compute slowed by the SMs its overlapping gather takes (network.overlapped). The
-    transfers' places on that timeline (comm_(i+1) starts with compute_i) go to the trace as
-    `dp_spans`, named `name`. The third element of a piece is the seconds of its communication
-    that cross nodes: the op holds the NIC that long (Cost.nic), which the engine shares with
-    pipeline sends and gradient buckets."""
+def _zero3_chain(pieces: list[tuple[Cost, float, float, float]], gather_name: str = "param all-gather",
+                 scatter_name: str = "grad reduce-scatter") -> Cost:
+    """Pieces run in order on the compute stream, each (cost, its weights' all-gather, its
+    gradients' reduce-scatter, seconds of the two that cross nodes), their transfers in issue order
+    on one communication stream (PyTorch FSDP, Zhao et al., "PyTorch FSDP", VLDB 2023, Sec. 3.3,
+    issues gathers and reduce-scatters on two streams, whose transfers then share the links; one
+    stream moves the same bytes in the same time):
+    the first gather when the op starts, piece i + 1's gather when piece i starts (prefetch one
+    ahead), piece i's reduce-scatter when piece i ends (its gradients exist only then). A piece
+    waits for its own gather; the op ends when the last piece and the last transfer have. A
+    compute overlapped by transfers for t seconds finishes COMM_SM_SHARE x t later
+    (network.overlapped). Gathers alone give comm_1 + sum_i max(compute_i (slowed), comm_(i+1)) +
+    compute_n. The time above the compute is exposed data-parallel communication; the transfers'
+    places go to the trace as `dp_spans`. The NIC seconds: the op holds the NIC that long (Cost.nic),
+    which the engine shares with pipeline sends and gradient buckets."""
     total = Cost()
-    for cost, _, nic in pieces:
+    for cost, _, _, nic in pieces:
         total += cost
         total.add_nic("dp_comm", nic)
-    if not any(comm for _, comm, _ in pieces):
+    if not any(g or r for _, g, r, _ in pieces):
         return total
-    steps = [overlapped(cost.total, nxt) for (cost, _, _), (_, nxt, _) in zip(pieces, pieces[1:])]
-    span = pieces[0][1] + pieces[-1][0].total
-    for step in steps:
-        span += step
-    # transfer k + 1 starts with compute k, which starts after transfer 1 and the steps before it
-    starts = accumulate(steps, initial=pieces[0][1])
-    transfers = [(0.0, pieces[0][1])] + [(t, t + comm) for t, (_, comm, _) in zip(starts, pieces[1:])]
-    total.dp_spans = tuple((a / span, b / span, f"{name} (unit {k})")
-                           for k, (a, b) in enumerate(transfers) if b > a)
-    return total.add("dp_comm", span - sum(cost.total for cost, _, _ in pieces))
+    transfers = []  # (start, end, name)
+    free = 0.0  # when the communication stream is free
+    ready = 0.0  # when the next piece's weights are there
+    if pieces[0][1]:
+        free = ready = pieces[0][1]
+        transfers.append((0.0, free, f"{gather_name} (unit 0)"))
+    t = 0.0  # when the compute stream is free
+    for k, (cost, _, scatter, _) in enumerate(pieces):
+        start = t if t > ready else ready
+        if k + 1 < len(pieces) and pieces[k + 1][1]:  # prefetch the next piece's weights
+            a = start if start > free else free
+            free = ready = a + pieces[k + 1][1]
+            transfers.append((a, free, f"{gather_name} (unit {k + 1})"))
+        else:
+            ready = 0.0
+        d = cost.total
+        busy = free - start
+        t = start + d + (COMM_SM_SHARE * (busy if busy < d else d) if busy > 0 else 0.0)
+        if scatter:
+            a = t if t > free else free
+            free = a + scatter
+            transfers.append((a, free, f"{scatter_name} (unit {k})"))
+    span = t if t > free else free
+    total.dp_spans = tuple((a / span, b / span, name) for a, b, name in transfers if b > a)
+    return total.add("dp_comm", span - sum(cost.total for cost, _, _, _ in pieces))
 
 
 def _sync_time(sc: Scenario, net, emb_params: float, first_last: GroupLayout) -> float:

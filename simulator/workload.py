@@ -361,9 +361,13 @@ def attention_block(ctx: LayerContext, backward: bool) -> Cost:
     (row-parallel) and the residual; with its TP collectives and the context-parallel exchange."""
     shapes = _attention_shapes(ctx)
     transfers = _attention_transfers(ctx)
-    # every projection but the row-parallel output one reads a norm's output (Megatron-Core's
-    # TELayerNormColumnParallelLinear: the input norm, MLA's latent norms)
-    gemms = [_linear(ctx, k, n, backward, tokens, norm_fed=mode != "row")
+    # the column-parallel projections read a norm's output through Megatron-Core's
+    # TELayerNormColumnParallelLinear: QKV the input norm's, MLA's up-projections their latent
+    # norms'; MLA's down-projections (and a query projection without a latent) are plain linears
+    # after a separate input norm (gpt_layer_specs, MLASelfAttentionSubmodules)
+    mla = ctx.model.mla is not None
+    h = ctx.model.hidden_size
+    gemms = [_linear(ctx, k, n, backward, tokens, norm_fed=mode == "column" and not (mla and k == h))
              for (k, n, tokens), (mode, _) in zip(shapes, transfers)]
     compute = sum(gemms) + _attention_core(ctx, backward) + _attention_elementwise(ctx, backward)
     tp = tp_exposed(ctx, transfers, shapes, gemms, backward)

@@ -270,3 +270,25 @@ def test_fp8_linears_pay_the_casts_of_their_16_bit_operands():
     assert _linear(ctx, k, n, True) == pytest.approx(bwd + memory_bound_time(ctx.gpu, 4 * m * n))
     bf16 = _setup(load_scenario(ROOT / "scenarios" / "llama3-70b-512xh100.yaml")).ctx
     assert _linear(bf16, k, n, False) == gemm_time(bf16.gpu, m, n, k, "bf16")
+
+
+def test_fp8_mla_down_projections_pay_their_input_casts():
+    """MLA's down-projections follow a separate input norm (plain linears), so under fp8 they cast
+    their input; the up-projections read their latent norms' fp8 output (TELayerNormColumnParallelLinear)."""
+    from hwmodels.compute import memory_bound_time
+    from paraplan.loader import load_scenario
+    from simulator.simulate import _setup
+    from simulator.workload import (_attention_core, _attention_elementwise, _attention_shapes, _linear,
+                                    attention_block)
+
+    ROOT = Path(__file__).resolve().parents[1]
+    ctx = _setup(load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml")).ctx
+    h = ctx.model.hidden_size
+    shapes = _attention_shapes(ctx)
+    modes = [mode for _, _, mode in ctx.model.attention_linears()]
+    casts = sum(memory_bound_time(ctx.gpu, 4 * t * k) for (k, n, t), mode in zip(shapes, modes)
+                if mode == "replicated" or mode == "row")
+    assert [k == h for k, _, _ in shapes] == [True, False, True, False, False]  # q down, q up, kv down, kv up, out
+    plain = sum(_linear(ctx, k, n, False, t, norm_fed=True) for k, n, t in shapes)
+    got = attention_block(ctx, False).parts["compute"]
+    assert got == pytest.approx(plain + casts + _attention_core(ctx, False) + _attention_elementwise(ctx, False))

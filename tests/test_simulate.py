@@ -431,7 +431,7 @@ def test_zero3_chain_by_hand():
     from simulator.cost import Cost
     from simulator.simulate import _zero3_chain  # noqa: PLC2701
 
-    pieces = [(Cost().add("compute", c), g, g / 2) for c, g in [(1.0, 0.5), (2.0, 3.0), (1.0, 0.5), (4.0, 2.0)]]
+    pieces = [(Cost().add("compute", c), g, 0.0, g / 2) for c, g in [(1.0, 0.5), (2.0, 3.0), (1.0, 0.5), (4.0, 2.0)]]
     out = _zero3_chain(pieces, "gather")
     assert out.parts["compute"] == 8.0
     assert out.nic == 3.0  # the part of each transfer that crosses nodes holds the NIC
@@ -444,6 +444,29 @@ def test_zero3_chain_by_hand():
     assert [name for _, _, name in out.dp_spans] == [f"gather (unit {k})" for k in range(4)]
     with pytest.raises(ValueError, match="placed on a finished op"):  # the fractions refer to this op alone
         out += Cost().add("compute", 1.0)
+
+
+def test_zero_reduce_scatters_start_when_their_pieces_end():
+    """A piece's gradient reduce-scatter is issued when its backward ends, on one stream after the
+    transfers before it; the compute goes on, slowed COMM_SM_SHARE x the overlap, and the op ends
+    with the last transfer: pieces 1, 2, 1, 4 s with scatters 0.5, 3, 0.5, 2 s."""
+    from simulator.cost import Cost
+    from simulator.simulate import _zero3_chain  # noqa: PLC2701
+
+    pieces = [(Cost().add("compute", c), 0.0, r, 0.0) for c, r in [(1.0, 0.5), (2.0, 3.0), (1.0, 0.5), (4.0, 2.0)]]
+    out = _zero3_chain(pieces, scatter_name="rs")
+    # computes end at 1, 1 + 2 + 0.15 x 0.5 = 3.075, + 1 + 0.15 = 4.225, + 4 + 0.15 x 2.35 = 8.5775;
+    # transfers 1-1.5, 3.075-6.075, 6.075-6.575 (queued), 8.5775-10.5775
+    assert out.parts["dp_comm"] == pytest.approx(10.5775 - 8.0)
+    expected = [(1.0, 1.5), (3.075, 6.075), (6.075, 6.575), (8.5775, 10.5775)]
+    got = [(a * 10.5775, b * 10.5775) for a, b, _ in out.dp_spans]
+    assert [x for pair in got for x in pair] == pytest.approx([x for pair in expected for x in pair])
+    assert [name for _, _, name in out.dp_spans] == [f"rs (unit {k})" for k in range(4)]
+    # a gather and a scatter per piece: piece k's gather is prefetched when piece k - 1 starts
+    both = _zero3_chain([(Cost().add("compute", 1.0), 0.5, 0.5, 0.0)] * 2)
+    # gather 0: 0-0.5; piece 0 at 0.5 with gather 1 (0.5-1.0) beside it: ends 1.575; its scatter
+    # 1.575-2.075; piece 1 at 1.575, overlapped 0.5: ends 2.65; its scatter 2.65-3.15
+    assert 2 + both.parts["dp_comm"] == pytest.approx(3.15)
 
 
 def test_zero3_gathers_experts_over_the_expert_data_parallel_group():
@@ -751,8 +774,9 @@ def test_zero_per_unit_transfers_are_on_the_dp_comm_track(zero, schedule, kinds)
     ops = {sp.name: sp for sp in r.spans if sp.stage == s and sp.stream == "compute"}
     moved = [sp for sp in r.spans if sp.stage == s and sp.stream == "dp-comm" and "(unit" in sp.name]
     assert {sp.name.split()[-1] for sp in moved} == {name for name in ops if name[0] in kinds}
-    assert all(("reduce-scatter" in sp.name) == (sp.name.split()[-1][0] in "BW" and (schedule == "1f1b" or
-                                                 sp.name.split()[-1][0] == "W")) for sp in moved)
+    grads = "W" if schedule == "zero-bubble" else "B"  # the pass that makes the weight gradients
+    assert {sp.name.split()[-1][0] for sp in moved if "reduce-scatter" in sp.name} == {grads}
+    assert {sp.name.split()[-1][0] for sp in moved if "all-gather" in sp.name} == ({"F", "B"} if zero == 3 else set())
     for sp in moved:
         op = ops[sp.name.split()[-1]]
         assert op.start - 1e-12 <= sp.start < sp.end <= op.end + 1e-12

@@ -148,8 +148,9 @@ def _figure(x: float) -> str:
 
 
 def _network_label(cluster) -> str:
-    """The network the scenario states in place of the GPU profile's defaults, e.g. an H800's
-    NVLink: ' (NVLink 200 GB/s, 8 x 400 Gb/s NICs rail-optimized)'; empty for the defaults."""
+    """The network the scenario runs on, as the loader filled it in (the cluster preset's or the GPU
+    profile's defaults where the scenario states none), e.g. an H800's NVLink:
+    ' (NVLink 200 GB/s, 8 x 400 Gb/s NICs rail-optimized)'; the NICs only across nodes."""
     parts = []
     if cluster.intra_node is not None:
         parts.append(f"NVLink {cluster.intra_node.bandwidth / 1e9:.4g} GB/s")
