@@ -193,11 +193,14 @@ def _moe_weight_grad(ctx, draw: RoutingDraw) -> float:
     return total
 
 
-def _gemm(ctx, m: float, k: int, n: int, backward: bool) -> float:
-    """A linear layer on m tokens, x (m, k) @ W (k, n); backward is dgrad plus wgrad."""
+def _gemm(ctx, m: float, k: int, n: int, backward: bool, casts: bool = True) -> float:
+    """A linear layer on m tokens, x (m, k) @ W (k, n); backward is dgrad plus wgrad. Under fp8 with
+    the cast of its 16-bit operand (x forward, dY backward) unless `casts` is False (a grouped
+    GEMM's experts are cast together: expert_compute_time)."""
+    cast = fp8_cast_time(ctx, _rows(m) * (n if backward else k)) if casts else 0.0
     if not backward:
-        return gemm_time(ctx.gpu, _rows(m), n, k, ctx.dtype) + fp8_cast_time(ctx, _rows(m) * k)
-    return gemm_time(ctx.gpu, _rows(m), k, n, ctx.dtype) + _wgrad(ctx, m, k, n) + fp8_cast_time(ctx, _rows(m) * n)
+        return gemm_time(ctx.gpu, _rows(m), n, k, ctx.dtype) + cast
+    return gemm_time(ctx.gpu, _rows(m), k, n, ctx.dtype) + _wgrad(ctx, m, k, n) + cast
 
 
 def _wgrad(ctx, m: float, k: int, n: int) -> float:
@@ -230,18 +233,21 @@ def _shared_linears(ctx) -> list[tuple[int, int]]:
 
 def expert_compute_time(ctx, tokens_per_expert, backward: bool) -> float:
     """Grouped expert GEMMs of one rank: per local expert, up(+gate) then down projection on the
-    tokens it received (a grouped GEMM runs each expert's problem at its own size), plus the
-    activation over its intermediate. With expert_tp each expert is column/row split etp ways and
-    works on the etp ranks' tokens together."""
+    tokens it received (a grouped GEMM runs each expert's problem at its own size); the activation
+    runs once over all local experts' intermediates, and under fp8 each projection's operands are
+    cast for all experts in one kernel (Megatron-Core TEGroupedMLP: activation_func on the whole
+    fc1 output; Transformer Engine GroupedLinear casts its inputs with one multi-tensor quantize).
+    With expert_tp each expert is column/row split etp ways and works on the etp ranks' tokens
+    together."""
     etp = ctx.plan.expert_tp
-    total = 0.0
-    for n in tokens_per_expert:
-        if n <= 0:
-            continue
-        n = n * etp
-        total += sum(_gemm(ctx, n, k, w, backward) for k, w in _expert_linears(ctx))
-        total += _expert_activation(ctx, n, backward)
-    return total
+    rows = [n * etp for n in tokens_per_expert if n > 0]
+    if not rows:
+        return 0.0
+    linears = _expert_linears(ctx)
+    total = sum(_gemm(ctx, n, k, w, backward, casts=False) for n in rows for k, w in linears)
+    tokens = sum(_rows(n) for n in rows)
+    total += sum(fp8_cast_time(ctx, tokens * (w if backward else k)) for k, w in linears)
+    return total + _expert_activation(ctx, sum(rows), backward)
 
 
 def _expert_activation(ctx, n: float, backward: bool) -> float:

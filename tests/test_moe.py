@@ -136,6 +136,25 @@ def test_ep1_expert_cost_equals_the_dense_ffn(h100_net):
         assert experts == pytest.approx(dense - ffn_norm_residual(ctx, backward), rel=1e-9)
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_grouped_experts_run_one_activation_and_one_cast_per_projection(h100_net, dtype):
+    """Four local experts of 512 tokens each: four GEMM problems per projection, but one activation
+    over the 2,048 rows (Megatron-Core TEGroupedMLP) and, under fp8, one cast of each projection's
+    operands for all experts (Transformer Engine's multi-tensor quantize)."""
+    from simulator.moe import _expert_activation, _expert_linears, _gemm
+    from simulator.workload import fp8_cast_time
+
+    sc, gpu, net = h100_net
+    sc, ctx = _ctx(sc, gpu, net)
+    ctx = replace(ctx, dtype=dtype)
+    for backward in (False, True):
+        gemms = sum(_gemm(ctx, 512, k, w, backward, casts=False) for k, w in _expert_linears(ctx))
+        casts = sum(fp8_cast_time(ctx, 2048 * (w if backward else k)) for k, w in _expert_linears(ctx))
+        assert (casts > 0) == (dtype == "fp8")
+        want = 4 * gemms + casts + _expert_activation(ctx, 2048, backward)
+        assert expert_compute_time(ctx, [512] * 4, backward) == pytest.approx(want, rel=1e-12)
+
+
 @pytest.mark.parametrize("routing", [RoutingSpec(), RoutingSpec(distribution="zipf", s=1.0, seed=1),
                                      RoutingSpec(distribution="zipf", s=2.0, seed=2)])
 def test_imbalance_never_makes_a_layer_faster(h100_net, routing):
