@@ -4,10 +4,11 @@ Routing (per token): softmax over the router logits (fp32), the top-k experts, t
 renormalised to sum to 1 when k > 1 (Mixtral; k = 1 keeps the raw probability, as Switch does, so
 the router still gets a gradient). Group-limited routing (model.moe.expert_groups/groups_per_token):
 a token first keeps the groups_per_token groups whose two highest probabilities sum highest
-(DeepSeek-V3, arXiv 2412.19437 Sec. 2.1.2) and picks its top-k among their experts. No auxiliary load-balancing loss: the measurement reports the
-tokens each expert received instead. With a capacity factor, each rank keeps, per expert, the first
-ceil(cf x tokens x k / E) assignments of its local tokens (GShard's per-group capacity) and drops the
-rest (their expert output is zero); capacity None is dropless.
+(DeepSeek-V3, arXiv 2412.19437 Sec. 2.1.2) and picks its top-k among their experts. No auxiliary
+load-balancing loss: the measurement reports the tokens each expert received instead. With a
+capacity factor, each rank keeps, per expert, the first ceil(cf x tokens x k / E) assignments of its
+local tokens (GShard's per-group capacity) and drops the rest (their expert output is zero);
+capacity None is dropless.
 
 Expert parallelism: experts are split contiguously over the EP group (rank j holds experts
 [j E/ep, (j+1) E/ep)). Dispatch and combine are `all_to_all_single` with uneven (possibly zero)

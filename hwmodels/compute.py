@@ -74,8 +74,7 @@ def gemm_time(gpu: GpuProfile, m: int, n: int, k: int, dtype: str, batch: int = 
     Compute: 2mnk x batch FLOPs at peak(dtype) x gemm_curve(dtype)(FLOPs); the curve is measured
     on whole GEMMs, so it already holds launch and wave-quantisation losses.
     Memory: A, B and C each cross HBM once, batch x (mk + kn + mn) x dtype bytes (C at 2 under
-    fp8), at
-    hbm_bandwidth x hbm_efficiency(bytes). `out_bytes` replaces C's bytes per element where C is
+    fp8; gemm_bytes), at hbm_bandwidth x hbm_efficiency(bytes). `out_bytes` replaces C's bytes per element where C is
     not simply written in `dtype`: a GEMM that accumulates into an existing fp32 C (cuBLAS
     beta = 1, as Megatron's fused weight-gradient GEMM does) reads and writes it, 4 + 4 bytes.
 

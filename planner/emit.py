@@ -250,7 +250,8 @@ def _megatron_moe(sc: Scenario) -> list[str]:
         a += ["--moe-shared-expert-intermediate-size", str(e.num_shared_experts * e.expert_ffn_hidden_size)]
         if _shared_expert_overlap_runs(sc):
             a.append("--moe-shared-expert-overlap")
-    if e.groups_per_token < e.expert_groups:  # the loader checked num_experts % groups == 0, as transformer_config.py does
+    # the loader checked num_experts % groups == 0, as transformer_config.py does
+    if e.groups_per_token < e.expert_groups:
         a += ["--moe-router-num-groups", str(e.expert_groups), "--moe-router-group-topk", str(e.groups_per_token)]
     if e.capacity_factor is not None:
         a += ["--moe-expert-capacity-factor", str(e.capacity_factor)]

@@ -140,7 +140,8 @@ QWEN3_MOE = Family(
 # arguments.py's --rotary-scaling-factor (default 1.0) and --mscale-all-dim (0.0) must be given),
 # RMSNorm on the MLA latents (Megatron: --qk-layernorm), no biases; router scoring_func sigmoid,
 # aux-loss-free expert bias (topk_method noaux_tc), routed_scaling_factor 2.5 (its n_group 8 /
-# topk_group 4 are the preset's model.moe.expert_groups / groups_per_token, emitted with the experts). Flags as in NVIDIA's examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh
+# topk_group 4 are the preset's model.moe.expert_groups / groups_per_token, emitted with the
+# experts). Flags as in NVIDIA's examples/post_training/modelopt/conf/deepseek-ai/DeepSeek-R1.sh
 # (same architecture), --moe-router-pre-softmax included because arguments.py's help ties the
 # scaling factor to it ("only works when --moe-router-pre-softmax enabled").
 DEEPSEEK_V3 = Family(

@@ -129,7 +129,8 @@ def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool, r
     if show_stages:
         cols.append(f"{stage_layers(p) or '-':<6}")
     cols += [f"{'on' if p.sequence_parallel else 'off':<3}",
-             f"{p.zero_stage:>4}", f"{p.recompute_label:<{recompute_width}}", f"{e.step_time_s:8.4g}", f"{e.tokens_per_s:>11,.0f}",
+             f"{p.zero_stage:>4}", f"{p.recompute_label:<{recompute_width}}", f"{e.step_time_s:8.4g}",
+             f"{e.tokens_per_s:>11,.0f}",
              f"{e.mfu * 100:5.1f}%", f"{e.peak_memory_bytes / GiB:5.1f}/{e.memory_capacity_bytes / GiB:<5.1f}",
              f"{e.headroom * 100:4.0f}%"]
     if objective.name == "cost":

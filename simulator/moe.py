@@ -15,12 +15,12 @@ from functools import lru_cache
 
 import numpy as np
 
-from hwmodels.compute import gemm_time, memory_bound_time
+from hwmodels.compute import memory_bound_time
 from hwmodels.network import collective_time, overlapped
 from paraplan.placement import GroupLayout
 from simulator.cost import Cost
-from simulator.workload import (activation_time, fp8_cast_time, ffn_norm_residual, mlp_linear_shapes, mlp_transfers, outside_fp8,
-                                tp_exposed, weight_grad_time)
+from simulator.workload import (activation_time, ffn_norm_residual, fp8_cast_time, linear_time, mlp_linear_shapes,
+                                mlp_transfers, outside_fp8, tp_exposed, weight_grad_time)
 
 
 @dataclass(frozen=True)
@@ -194,13 +194,11 @@ def _moe_weight_grad(ctx, draw: RoutingDraw) -> float:
 
 
 def _gemm(ctx, m: float, k: int, n: int, backward: bool, casts: bool = True) -> float:
-    """A linear layer on m tokens, x (m, k) @ W (k, n); backward is dgrad plus wgrad. Under fp8 with
-    the cast of its 16-bit operand (x forward, dY backward) unless `casts` is False (a grouped
-    GEMM's experts are cast together: expert_compute_time)."""
-    cast = fp8_cast_time(ctx, _rows(m) * (n if backward else k)) if casts else 0.0
-    if not backward:
-        return gemm_time(ctx.gpu, _rows(m), n, k, ctx.dtype) + cast
-    return gemm_time(ctx.gpu, _rows(m), k, n, ctx.dtype) + _wgrad(ctx, m, k, n) + cast
+    """A linear layer (workload.linear_time) on a whole number of the m tokens, x (m, k) @ W (k, n);
+    backward is dgrad plus wgrad. Under fp8 with the cast of its 16-bit operand (x forward, dY
+    backward) unless `casts` is False (a grouped GEMM's experts are cast together:
+    expert_compute_time)."""
+    return linear_time(ctx, k, n, backward, _rows(m), cast_input=casts, cast_grad=casts)
 
 
 def _wgrad(ctx, m: float, k: int, n: int) -> float:

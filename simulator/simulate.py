@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 from hwmodels.compute import memory_bound_time
-from hwmodels.network import build_network, COMM_SM_SHARE, collective_time, tier_names_crossed
+from hwmodels.network import COMM_SM_SHARE, build_network, collective_time, tier_names_crossed
 from hwmodels.profile import load_profile
 from paraplan.errors import InfeasiblePlanError
 from paraplan.placement import GroupLayout, expert_group_layouts, group_layout, pp_hop_layouts
@@ -198,7 +198,6 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
     m, p, tr = sc.model, sc.plan, sc.training
     shard = p.dp * p.cp
     vpp = p.virtual_pipeline_stages
-    split_backward = p.schedule in SPLIT_BACKWARD_SCHEDULES
     kinds, draw = _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, balanced=balanced)
     w_bytes, _, _ = state_bytes_per_param(tr.precision)
     emb_params = m.embedding_params() / p.tp
@@ -244,7 +243,7 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
                                 own_head=own_head, mtp_embedding=mtp_embedding)
             f, b, w, c_dense, c_expert, acts = chunk
             op_cost[("F", c)], op_cost[("B", c)] = f, b
-            if split_backward:
+            if w is not None:  # a split backward's W pass
                 op_cost[("W", c)] = w
             dense_params += c_dense
             expert_params += c_expert
@@ -273,7 +272,8 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
             ops=schedule[s], op_cost=op_cost,
             grad_buckets={c: [t for t, _ in bl] for c, bl in buckets.items() if bl},
             grad_bucket_nic={c: [nic for _, nic in bl] for c, bl in buckets.items() if bl},
-            optimizer_time=optimizer_time(gpu, local_opt, buffer, tr.precision, ctx.grad_bytes), param_gather_time=param_gather,
+            optimizer_time=optimizer_time(gpu, local_opt, buffer, tr.precision, ctx.grad_bytes),
+            param_gather_time=param_gather,
             param_gather_buckets={c: bl for c, bl in gathers.items() if bl},
         ))
         if not memory:
@@ -378,14 +378,14 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
 
 def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, *, first: bool, last: bool,
                 emb_params: float, own_head: bool, mtp_embedding: bool = False,
-                ) -> tuple[Cost, Cost, float, float, float, float]:
-    """(forward cost, backward cost, weight-gradient cost, params sharded over dp x cp, expert
-    params, activation bytes per microbatch) of one model chunk: its layers, plus the embedding on the first chunk of the pipeline and the LM head and
-    the multi-token prediction modules on the last (`mtp_embedding`: the last stage holds its own
-    copy of the input embedding for them). Under a split backward (zero-bubble) the backward cost
-    is the B pass's and the weight-gradient cost the W pass's, which also runs the ZeRO-2/3
-    reduce-scatters (the weight gradients exist only after it); otherwise the backward cost is the
-    whole backward and the weight-gradient cost its weight-gradient GEMMs."""
+                ) -> tuple[Cost, Cost, Cost | None, float, float, float]:
+    """(forward cost, backward cost, W-pass cost, params sharded over dp x cp, expert params,
+    activation bytes per microbatch) of one model chunk: its layers, plus the embedding on the first
+    chunk of the pipeline and the LM head and the multi-token prediction modules on the last
+    (`mtp_embedding`: the last stage holds its own copy of the input embedding for them). Under a
+    split backward (zero-bubble) the backward cost is the B pass's and the W pass runs the
+    weight-gradient GEMMs with the ZeRO-2/3 reduce-scatters (the weight gradients exist only after
+    it); otherwise the backward cost is the whole backward and there is no W pass (None)."""
     dense = expert = acts = 0.0
     for kind in dict.fromkeys(kinds_in_chunk):  # the kinds present, in a fixed order
         n = kinds_in_chunk.count(kind)
@@ -394,7 +394,8 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
         acts += n * kinds.acts[kind]
     # (forward cost, backward cost, ZeRO-2/3 (gather, scatter), weight-gradient seconds) of each
     # piece in forward order
-    pieces = [(kinds.fwd[k], kinds.bwd[k], per_unit.get(k, NO_ZERO3_COMM), kinds.wgrad[k]) for k in kinds_in_chunk]
+    pieces = [(kinds.fwd[k], kinds.bwd[k], per_unit.get(k, NO_ZERO3_COMM), kinds.wgrad[k])
+              for k in kinds_in_chunk]
     no_comm = NO_ZERO3_COMM
     if first:
         pieces.insert(0, (embedding_cost(ctx, backward=False), embedding_cost(ctx, backward=True),
@@ -433,10 +434,11 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
     if ctx.plan.schedule in SPLIT_BACKWARD_SCHEDULES:
         b = _zero3_chain([(bwd.scaled(1.0).add("compute", -wg), c.gather, 0.0, c.gather_nic)
                           for _, bwd, c, wg in reversed(pieces)])
-        w = _zero3_chain([(Cost().add("compute", wg), 0.0, c.scatter, c.scatter_nic) for _, _, c, wg in reversed(pieces)])
+        w = _zero3_chain([(Cost().add("compute", wg), 0.0, c.scatter, c.scatter_nic)
+                          for _, _, c, wg in reversed(pieces)])
         return f, b, w, dense, expert, acts
     b = _zero3_chain([(bwd, c.gather, c.scatter, c.gather_nic + c.scatter_nic) for _, bwd, c, _ in reversed(pieces)])
-    return f, b, Cost().add("compute", sum(wg for *_, wg in pieces)), dense, expert, acts
+    return f, b, None, dense, expert, acts
 
 
 def _grad_buckets(setup: _Setup, params: float, layout: GroupLayout, group: int) -> list[tuple[float, float]]:

@@ -43,17 +43,19 @@ class LayerContext:
         return 2 if self.dtype == "fp8" else DTYPE_BYTES[self.dtype]
 
 
-def _linear(ctx: LayerContext, k: int, n: int, backward: bool, tokens: float | None = None,
-            norm_fed: bool = False) -> float:
+def linear_time(ctx: LayerContext, k: int, n: int, backward: bool, tokens: float | None = None, *,
+            cast_input: bool = True, cast_grad: bool = True) -> float:
     """A linear layer y = x W with x (tokens, k), W (k, n); `tokens` defaults to the microbatch's
     (ctx.tokens). Backward is dgrad (tokens, n)x(n, k) plus wgrad (k, tokens)x(tokens, n), each as
     many FLOPs as the forward (2x total). Under fp8, plus the casts of its 16-bit operands
-    (fp8_cast_time): dY in the backward, x in the forward unless `norm_fed` (Transformer Engine's
-    LayerNormLinear writes the norm's output in fp8 itself)."""
+    (fp8_cast_time): x in the forward unless not `cast_input` (Transformer Engine's LayerNormLinear
+    writes the norm's output in fp8 itself), dY in the backward unless not `cast_grad` (a grouped
+    GEMM casts all experts' operands at once)."""
     m = ctx.tokens if tokens is None else tokens
     if not backward:
-        return gemm_time(ctx.gpu, m, n, k, ctx.dtype) + (0.0 if norm_fed else fp8_cast_time(ctx, m * k))
-    return gemm_time(ctx.gpu, m, k, n, ctx.dtype) + _weight_grad_gemm(ctx, k, n, m) + fp8_cast_time(ctx, m * n)
+        return gemm_time(ctx.gpu, m, n, k, ctx.dtype) + (fp8_cast_time(ctx, m * k) if cast_input else 0.0)
+    return (gemm_time(ctx.gpu, m, k, n, ctx.dtype) + _weight_grad_gemm(ctx, k, n, m)
+            + (fp8_cast_time(ctx, m * n) if cast_grad else 0.0))
 
 
 FP8_CAST_BYTES = 4
@@ -367,7 +369,7 @@ def attention_block(ctx: LayerContext, backward: bool) -> Cost:
     # after a separate input norm (gpt_layer_specs, MLASelfAttentionSubmodules)
     mla = ctx.model.mla is not None
     h = ctx.model.hidden_size
-    gemms = [_linear(ctx, k, n, backward, tokens, norm_fed=mode == "column" and not (mla and k == h))
+    gemms = [linear_time(ctx, k, n, backward, tokens, cast_input=not (mode == "column" and not (mla and k == h)))
              for (k, n, tokens), (mode, _) in zip(shapes, transfers)]
     compute = sum(gemms) + _attention_core(ctx, backward) + _attention_elementwise(ctx, backward)
     tp = tp_exposed(ctx, transfers, shapes, gemms, backward)
@@ -380,7 +382,7 @@ def mlp_block(ctx: LayerContext, backward: bool) -> Cost:
     """The MLP module: up (+gate, column-parallel), activation, down (row-parallel), with their TP
     collectives."""
     shapes = [(k, n, ctx.tokens) for k, n in _mlp_shapes(ctx)]
-    gemms = [_linear(ctx, k, n, backward, norm_fed=i == 0) for i, (k, n, _) in enumerate(shapes)]
+    gemms = [linear_time(ctx, k, n, backward, cast_input=i > 0) for i, (k, n, _) in enumerate(shapes)]  # fc1: norm-fed
     compute = sum(gemms) + activation_time(ctx, ctx.tokens, ctx.model.ffn_hidden_size // ctx.plan.tp, backward)
     tp = tp_exposed(ctx, mlp_transfers(ctx), shapes, gemms, backward)
     return Cost().add("compute", compute).add("tp_comm", tp)
@@ -506,7 +508,7 @@ def mtp_projection(ctx: LayerContext, backward: bool) -> Cost:
     sequence parallelism and whose output is gathered back to h for the layer. Its embedding lookup
     and LM head are the model's (embedding_cost, head_cost)."""
     h = ctx.model.hidden_size
-    gemm = _linear(ctx, 2 * h, h // ctx.plan.tp, backward)
+    gemm = linear_time(ctx, 2 * h, h // ctx.plan.tp, backward)
     norms = _memory_bound(ctx, [2 * _norm_bytes(ctx)], backward)
     tp = _tp_collectives(ctx, _tp_transfers(ctx, [(2 * h, h, "column")]))[0]
     if ctx.plan.tp > 1:
@@ -529,7 +531,7 @@ def head_cost(ctx: LayerContext, backward: bool) -> Cost:
     and its gradient all-reduced backward (copy_to_tensor_model_parallel_region)."""
     m, p = ctx.model, ctx.plan
     vocab = m.vocab_size // p.tp
-    gemm = _linear(outside_fp8(ctx), m.hidden_size, vocab, backward)
+    gemm = linear_time(outside_fp8(ctx), m.hidden_size, vocab, backward)
     logits = ctx.tokens * vocab
     ce = sum(memory_bound_time(ctx.gpu, logits * nbytes) for nbytes in cross_entropy_kernels(ctx, backward))
     norm = memory_bound_time(ctx.gpu, (2 if backward else 1) * _norm_bytes(ctx))

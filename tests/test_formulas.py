@@ -257,7 +257,7 @@ def test_fp8_linears_pay_the_casts_of_their_16_bit_operands():
     from hwmodels.compute import gemm_time, memory_bound_time
     from paraplan.loader import load_scenario
     from simulator.simulate import _setup
-    from simulator.workload import _linear, _weight_grad_gemm
+    from simulator.workload import linear_time, _weight_grad_gemm
 
     ROOT = Path(__file__).resolve().parents[1]
     sc = load_scenario(ROOT / "scenarios" / "llama3-70b-512xh100.yaml", ["training.precision=fp8"])
@@ -265,11 +265,11 @@ def test_fp8_linears_pay_the_casts_of_their_16_bit_operands():
     m, k, n = ctx.tokens, 8192, 28672 // 8
     fwd = gemm_time(ctx.gpu, m, n, k, "fp8")
     bwd = gemm_time(ctx.gpu, m, k, n, "fp8") + _weight_grad_gemm(ctx, k, n, m)
-    assert _linear(ctx, k, n, False) == pytest.approx(fwd + memory_bound_time(ctx.gpu, 4 * m * k))
-    assert _linear(ctx, k, n, False, norm_fed=True) == pytest.approx(fwd)
-    assert _linear(ctx, k, n, True) == pytest.approx(bwd + memory_bound_time(ctx.gpu, 4 * m * n))
+    assert linear_time(ctx, k, n, False) == pytest.approx(fwd + memory_bound_time(ctx.gpu, 4 * m * k))
+    assert linear_time(ctx, k, n, False, cast_input=False) == pytest.approx(fwd)
+    assert linear_time(ctx, k, n, True) == pytest.approx(bwd + memory_bound_time(ctx.gpu, 4 * m * n))
     bf16 = _setup(load_scenario(ROOT / "scenarios" / "llama3-70b-512xh100.yaml")).ctx
-    assert _linear(bf16, k, n, False) == gemm_time(bf16.gpu, m, n, k, "bf16")
+    assert linear_time(bf16, k, n, False) == gemm_time(bf16.gpu, m, n, k, "bf16")
 
 
 def test_fp8_mla_down_projections_pay_their_input_casts():
@@ -278,7 +278,7 @@ def test_fp8_mla_down_projections_pay_their_input_casts():
     from hwmodels.compute import memory_bound_time
     from paraplan.loader import load_scenario
     from simulator.simulate import _setup
-    from simulator.workload import (_attention_core, _attention_elementwise, _attention_shapes, _linear,
+    from simulator.workload import (_attention_core, _attention_elementwise, _attention_shapes, linear_time,
                                     attention_block)
 
     ROOT = Path(__file__).resolve().parents[1]
@@ -289,6 +289,6 @@ def test_fp8_mla_down_projections_pay_their_input_casts():
     casts = sum(memory_bound_time(ctx.gpu, 4 * t * k) for (k, n, t), mode in zip(shapes, modes)
                 if mode == "replicated" or mode == "row")
     assert [k == h for k, _, _ in shapes] == [True, False, True, False, False]  # q down, q up, kv down, kv up, out
-    plain = sum(_linear(ctx, k, n, False, t, norm_fed=True) for k, n, t in shapes)
+    plain = sum(linear_time(ctx, k, n, False, t, cast_input=False) for k, n, t in shapes)
     got = attention_block(ctx, False).parts["compute"]
     assert got == pytest.approx(plain + casts + _attention_core(ctx, False) + _attention_elementwise(ctx, False))

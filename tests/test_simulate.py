@@ -349,7 +349,7 @@ def test_cross_entropy_moves_the_bytes_of_megatrons_unfused_passes(gpt3, dtype, 
     from hwmodels.network import build_network
     from hwmodels.profile import load_profile
     from paraplan.placement import group_layout
-    from simulator.workload import LayerContext, _linear, _norm_bytes, cross_entropy_kernels, head_cost
+    from simulator.workload import LayerContext, linear_time, _norm_bytes, cross_entropy_kernels, head_cost
 
     gpu, m, p = load_profile(gpt3.cluster.gpu), gpt3.model, gpt3.plan
     ctx = LayerContext(model=m, plan=p, gpu=gpu, network=build_network(gpt3.cluster, gpu),
@@ -360,7 +360,7 @@ def test_cross_entropy_moves_the_bytes_of_megatrons_unfused_passes(gpt3, dtype, 
         kernels = cross_entropy_kernels(ctx, backward)
         assert sum(kernels) == total and 0 not in kernels  # no launch is charged for a cast that does not run
         ce = sum(memory_bound_time(gpu, logits * b) for b in kernels)
-        rest = _linear(ctx, m.hidden_size, m.vocab_size // p.tp, backward) + memory_bound_time(
+        rest = linear_time(ctx, m.hidden_size, m.vocab_size // p.tp, backward) + memory_bound_time(
             gpu, (2 if backward else 1) * _norm_bytes(ctx))
         assert head_cost(ctx, backward).parts["compute"] == pytest.approx(rest + ce, rel=1e-12)
 

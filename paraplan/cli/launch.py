@@ -127,7 +127,8 @@ def _with_layer_hint(sc, problems: list[str], source: str) -> list[str]:
 
     def splits(n: int) -> bool:
         model = dataclasses.replace(sc.model, num_layers=n)
-        return not any(r.startswith(_LAYER_SPLIT_KEYS) for r in structural_problems(dataclasses.replace(sc, model=model)))
+        problems_at_n = structural_problems(dataclasses.replace(sc, model=model))
+        return not any(r.startswith(_LAYER_SPLIT_KEYS) for r in problems_at_n)
 
     n = sc.model.num_layers
     fits = [k for k in range(max(1, n - 64), n + 65) if splits(k)]
