@@ -31,7 +31,7 @@ from paraplan.placement import GroupLayout
 from paraplan.specs import ClusterSpec
 
 __all__ = ["COMM_SM_SHARE", "OPS", "Network", "Tier", "build_network", "busbw_factor", "collective_time",
-           "nccl_latency", "overlapped", "tier_names_crossed"]
+           "nccl_latency", "overlapped", "spread_hop", "tier_names_crossed"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
 US = 1e-6
@@ -183,6 +183,15 @@ def _spine_share(net: Network, group: GroupLayout, op: str) -> float:
     return 1.0 / here
 
 
+def spread_hop(net: Network, group: GroupLayout) -> GroupLayout:
+    """One network hop of traffic a rank spreads evenly over the group's other nodes (DeepEP's
+    node-to-node leg), as a two-node point-to-point layout: it crosses the spine when the group
+    does, for the share of its bytes an all-to-all over the group sends to other leaves."""
+    crosses = _crosses_spine(net, group)
+    return GroupLayout(size=2, ranks_per_node=1, num_nodes=2, crosses_leaf=crosses,
+                       leaf_share=_spine_share(net, group, "all_to_all") if crosses else None)
+
+
 def _nic_bw(net: Network, group: GroupLayout, op: str) -> float:
     """Per-GPU NIC bandwidth under the symmetric assumption (every group of this kind communicates
     at once, so each GPU owns 1/gpus_per_node of the node's NICs). Once the group leaves its leaf,
@@ -309,13 +318,15 @@ def _multi_node_time(net: Network, op: str, nbytes: float, g: GroupLayout) -> fl
 
 
 def _all_to_all_time(net: Network, nbytes: float, g: GroupLayout) -> float:
-    """Each rank sends nbytes/n to every peer. Off-node share (N-1)/N leaves through this GPU's NIC
-    share only: all-to-all cannot aggregate several NICs per GPU (busbw ~ N/(N-1) x B_nic;
+    """Each rank sends nbytes/n to every peer. Off-node share (n - ppn)/n, (N-1)/N when the group is
+    spread evenly (ppn: the ranks on the node that holds the fewest, whose members send the most
+    off-node and set the pace), leaves through this GPU's NIC share only: all-to-all cannot
+    aggregate several NICs per GPU (busbw ~ N/(N-1) x B_nic;
     https://github.com/NVIDIA/nccl-tests/issues/130, https://github.com/NVIDIA/nccl-tests/issues/267).
     On-node share (ppn-1)/n over NVLink. The two overlap;
     latency is one network hop plus NCCL's per-peer network overhead for the n-1 point-to-point ops."""
-    n, ppn, nodes = g.size, g.ranks_per_node, g.num_nodes
-    t_off = nbytes * (nodes - 1) / nodes / _nic_bw(net, g, "all_to_all")
+    n, ppn = g.size, g.ranks_per_node
+    t_off = nbytes * (n - ppn) / n / _nic_bw(net, g, "all_to_all")
     # the node's own all-to-all among its ppn ranks moves the same (ppn-1)/n of the buffer
     t_on = _intra_time(net, "all_to_all", nbytes * ppn / n, ppn) if ppn > 1 else 0.0
     simple = PROTOCOLS.index("Simple")

@@ -69,6 +69,23 @@ def state_bytes_per_param(precision: str, grad_dtype: str = "fp32") -> tuple[flo
 FP8_WEIGHT_CACHE_BYTES = 2.0
 
 
+def norm_outputs_recomputed(model, recomputed: tuple[str, ...], moe_layer: bool) -> int:
+    """How many of a layer's two norm outputs selective recompute leaves unstored. Megatron-Core's
+    Transformer Engine layer fuses a norm into the linear it feeds (TELayerNormColumnParallelLinear:
+    the input norm into QKV, a dense layer's pre-MLP norm into fc1), builds the fused one as
+    IdentityOp, and `layernorm` recomputes only norms that are modules of their own
+    (TransformerLayer: recompute_input_layernorm / recompute_pre_mlp_layernorm when not
+    IdentityOp; gpt_layer_specs: pre_mlp_layernorm TENorm only with experts, input_layernorm TENorm
+    only under MLA, whose down-projections are plain linears). A dense layer's `mlp` checkpoint
+    holds its fused pre-MLP norm, which then stores no output either."""
+    freed = 0
+    if "layernorm" in recomputed:
+        freed += moe_layer + (model.mla is not None)
+    if "mlp" in recomputed and not moe_layer:
+        freed += 1
+    return freed
+
+
 def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: str,
                                moe_ffn_bytes: float | None = None, act_bytes: int = 2) -> float:
     """Stored activations of one layer for one microbatch on one rank (Korthikanti et al. 2022,
@@ -80,7 +97,8 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     softmax and dropout outputs, dropout mask) unless the attention is fused (FlashAttention keeps
     only the fp32 logsumexp) or recomputed (selective core_attn). Full recompute keeps only each
     layer's input (2h). Selective recompute of other modules frees what they would keep: layernorm
-    the two norm outputs (4h of the 10h), mlp the dense MLP intermediates. Without dropout
+    the outputs of the norms that are not fused into a linear (norm_outputs_recomputed: 2h each of
+    the 10h), mlp the dense MLP intermediates and its fused norm's output. Without dropout
     (model.dropout 0) there are no masks and no dropout output: the h-wide tensors lose their 2h
     bytes of masks and the unfused softmax terms keep only the softmax output.
     For an MoE layer `moe_ffn_bytes` (this rank's router, dispatch and expert tensors, from
@@ -96,9 +114,10 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
         return tokens * e * h / sp
     recomputed = plan.recomputed_modules
     masks = 2 if model.dropout else 0  # the two bias-dropout-adds' 1-byte masks
-    h_wide = ((2 if "layernorm" in recomputed else 4) * e + masks) * h / sp
+    moe = moe_ffn_bytes is not None
+    h_wide = ((4 - norm_outputs_recomputed(model, recomputed, moe)) * e + masks) * h / sp
     mlp_mats = model.ffn_matrices - 1
-    mlp = e * (mlp_mats * f + f) / t if moe_ffn_bytes is None and "mlp" not in recomputed else 0.0
+    mlp = e * (mlp_mats * f + f) / t if not moe and "mlp" not in recomputed else 0.0
     tp_sharded = e * (model.q_channels + model.k_channels + model.v_channels + model.o_channels) / t + mlp
     # MLA keeps each latent twice (its norm's input and the up-projection's input), SP-sharded
     latents = 2 * e * model.latent_channels / sp
@@ -188,7 +207,7 @@ def recompute_working_bytes(model, plan, seq_length: int, attention_kernel: str,
     """What recomputing one layer holds during its backward, on top of the stored activations: under
     full recompute the layer's full activations (a dense layer's, or with `moe_ffn_bytes` an MoE
     layer's, whose FFN tensors replace the dense MLP's); under selective recompute of the dense
-    `mlp` its intermediates (an MoE layer's recomputed `moe` part is `moe_ffn_bytes`, passed by the
+    `mlp` its intermediates and its fused norm's output (an MoE layer's recomputed `moe` part is `moe_ffn_bytes`, passed by the
     caller only when it is recomputed). One layer at a time: a stage's working set takes the largest
     over the kinds of layer it holds."""
     if plan.recompute == "full":
@@ -196,9 +215,10 @@ def recompute_working_bytes(model, plan, seq_length: int, attention_kernel: str,
                                           moe_ffn_bytes=moe_ffn_bytes, act_bytes=act_bytes)
     if moe_ffn_bytes is not None:
         return moe_ffn_bytes
-    if "mlp" in plan.recomputed_modules:
+    if "mlp" in plan.recomputed_modules:  # its intermediates and its fused norm's output
         tokens = plan.micro_batch_size * seq_length // plan.cp
-        return tokens * act_bytes * model.ffn_matrices * model.ffn_hidden_size / plan.tp
+        sp = plan.tp if plan.sequence_parallel else 1
+        return tokens * act_bytes * (model.ffn_matrices * model.ffn_hidden_size / plan.tp + model.hidden_size / sp)
     return 0.0
 
 

@@ -16,7 +16,7 @@ from functools import lru_cache
 import numpy as np
 
 from hwmodels.compute import memory_bound_time
-from hwmodels.network import collective_time, overlapped
+from hwmodels.network import collective_time, overlapped, spread_hop
 from paraplan.placement import GroupLayout
 from simulator.cost import Cost
 from simulator.workload import (activation_time, ffn_norm_residual, fp8_cast_time, linear_time, mlp_linear_shapes,
@@ -173,8 +173,9 @@ def moe_block(ctx, draw: RoutingDraw, ep_layout, etp_layout, *, overlap_shared: 
         .add("compute", ffn_norm_residual(ctx, True)),
         module_forward=module,
         weight_grad=_moe_weight_grad(ctx, draw),
-        expert_activation=sum(_expert_activation(ctx, n * ctx.plan.expert_tp, False)
-                              for n in draw.busiest_tokens if n > 0),
+        # one kernel over all local experts' tokens, as the forward runs it (expert_compute_time)
+        expert_activation=_expert_activation(ctx, sum(n * ctx.plan.expert_tp for n in draw.busiest_tokens if n > 0),
+                                             False),
         shared_forward=_shared_forward(ctx),
     )
 
@@ -249,7 +250,7 @@ def expert_compute_time(ctx, tokens_per_expert, backward: bool) -> float:
 
 
 def _expert_activation(ctx, n: float, backward: bool) -> float:
-    """The activation over one expert's intermediate for n tokens."""
+    """The routed experts' activation over their intermediates for n tokens in all."""
     return activation_time(ctx, n, _expert_width(ctx), backward)
 
 
@@ -306,8 +307,7 @@ def deepep_time(ctx, routed: float, skew: float, ep_layout) -> float:
         * (nodes - 1) / nodes
     net_bytes = routed * remote_nodes * h * b * skew
     # one network hop per destination node, each a point-to-point transfer of its share
-    rdma = collective_time(ctx.network, "send_recv", net_bytes,
-                           GroupLayout(size=2, ranks_per_node=1, num_nodes=2, crosses_leaf=ep_layout.crosses_leaf))
+    rdma = collective_time(ctx.network, "send_recv", net_bytes, spread_hop(ctx.network, ep_layout))
     ppn = ep_layout.ranks_per_node
     nvl_bytes = routed * m.moe.top_k * deepep_rank_share(ctx, ep_layout) * h * b * skew
     nvl = collective_time(ctx.network, "all_to_all", nvl_bytes, GroupLayout(size=ppn, ranks_per_node=ppn, num_nodes=1))

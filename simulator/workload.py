@@ -15,6 +15,7 @@ from hwmodels.network import COMM_SM_SHARE, collective_time, overlapped
 from paraplan.specs import DTYPE_BYTES
 from simulator.schedules import SPLIT_BACKWARD_SCHEDULES
 from simulator.cost import Cost
+from simulator.memory import norm_outputs_recomputed
 
 @dataclass(frozen=True)
 class LayerContext:
@@ -198,9 +199,10 @@ def _attention_elementwise(ctx: LayerContext, backward: bool) -> float:
 def ffn_norm_residual(ctx: LayerContext, backward: bool) -> float:
     """What the FFN sublayer runs outside its MLP (Korthikanti et al. 2022 Sec. 4.1): the
     post-attention LayerNorm (reads and writes h) and the bias-dropout-add (reads 2h, writes h plus
-    a 1-byte mask) on the h-wide tokens. Megatron-Core keeps both outside the `mlp` and `moe`
-    modules (TransformerLayer: pre_mlp_layernorm, mlp, mlp_bda), so recomputing those does not
-    re-run them."""
+    a 1-byte mask) on the h-wide tokens. Megatron-Core keeps the residual outside the `mlp` and
+    `moe` modules (TransformerLayer: pre_mlp_layernorm, mlp, mlp_bda), and the norm outside `moe`;
+    a dense layer's norm is fused into the MLP's fc1, so recomputing `mlp` re-runs it
+    (selective_recompute)."""
     return _memory_bound(ctx, [_norm_bytes(ctx), _residual_bytes(ctx)], backward)
 
 
@@ -293,13 +295,31 @@ def tp_exposed(ctx: LayerContext, transfers: list[tuple[str, float]], shapes: li
     """Exposed TP communication of a chain of linear layers (their GEMM times `gemms`, shapes
     (k, n, tokens)): with --tp-comm-overlap, for the layers it reaches (`userbuffers`), see
     _chunked_exposed; else the backward's asynchronous collectives (_async_backward_exposed) when
-    plan.tp_backward_overlap, and every collective otherwise."""
+    plan.tp_backward_overlap, and every collective otherwise. The backward includes the
+    sequence-parallel re-gathers of the column-parallel layers' inputs (_input_regathers)."""
     p = ctx.plan
+    regathers = _input_regathers(ctx, transfers, shapes, gemms) if backward else []
     if p.tp_comm_overlap and userbuffers:
-        return _chunked_exposed(ctx, _tp_collectives(ctx, transfers), _hiding_gemms(ctx, shapes, gemms, backward))
+        exposed = _chunked_exposed(ctx, _tp_collectives(ctx, transfers), _hiding_gemms(ctx, shapes, gemms, backward))
+        # Transformer Engine's bulk overlap of the re-gather with the input-gradient GEMM
+        # (LayerNormLinear/Linear backward, ub_bulk_dgrad)
+        return exposed + sum(overlapped(dgrad, c) - dgrad for c, dgrad in regathers)
     if backward and p.tp_backward_overlap and p.tp > 1:
-        return _async_backward_exposed(ctx, transfers, shapes, gemms)
-    return sum(_tp_collectives(ctx, transfers))
+        return _async_backward_exposed(ctx, transfers, shapes, gemms, regathers)
+    return sum(_tp_collectives(ctx, transfers)) + sum(c for c, _ in regathers)
+
+
+def _input_regathers(ctx: LayerContext, transfers: list[tuple[str, float]], shapes: list[tuple[int, int, float]],
+                     gemms: list[float]) -> list[tuple[float, float]]:
+    """(all-gather seconds, input-gradient GEMM seconds) per column-parallel layer whose backward
+    re-gathers its saved input: under sequence parallelism the forward keeps only the 1/tp shard it
+    gathered, and the weight gradient needs it whole (Korthikanti et al. 2022, Sec. 4.2.2;
+    LinearWithGradAccumulationAndAsyncCommunication.backward)."""
+    p = ctx.plan
+    if p.tp == 1 or not p.sequence_parallel:
+        return []
+    return [(collective_time(ctx.network, "all_gather", nbytes, ctx.tp_layout), gemm - _weight_grad_gemm(ctx, k, n, tokens))
+            for (mode, nbytes), (k, n, tokens), gemm in zip(transfers, shapes, gemms) if mode == "column"]
 
 
 def _chunked_exposed(ctx: LayerContext, comms: list[float], gemms: list[float]) -> float:
@@ -312,7 +332,8 @@ def _chunked_exposed(ctx: LayerContext, comms: list[float], gemms: list[float]) 
 
 
 def _async_backward_exposed(ctx: LayerContext, transfers: list[tuple[str, float]],
-                            shapes: list[tuple[int, int, float]], gemms: list[float]) -> float:
+                            shapes: list[tuple[int, int, float]], gemms: list[float],
+                            regathers: list[tuple[float, float]]) -> float:
     """The backward's TP communication as Megatron runs it without --tp-comm-overlap
     (LinearWithGradAccumulationAndAsyncCommunication.backward, megatron/core/tensor_parallel/
     layers.py; Transformer Engine's Linear/LayerNormLinear backward alike), in launch order on one
@@ -322,7 +343,7 @@ def _async_backward_exposed(ctx: LayerContext, transfers: list[tuple[str, float]
       tensor-model-parallel all-reduce with weight gradient computation of a column-linear
       layer", TransformerConfig) while its weight-gradient GEMM runs;
     - under sequence parallelism the same layer first re-gathers its saved input shard, needed
-      by that weight gradient, while its input-gradient GEMM runs;
+      by that weight gradient, while its input-gradient GEMM runs (`regathers`, _input_regathers);
     - a row-parallel layer's output-gradient all-gather (sequence parallelism; nothing without)
       feeds both its GEMMs and is exposed.
     Each overlap costs the collective's excess over the GEMM plus COMM_SM_SHARE of the overlap
@@ -330,8 +351,9 @@ def _async_backward_exposed(ctx: LayerContext, transfers: list[tuple[str, float]
     their W pass, so nothing hides the input gradient's collective there."""
     p, net, lay = ctx.plan, ctx.network, ctx.tp_layout
     split = p.schedule in SPLIT_BACKWARD_SCHEDULES
+    regathers = iter(regathers)  # one per column-parallel layer, in order
     total = 0.0
-    for (mode, nbytes), (k, n, tokens), gemm in zip(transfers, shapes, gemms):
+    for (mode, nbytes), (k, n, tokens), _ in zip(transfers, shapes, gemms):
         if mode == "replicated":
             continue
         if mode == "row":
@@ -342,8 +364,8 @@ def _async_backward_exposed(ctx: LayerContext, transfers: list[tuple[str, float]
         hiding = 0.0 if split else wgrad
         total += overlapped(hiding, grad_input) - hiding
         if p.sequence_parallel:
-            regather = collective_time(net, "all_gather", nbytes, lay)
-            total += overlapped(gemm - wgrad, regather) - (gemm - wgrad)
+            regather, dgrad = next(regathers)
+            total += overlapped(dgrad, regather) - dgrad
     return total
 
 
@@ -425,7 +447,9 @@ def _as_recompute(fwd: Cost) -> Cost:
 def selective_recompute(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
     """The forward pieces selective recompute re-runs before a layer's backward, by Megatron-Core
     --recompute-modules: core_attn = the attention core (Korthikanti et al. 2022, Sec. 5);
-    layernorm = the two norms; mlp = a dense layer's MLP (GEMMs, activation, TP collectives);
+    layernorm = the norms not fused into a linear (simulator.memory.norm_outputs_recomputed: an MoE
+    layer's pre-MLP norm, MLA's input norm); mlp = a dense layer's MLP (GEMMs, activation, TP
+    collectives, and the pre-MLP norm fused into its fc1);
     moe = the MoE layer (router, dispatch, experts, combine, shared experts); moe_act = the routed experts'
     activation function; shared_experts = the shared experts. Modules a layer does not have cost
     nothing there (mlp in an MoE layer, the MoE ones in a dense layer)."""
@@ -436,9 +460,11 @@ def selective_recompute(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
         # Attention._checkpointed_attention_forward around TE's AttnFuncWithCPAndKVP2P)
         cost.add("recompute", _attention_core(ctx, False))
         cost += _cp_ring(ctx, False)
-    if "layernorm" in mods:
-        cost.add("recompute", 2 * memory_bound_time(ctx.gpu, _norm_bytes(ctx)))
-    if ffn is dense_ffn_block:
+    dense = ffn is dense_ffn_block
+    norms = norm_outputs_recomputed(ctx.model, mods, moe_layer=not dense)
+    if norms:  # the separate norms under layernorm; a dense mlp's fused norm (re-run inside its fc1)
+        cost.add("recompute", norms * memory_bound_time(ctx.gpu, _norm_bytes(ctx)))
+    if dense:
         if "mlp" in mods:
             cost += _as_recompute(mlp_block(ctx, False))
     elif "moe" in mods:

@@ -225,6 +225,32 @@ def test_all_to_all_across_nodes_is_bound_by_one_nic_per_gpu():
     assert net.nic_share == pytest.approx(8 * 50e9 * 0.94 / 8)
 
 
+def test_all_to_all_over_an_uneven_layout_is_paced_by_the_thinnest_node():
+    """EP 6 over two nodes holding 4 and 2 of its ranks: a rank on the thinner node sends 4 of its
+    6 shares off the node (not half, as an even spread over 2 nodes would)."""
+    net = net_for("h100-sxm-80gb")
+    t = collective_time(net, "all_to_all", GiB, G(6, 2, 2))
+    assert t == pytest.approx(GiB * 4 / 6 / net.nic_share, rel=0.01)
+
+
+def test_deepep_node_hop_crosses_the_spine_for_an_all_to_alls_share():
+    """DeepEP's node-to-node leg spreads a rank's tokens over the group's other nodes like an
+    all-to-all does: over 8 nodes packed 4 per leaf, 4 of the 7 remote nodes sit under the other
+    leaf, so a 2:1 spine slows it 2 x 4/7, the all-to-all's slowdown, not the whole factor."""
+    from hwmodels.network import spread_hop
+
+    flat = net_for(nodes=8, oversubscription=1.0, nodes_per_leaf=4)
+    over = net_for(nodes=8, oversubscription=2.0, nodes_per_leaf=4)
+    ep = G(64, 8, 8)
+    hop = spread_hop(over, ep)
+    assert hop.crosses_leaf and hop.leaf_share == pytest.approx(4 / 7)
+    ratio = collective_time(over, "send_recv", 16 * GiB, hop) / collective_time(flat, "send_recv", 16 * GiB, hop)
+    assert ratio == pytest.approx(2 * 4 / 7, rel=0.01)
+    assert ratio == pytest.approx(collective_time(over, "all_to_all", 16 * GiB, ep)
+                                  / collective_time(flat, "all_to_all", 16 * GiB, ep), rel=0.01)
+    assert not spread_hop(over, G(32, 8, 4)).crosses_leaf  # one leaf: no spine
+
+
 def test_tier_names_crossed():
     net = net_for(nodes=64)
     assert tier_names_crossed(net, G(1, 1, 1)) == ()

@@ -58,15 +58,18 @@ def test_default_module_is_the_attention_core(llama8b):
 
 
 def test_each_module_costs_its_forward(llama8b):
+    """A dense layer's norms are fused into QKV and fc1 (TELayerNormColumnParallelLinear):
+    layernorm re-runs none of them, mlp re-runs its fc1's norm with it."""
     sc = with_modules(llama8b, "layernorm", "mlp")
     ctx = context(sc)
     m, p = sc.model, sc.plan
     tokens_h = ctx.tokens / (p.tp if p.sequence_parallel else 1)
-    norms = 2 * memory_bound_time(ctx.gpu, tokens_h * 2 * m.hidden_size * 2)
+    norms = 1 * memory_bound_time(ctx.gpu, tokens_h * 2 * m.hidden_size * 2)
     mlp = mlp_block(ctx, False)
+    assert selective_recompute(context(with_modules(llama8b, "layernorm"))).total == 0.0
     cost = selective_recompute(ctx)
     assert cost.parts["recompute"] == pytest.approx(norms + mlp.parts["compute"], rel=1e-12)
-    # the mlp module leaves out the pre-MLP norm (counted once, under layernorm) and the residual
+    # the mlp block leaves out the pre-MLP norm (added once above, fused into fc1) and the residual
     sublayer = dense_ffn_block(ctx, False).parts["compute"]
     assert mlp.parts["compute"] == pytest.approx(sublayer - ffn_norm_residual(ctx, False), rel=1e-12)
     assert mlp.parts["compute"] < sublayer
@@ -81,23 +84,48 @@ def test_module_recompute_trades_time_for_memory(llama8b):
     none = simulate(replace(llama8b, plan=replace(llama8b.plan, recompute="none")))
     norm = simulate(with_modules(llama8b, "layernorm"))
     mlp = simulate(with_modules(llama8b, "layernorm", "mlp"))
-    assert none.step_time_s < norm.step_time_s < mlp.step_time_s
-    assert none.stages[0].memory["activations"] > norm.stages[0].memory["activations"] \
+    # a dense Transformer Engine layer has no norm of its own to recompute
+    assert none.step_time_s == norm.step_time_s < mlp.step_time_s
+    assert none.stages[0].memory["activations"] == norm.stages[0].memory["activations"] \
         > mlp.stages[0].memory["activations"]
     assert none.hfu < mlp.hfu and none.mfu == pytest.approx(mlp.mfu * mlp.step_time_s / none.step_time_s)
 
 
 def test_layernorm_and_mlp_activation_savings_by_hand(llama8b):
-    """Korthikanti's 10h h-wide bytes per token lose the two norm outputs (4h); mlp drops the MLP
-    intermediates (2 bytes x (gate + up + activation output) x f / tp)."""
+    """Of Korthikanti's 10h h-wide bytes per token, layernorm frees the outputs (2h each) of the
+    norms Megatron-Core runs as modules of their own: none in a dense layer (both fused into the
+    linear they feed), the pre-MLP norm in an MoE layer, also the input norm under MLA; mlp frees
+    the MLP intermediates (2 bytes x (gate + up + activation output) x f / tp) and its fused
+    norm's output."""
     m, p, s = llama8b.model, llama8b.plan, llama8b.training.seq_length
     tokens = p.micro_batch_size * s
     sp = p.tp if p.sequence_parallel else 1
-    base = activation_bytes_per_layer(m, replace(p, recompute="none"), s, "flash")
-    norm = activation_bytes_per_layer(m, replace(p, recompute="selective", recompute_modules=("layernorm",)), s, "flash")
-    mlp = activation_bytes_per_layer(m, replace(p, recompute="selective", recompute_modules=("mlp",)), s, "flash")
-    assert base - norm == pytest.approx(tokens * 4 * m.hidden_size / sp)
-    assert base - mlp == pytest.approx(tokens * 2 * 3 * m.ffn_hidden_size / p.tp)
+
+    def acts(*modules, model=m, moe=None):
+        plan = replace(p, recompute="selective", recompute_modules=modules) if modules else replace(p, recompute="none")
+        return activation_bytes_per_layer(model, plan, s, "flash", moe_ffn_bytes=moe)
+
+    assert acts() - acts("layernorm") == 0.0
+    assert acts() - acts("mlp") == pytest.approx(tokens * (2 * 3 * m.ffn_hidden_size / p.tp + 2 * m.hidden_size / sp))
+    assert acts(moe=1e6) - acts("layernorm", moe=1e6) == pytest.approx(tokens * 2 * m.hidden_size / sp)
+    assert acts(moe=1e6) - acts("mlp", moe=1e6) == 0.0  # mlp is a dense layer's module
+    mla = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml").model
+    assert acts(model=mla) - acts("layernorm", model=mla) == pytest.approx(tokens * 2 * mla.hidden_size / sp)
+    assert acts(model=mla, moe=1e6) - acts("layernorm", model=mla, moe=1e6) == \
+        pytest.approx(tokens * 4 * mla.hidden_size / sp)
+
+
+def test_layernorm_recompute_time_by_layer_kind(mixtral):
+    """An MoE layer re-runs its pre-MLP norm (a TENorm of its own), not the input norm fused into QKV."""
+    ctx = context(with_modules(mixtral, "layernorm"))
+    gpn = mixtral.cluster.gpus_per_node
+    etp, ep, _ = expert_group_layouts(mixtral.plan, gpn)
+    draw = draw_routing(mixtral.model.moe, mixtral.plan.ep, routed_tokens_per_rank(ctx))
+    block = moe_block(ctx, draw, ep, etp, overlap_shared=False)
+    m, p = mixtral.model, mixtral.plan
+    tokens_h = ctx.tokens / (p.tp if p.sequence_parallel else 1)
+    one_norm = memory_bound_time(ctx.gpu, tokens_h * 2 * m.hidden_size * 2)
+    assert selective_recompute(ctx, block).parts["recompute"] == pytest.approx(one_norm, rel=1e-12)
 
 
 def test_moe_modules(mixtral):
@@ -109,8 +137,9 @@ def test_moe_modules(mixtral):
     block = moe_block(ctx, draw, ep, etp, overlap_shared=False)
     f = sc.model.moe.expert_ffn_hidden_size
     load = float(draw.rank_loads.max())
-    # moe_act re-runs the routed experts' SwiGLU: reads gate and up (2f), writes f, per routed token
-    by_hand = sum(memory_bound_time(ctx.gpu, n * 3 * f * 2) for n in draw.expert_tokens[draw.busiest_rank] if n > 0)
+    # moe_act re-runs the routed experts' SwiGLU, one kernel over all their tokens as in the forward:
+    # reads gate and up (2f), writes f, per routed token
+    by_hand = memory_bound_time(ctx.gpu, sum(n for n in draw.expert_tokens[draw.busiest_rank] if n > 0) * 3 * f * 2)
     assert block.expert_activation == pytest.approx(by_hand, rel=1e-12)
     act_ctx = context(with_modules(sc, "moe_act"))
     assert selective_recompute(act_ctx, block).parts["recompute"] == pytest.approx(by_hand, rel=1e-12)

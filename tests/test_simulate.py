@@ -682,13 +682,17 @@ def test_backward_tp_collectives_of_the_mlp_by_hand(gpt3, sp, schedule):
     weight-gradient GEMM, and under SP its saved input shard is re-gathered beside its input-gradient
     GEMM; the down-projection's output-gradient all-gather (SP only) is exposed. Under zero-bubble
     the weight gradient runs later in W, so nothing hides the input gradient's collective. With
-    tp_backward_overlap off every mirrored collective is exposed; the forward never changes."""
+    tp_backward_overlap off every collective is exposed, the re-gather included; under
+    --tp-comm-overlap the re-gather is Transformer Engine's bulk all-gather beside the input-gradient
+    GEMM (ub_bulk_dgrad) and the mirrored pair is chunked against the GEMMs. The forward never
+    changes."""
     from hwmodels.compute import gemm_time
-    from hwmodels.network import collective_time, overlapped
+    from hwmodels.network import COMM_SM_SHARE, collective_time, overlapped
     from simulator.workload import mlp_block, weight_grad_time
 
     ctx = _layer_context(gpt3, sequence_parallel=sp, schedule=schedule)
     off = _layer_context(gpt3, sequence_parallel=sp, schedule=schedule, tp_backward_overlap=False)
+    ub = _layer_context(gpt3, sequence_parallel=sp, schedule=schedule, tp_comm_overlap=True)
     h, f, n = 12288, 49152 // 8, ctx.tokens
     nbytes = n * h * 2
 
@@ -700,12 +704,20 @@ def test_backward_tp_collectives_of_the_mlp_by_hand(gpt3, sp, schedule):
     if sp:
         want = (overlapped(wgrad, coll("reduce_scatter")) - wgrad + overlapped(dgrad, coll("all_gather")) - dgrad
                 + coll("all_gather"))
-        want_off = coll("reduce_scatter") + coll("all_gather")
+        want_off = coll("reduce_scatter") + 2 * coll("all_gather")
+        regather_ub = overlapped(dgrad, coll("all_gather")) - dgrad
     else:
         want = overlapped(wgrad, coll("all_reduce")) - wgrad
         want_off = coll("all_reduce")
+        regather_ub = 0.0
     assert mlp_block(ctx, backward=True).parts["tp_comm"] == pytest.approx(want, rel=1e-12)
     assert mlp_block(off, backward=True).parts["tp_comm"] == pytest.approx(want_off, rel=1e-12)
+    fc1, fc2 = dgrad + wgrad, gemm_time(ctx.gpu, n, f, h, "bf16") + (
+        0.0 if schedule == "zero-bubble" else weight_grad_time(ctx, f, h, n))
+    chunked = sum(max(c / 8, c - g) + COMM_SM_SHARE * min(c, g) for c, g in (
+        (coll("all_gather" if sp else "all_reduce") if sp else 0.0, fc1),
+        (coll("reduce_scatter") if sp else coll("all_reduce"), fc2)))
+    assert mlp_block(ub, backward=True).parts["tp_comm"] == pytest.approx(chunked + regather_ub, rel=1e-12)
     assert mlp_block(ctx, backward=False).parts["tp_comm"] == mlp_block(off, backward=False).parts["tp_comm"]
     if schedule != "zero-bubble":
         assert want < want_off  # the overlap hides more than the re-gather adds
