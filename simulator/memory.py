@@ -126,9 +126,15 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     elif "core_attn" in recomputed:
         scores = 0.0
     else:
-        # softmax out (e), dropout mask (1), dropout out (e); without dropout AV reads the softmax out
-        scores = ((2 * e + 1) if model.dropout else e) * a * seq_length / t
+        scores = unfused_scores_bytes(model, plan, seq_length, e)
     return tokens * (h_wide + tp_sharded + latents + scores) + (moe_ffn_bytes or 0.0)
+
+
+def unfused_scores_bytes(model, plan, seq_length: int, act_bytes: int) -> float:
+    """Per token on one rank, the s^2 terms of an unfused attention (Korthikanti et al. 2022, 5as/h):
+    softmax out (e), dropout mask (1), dropout out (e); without dropout AV reads the softmax out."""
+    per_head = (2 * act_bytes + 1) if model.dropout else act_bytes
+    return per_head * model.num_attention_heads * seq_length / plan.tp
 
 
 def stage_memory(
@@ -185,8 +191,8 @@ def stage_memory(
         weights += (max_layer_params + prefetched) * w
     if precision == "fp8":
         # TE's fp8 caches of the linear weights: all of them, or under ZeRO-3 those of the two
-        # gathered units (a sharded weight is cast when gathered)
-        cached = max_layer_params + prefetched if zero >= 3 else dense_params - embedding_params + expert_params
+        # gathered layers (a sharded weight is cast when gathered; the embedding has none)
+        cached = 2 * prefetched if zero >= 3 else dense_params - embedding_params + expert_params
         weights += cached * FP8_WEIGHT_CACHE_BYTES
     acts = activations + working_set
     reserved = RESERVED_BYTES + FRAGMENTATION * acts
@@ -213,13 +219,19 @@ def recompute_working_bytes(model, plan, seq_length: int, attention_kernel: str,
     if plan.recompute == "full":
         return activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel,
                                           moe_ffn_bytes=moe_ffn_bytes, act_bytes=act_bytes)
+    tokens = plan.micro_batch_size * seq_length // plan.cp
+    # the modules of a layer are recomputed one at a time, each just before its own backward
+    attention = 0.0
+    if attention_kernel == "unfused" and "core_attn" in plan.recomputed_modules:
+        # the s^2 softmax (and dropout) tensors the stored activations leave out (Korthikanti Sec. 5)
+        attention = tokens * unfused_scores_bytes(model, plan, seq_length, act_bytes)
     if moe_ffn_bytes is not None:
-        return moe_ffn_bytes
+        return max(attention, moe_ffn_bytes)
     if "mlp" in plan.recomputed_modules:  # its intermediates and its fused norm's output
-        tokens = plan.micro_batch_size * seq_length // plan.cp
         sp = plan.tp if plan.sequence_parallel else 1
-        return tokens * act_bytes * (model.ffn_matrices * model.ffn_hidden_size / plan.tp + model.hidden_size / sp)
-    return 0.0
+        return max(attention, tokens * act_bytes * (model.ffn_matrices * model.ffn_hidden_size / plan.tp
+                                                    + model.hidden_size / sp))
+    return attention
 
 
 def logits_bytes(model, plan, seq_length: int, bytes_per_element: float) -> float:

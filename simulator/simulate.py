@@ -411,6 +411,11 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
         if mtp_embedding:
             dense += emb_params
         m, p = ctx.model, ctx.plan
+        sp = p.tp if p.sequence_parallel else 1
+        h_wide = ctx.tokens * m.hidden_size * ctx.act_bytes / sp  # one h-wide tensor, SP-sharded
+        # the final norm's input and the head's (the norm's output; a sequence-parallel head keeps
+        # its shard and re-gathers it for the weight gradient, as every column-parallel layer)
+        acts += 2 * h_wide
         if m.mtp_layers:
             # each module (all alike): embed the next tokens, project [norm(embedding), norm(hidden)]
             # to h, one more layer like the last, the shared head (Megatron-Core
@@ -426,10 +431,10 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
             pieces += [(module[False], module[True], per_unit.get(kind, no_comm), module_wgrad)] * m.mtp_layers
             dense += m.mtp_layers * (kinds.params[kind][0] + m.mtp_projection_params() / p.tp)
             expert += m.mtp_layers * kinds.params[kind][1]
-            # its layer's activations and the saved 2h projection input (SP-sharded); its logits
-            # and softmax are counted with the head's (memory.logits_bytes)
-            sp = p.tp if p.sequence_parallel else 1
-            acts += m.mtp_layers * (kinds.acts[kind] + ctx.tokens * 2 * m.hidden_size * ctx.act_bytes / sp)
+            # its layer's activations, the saved 2h projection input, the inputs of its two norms
+            # (enorm, hnorm), of its final norm and of the head (MultiTokenPredictionLayer), all
+            # SP-sharded; its logits and softmax are counted with the head's (memory.logits_bytes)
+            acts += m.mtp_layers * (kinds.acts[kind] + 6 * h_wide)
     f = _zero3_chain([(fwd, c.gather, 0.0, c.gather_nic) for fwd, _, c, _ in pieces])
     if ctx.plan.schedule in SPLIT_BACKWARD_SCHEDULES:
         b = _zero3_chain([(bwd.scaled(1.0).add("compute", -wg), c.gather, 0.0, c.gather_nic)

@@ -15,6 +15,9 @@ from paraplan.errors import ConfigError, ParaplanError
 from paraplan.specs import InterNodeSpec, LinkSpec
 
 GiB = 2**30
+# Memory of the Hopper profiles: what torch reports on the device (total_memory, in the measured
+# reports under benchmarks/data/gpu), below the datasheet's 80 and 141 GB
+H100_MEMORY_GIB, H200_MEMORY_GIB = 85017493504 / GiB, 150109880320 / GiB
 
 # ----------------------------------------------------------------------------------------- Curve
 
@@ -72,9 +75,9 @@ DATASHEET = {
     #                 bf16 TFLOP/s, fp8,   tf32,  HBM GiB, HBM GB/s, NVLink GB/s, NIC Gb/s
     "a100-sxm-40gb": (312, None, 156, 40, 1555, 300, 200),
     "a100-sxm-80gb": (312, None, 156, 80, 2039, 300, 200),
-    "h100-sxm-80gb": (989.4, 1978.9, 494.7, 80, 3350, 450, 400),
-    "h100-sxm-80gb-calibrated": (989.4, 1978.9, 494.7, 80, 3350, 450, 400),
-    "h200-sxm-141gb": (989.4, 1978.9, 494.7, 141, 4800, 450, 400),
+    "h100-sxm-80gb": (989.4, 1978.9, 494.7, H100_MEMORY_GIB, 3350, 450, 400),
+    "h100-sxm-80gb-calibrated": (989.4, 1978.9, 494.7, H100_MEMORY_GIB, 3350, 450, 400),
+    "h200-sxm-141gb": (989.4, 1978.9, 494.7, H200_MEMORY_GIB, 4800, 450, 400),
     "b200-sxm-180gb": (2250, 4500, 1100, 180, 7700, 900, 400),
 }
 

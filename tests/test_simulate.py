@@ -814,6 +814,49 @@ def test_last_stage_keeps_a_softmax_per_microbatch_in_flight(schedule, vpp, batc
     assert growth == pytest.approx(tokens * extra / sc.plan.tp * (4 * held + 2))
 
 
+def test_last_stage_activations_by_hand():
+    """1F1B's last stage holds one microbatch: its layers' activations, the final norm's input and
+    the LM head's input (the norm's output; both sequence-parallel shards), the fp32 softmax and,
+    while it casts, the 16-bit logits."""
+    from simulator.memory import activation_bytes_per_layer
+
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml")  # tp 2 with SP, pp 2, mbs 2, 4 layers
+    m, p, s = sc.model, sc.plan, sc.training.seq_length
+    tokens = p.micro_batch_size * s
+    layer = activation_bytes_per_layer(m, p, s, sc.training.attention)
+    head_inputs = 2 * tokens * m.hidden_size * 2 / p.tp
+    logits = tokens * m.vocab_size / p.tp * (4 + 2)
+    want = 2 * layer + head_inputs + logits
+    assert simulate(sc).stages[-1].memory["activations"] == pytest.approx(want, rel=1e-12)
+
+
+def test_fp8_weight_caches_under_zero3_are_the_two_gathered_layers():
+    """Under ZeRO-3 Transformer Engine casts a layer's weights when they are gathered: the fp8
+    caches are those of the two layers in hand (current and prefetched), never the embedding's,
+    even on the stage whose largest gathered unit is the embedding."""
+    from simulator.memory import FP8_WEIGHT_CACHE_BYTES, stage_memory
+
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml", ["plan.zero_stage=3"])
+    kw = dict(plan=sc.plan, dense_params=1e9, activations=0.0, embedding_params=4e8)
+    fp8 = stage_memory(precision="fp8", max_layer_params=4e8, prefetched_params=1e8, **kw)
+    bf16 = stage_memory(precision="bf16", max_layer_params=4e8, prefetched_params=1e8, **kw)
+    assert fp8.weights - bf16.weights == pytest.approx(2 * 1e8 * FP8_WEIGHT_CACHE_BYTES)
+
+
+def test_unfused_attention_recompute_holds_one_layers_scores():
+    """Recomputing an unfused attention core re-creates one layer's s^2 softmax and dropout tensors
+    for its backward (Korthikanti et al. 2022, Sec. 5): the working set of selective recompute."""
+    from simulator.memory import recompute_working_bytes, unfused_scores_bytes
+
+    sc = load_scenario(ROOT / "scenarios" / "gpt3-175b-1024xa100.yaml", ["plan.recompute=selective"])
+    m, p, s = sc.model, sc.plan, sc.training.seq_length
+    tokens = p.micro_batch_size * s
+    scores = recompute_working_bytes(m, p, s, "unfused")
+    assert scores == pytest.approx(tokens * (2 * 2 + 1) * m.num_attention_heads * s / p.tp)
+    assert scores == tokens * unfused_scores_bytes(m, p, s, 2) > 0
+    assert recompute_working_bytes(m, p, s, "flash") == 0.0
+
+
 def test_zero3_and_cross_node_context_parallel_traffic_holds_the_nic(monkeypatch):
     """ZeRO-3's per-unit gathers and reduce-scatters over a DP group that leaves the node, and a
     context-parallel ring across nodes, occupy the NIC inside their ops (Cost.nic), so the engine
