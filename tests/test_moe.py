@@ -64,24 +64,43 @@ def test_nodes_reached_hand_computed():
 
 
 def test_nodes_reached_under_group_limited_routing():
-    # 8 experts on 4 nodes (2 each) in 2 groups of 4 (2 nodes each), 1 group per token, top-2: both
-    # experts on one node with probability 2/C(4,2), else on the group's two nodes: 1/3 + 2 x 2/3
-    assert nodes_reached(8, 2, 4, 2, 1) == pytest.approx(5 / 3)
+    """Megatron-Core's group_limited_topk on independent scores (a seeded draw, within ~1%)."""
+    # 8 experts on 4 nodes (2 each) in 2 groups of 4 (2 nodes each), 1 group per token, top-2: the
+    # kept group's top 2 are a uniform pair of its 4 experts, on one node with probability 2/C(4,2),
+    # else on the group's two nodes: 1/3 + 2 x 2/3
+    assert nodes_reached(8, 2, 4, 2, 1) == pytest.approx(5 / 3, rel=0.01)
     assert nodes_reached(8, 2, 4) == pytest.approx(4 * (1 - 15 / 28))  # no limit: more nodes
     assert nodes_reached(8, 2, 4, 2, 2) == nodes_reached(8, 2, 4)  # every group kept: no limit
-    # DeepSeek-V3 on 8 nodes, one group of 32 experts each: at most 4 nodes, against 5.29 without
-    # the limit; 4 x (1 - C(96, 8) / C(128, 8)) of them on average
+    # 6 experts in 3 groups (one per node) of 2, 2 groups kept by their best score, top-2: the kept
+    # groups hold the token's two best experts, so the picks are its overall top 2, partners (one
+    # node) with probability 1/5: 1/5 + 2 x 4/5
+    assert nodes_reached(6, 2, 3, 3, 2) == pytest.approx(1.8, rel=0.01)
+    # DeepSeek-V3 on 8 nodes, one group of 32 experts each, 4 groups kept by their top-2 sums: a
+    # kept group nearly always holds some of the token's top 8, so nearly 4 nodes (picking the 8
+    # uniformly among the kept groups' 128 experts would give 3.63), against 5.29 without the limit
     limited = nodes_reached(256, 8, 8, 8, 4)
-    assert limited == pytest.approx(4 * (1 - math.comb(96, 8) / math.comb(128, 8)))
-    assert limited < 4 < nodes_reached(256, 8, 8)
-    # groups that do not line up with the nodes (60 experts on 6 nodes, 4 groups of 15): against
-    # an exhaustive count over every group choice and every expert choice
-    exact = 0.0
-    for chosen in itertools.combinations(range(4), 2):
-        pool = [e for g in chosen for e in range(15 * g, 15 * g + 15)]
-        picks = list(itertools.combinations(pool, 3))
-        exact += sum(len({e // 10 for e in pick}) for pick in picks) / len(picks) / math.comb(4, 2)
-    assert nodes_reached(60, 3, 6, 4, 2) == pytest.approx(exact)
+    uniform_in_pool = 4 * (1 - math.comb(96, 8) / math.comb(128, 8))
+    assert uniform_in_pool + 0.25 < limited <= 4 < nodes_reached(256, 8, 8)
+    # and the 64 ranks of EP 64 (4 experts each): never more than 8 distinct, as many as the groups allow
+    assert nodes_reached(256, 8, 4, 8, 4) < nodes_reached(256, 8, 8, 8, 4) < nodes_reached(256, 8, 64, 8, 4) <= 8
+
+
+def test_group_limited_router_draw_is_balanced_and_seeded():
+    """The draw picks top_k distinct experts per token, every expert about equally often, only from
+    groups_per_token groups, and is the same on every call (a fixed seed)."""
+    from simulator.moe import ROUTER_DRAW_TOKENS, routed_experts
+
+    picked = routed_experts(256, 8, 8, 4)
+    assert picked.shape == (ROUTER_DRAW_TOKENS, 8)
+    ordered = np.sort(picked, axis=1)
+    assert (np.diff(ordered, axis=1) > 0).all()
+    groups_used = 1 + (np.diff(np.sort(picked // 32, axis=1), axis=1) != 0).sum(axis=1)
+    assert groups_used.max() <= 4
+    counts = np.bincount(picked.ravel(), minlength=256)
+    mean = ROUTER_DRAW_TOKENS * 8 / 256
+    assert abs(counts - mean).max() < 5 * math.sqrt(mean)
+    routed_experts.cache_clear()
+    assert np.array_equal(routed_experts(256, 8, 8, 4), picked)
 
 
 def test_node_limited_routing_moves_fewer_bytes_across_nodes():
