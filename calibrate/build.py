@@ -188,7 +188,8 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
         # what the device lets the allocator address (torch.cuda.get_device_properties
         # total_memory), below the datasheet figure: an H100 80GB exposes 79.18 GiB
         capacity = float(info.memory_bytes)
-        prov["hbm.capacity"] = f"measured: the device's memory as torch reports it (total_memory), {capacity / 2**30:.2f} GiB"
+        prov["hbm.capacity"] = (f"measured: the device's memory as torch reports it (total_memory), "
+                                f"{capacity / 2**30:.2f} GiB")
     bandwidth = start.hbm_bandwidth
     hbm_curve = start.hbm_efficiency
     copies = sorted(by_kind.get("copy", []), key=lambda m: m.work)

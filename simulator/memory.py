@@ -213,9 +213,10 @@ def recompute_working_bytes(model, plan, seq_length: int, attention_kernel: str,
     """What recomputing one layer holds during its backward, on top of the stored activations: under
     full recompute the layer's full activations (a dense layer's, or with `moe_ffn_bytes` an MoE
     layer's, whose FFN tensors replace the dense MLP's); under selective recompute of the dense
-    `mlp` its intermediates and its fused norm's output (an MoE layer's recomputed `moe` part is `moe_ffn_bytes`, passed by the
-    caller only when it is recomputed). One layer at a time: a stage's working set takes the largest
-    over the kinds of layer it holds."""
+    `mlp` its intermediates and its fused norm's output (an MoE layer's recomputed `moe` part is
+    `moe_ffn_bytes`, passed by the caller only when it is recomputed), and of an unfused attention
+    core its s^2 tensors. One layer at a time: a stage's working set takes the largest over the
+    kinds of layer it holds."""
     if plan.recompute == "full":
         return activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel,
                                           moe_ffn_bytes=moe_ffn_bytes, act_bytes=act_bytes)

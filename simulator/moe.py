@@ -433,5 +433,8 @@ def moe_activation_bytes(ctx, draw: RoutingDraw, *, recomputed: tuple[str, ...] 
 
 
 def dispatch_buffer_bytes(ctx, draw: RoutingDraw) -> float:
-    """All-to-all send and receive buffers of one MoE layer (transient)."""
-    return (draw.sent_per_rank + float(draw.rank_loads.max())) * ctx.model.hidden_size * ctx.act_bytes
+    """All-to-all send and receive buffers of one MoE layer (transient); with expert_tp the received
+    tokens are all-gathered over the expert-TP group before the experts run on them (expert_tp x
+    the busiest rank's load, as expert_compute_time computes)."""
+    received = float(draw.rank_loads.max()) * ctx.plan.expert_tp
+    return (draw.sent_per_rank + received) * ctx.model.hidden_size * ctx.act_bytes

@@ -318,7 +318,8 @@ def _input_regathers(ctx: LayerContext, transfers: list[tuple[str, float]], shap
     p = ctx.plan
     if p.tp == 1 or not p.sequence_parallel:
         return []
-    return [(collective_time(ctx.network, "all_gather", nbytes, ctx.tp_layout), gemm - _weight_grad_gemm(ctx, k, n, tokens))
+    return [(collective_time(ctx.network, "all_gather", nbytes, ctx.tp_layout),
+             gemm - _weight_grad_gemm(ctx, k, n, tokens))
             for (mode, nbytes), (k, n, tokens), gemm in zip(transfers, shapes, gemms) if mode == "column"]
 
 

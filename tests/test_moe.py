@@ -512,3 +512,17 @@ def test_the_balanced_reference_does_not_depend_on_the_drawn_routing(h100_net):
     assert without.moe.balanced_step_time_s is None
     assert without.moe.balanced_moe_layer_time_s == b.moe.balanced_moe_layer_time_s
     assert without.step_time_s == b.step_time_s
+
+
+def test_dispatch_buffers_hold_the_expert_tp_gathered_tokens(h100_net):
+    """Send buffer: the rank's routed copies; receive side: the busiest rank's copies, all-gathered
+    over the expert-TP group before its experts run (expert_tp x as many)."""
+    from simulator.moe import dispatch_buffer_bytes
+
+    sc, gpu, net = h100_net
+    h = sc.model.hidden_size
+    for etp in (1, 2):
+        _, ctx = _ctx(sc, gpu, net, tp=2, pp=4, dp=8, ep=4, expert_tp=etp)
+        draw = draw_routing(sc.model.moe, 4, ctx.tokens, balanced=True)
+        want = (draw.sent_per_rank + etp * float(draw.rank_loads.max())) * h * 2
+        assert dispatch_buffer_bytes(ctx, draw) == pytest.approx(want, rel=1e-12)
