@@ -4,7 +4,9 @@
 
 Targets: <= 50 ms per plan in-process for the dense headline scenarios, <= 100 ms for DeepSeek-V3
 (an MoE plan is simulated twice: with its routing and with a balanced router, to report the
-imbalance effect); the CLI under 1.5 s including interpreter start.
+imbalance effect); the CLI under 1.5 s including interpreter start. Each timed run follows an untimed
+first one, so what is computed once per model and process (the GPU profile, the group-limited
+router's reach) is not in the figures; the schedules and op plans are.
 """
 from __future__ import annotations
 

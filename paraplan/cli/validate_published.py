@@ -115,7 +115,8 @@ def run(args) -> int:
         for i, why in left_out:
             print(f"  {i}: {why}")
         print()
-    print("* published step time derived from the source's own FLOP formula and TFLOP/s")
+    print("* published step time derived from the source's throughput (its TFLOP/s inverted with its own FLOP "
+          "formula, or its tokens/s)")
     for old, new in swaps.items():
         print(f"profile swap (--profile): rows mapped to {old} ran on {new}; the GPU assumption below names the default")
     print("assumptions for fields a record leaves null:")
