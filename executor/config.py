@@ -239,6 +239,8 @@ def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
                    "gradient after its layer's weight gradient, not beside it")
     if sc.model.dropout:
         out.append(f"model.dropout {sc.model.dropout:g}: the executor trains without dropout")
+    if sc.model.qk_layernorm:
+        out.append("model.qk_layernorm: the executor's attention has no query/key norm")
     if p.p2p_scatter_gather and p.tp > 1 and p.pp > 1 and not p.sequence_parallel:
         out.append("plan.p2p_scatter_gather: the executor's pipeline stages send whole activations, not 1/tp slices")
     if not p.overlap_grad_reduce and p.dp * p.cp > 1:

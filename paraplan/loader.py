@@ -225,6 +225,7 @@ MODEL = _schema(
     activation=Key(_one_of(ACTIVATIONS), required=True),
     tied_embeddings=Key(_boolean),
     dropout=Key(_probability),
+    qk_layernorm=Key(_boolean),
     moe=Key(_anything),
     mla=Key(_anything),
     mtp_layers=Key(_integer(minimum=0)),
@@ -459,9 +460,15 @@ def _hf_llama(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     return out
 
 
+def _hf_qwen3(cfg: Mapping, need: Callable[[str], Any]) -> dict:
+    """Qwen3: Llama-style, with an RMSNorm over each head's queries and keys (transformers
+    Qwen3Attention q_norm / k_norm)."""
+    return {**_hf_llama(cfg, need), "qk_layernorm": True}
+
+
 def _hf_qwen3_moe(cfg: Mapping, need: Callable[[str], Any]) -> dict:
-    """Qwen3-MoE: Llama-style attention, experts of moe_intermediate_size every decoder_sparse_step."""
-    out = _hf_llama(cfg, need)
+    """Qwen3-MoE: Qwen3's attention, experts of moe_intermediate_size every decoder_sparse_step."""
+    out = _hf_qwen3(cfg, need)
     out["moe"] = {"num_experts": need("num_experts"), "top_k": need("num_experts_per_tok"),
                   "expert_ffn_hidden_size": need("moe_intermediate_size"),
                   "moe_layer_freq": cfg.get("decoder_sparse_step") or 1}
@@ -519,7 +526,7 @@ def _hf_gpt2(cfg: Mapping, need: Callable[[str], Any]) -> dict:
 
 HF_PARSERS = MappingProxyType({
     "llama": _hf_llama, "mistral": _hf_llama, "mixtral": _hf_llama, "qwen2": _hf_llama,
-    "qwen3": _hf_llama, "qwen3_moe": _hf_qwen3_moe, "deepseek_v3": _hf_deepseek_v3,
+    "qwen3": _hf_qwen3, "qwen3_moe": _hf_qwen3_moe, "deepseek_v3": _hf_deepseek_v3,
     "gpt2": _hf_gpt2,
 })
 
@@ -577,6 +584,9 @@ def _model(raw: Any, base_dir: Path) -> ModelSpec:
         values["moe"] = _moe(values["moe"], values["num_layers"])
     if values.get("mla") is not None:
         values["mla"] = _mla(values)
+        if values.get("qk_layernorm"):
+            raise ConfigError("model.qk_layernorm", "true with model.mla: MLA's latent norms are part of the MLA "
+                                                    "model; qk_layernorm is for query and key heads; leave it out")
     return ModelSpec(**_derive_model_defaults(values))
 
 

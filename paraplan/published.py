@@ -25,6 +25,8 @@ ASSUMPTIONS = (
     "SC'21 Table 1 micro-batch sizes, virtual pipeline stages and DDP implementation from Megatron-LM "
     "examples/sc21/run_table_1.sh (DDP torch: gradients all-reduced during the backward; local: after it)",
     "micro_batch_size null -> 1 (Megatron's default)",
+    "Qwen3 models normalise each head's queries and keys (the architecture's q_norm / k_norm; Megatron "
+    "--qk-layernorm), which the records do not state",
     "dropout (records never state it) -> 0 for SwiGLU models (the Llama-family, Mixtral and Qwen3 configs "
     "train without it) and MPT (llm-foundry's attn_pdrop and resid_pdrop 0), else Megatron's default 0.1 "
     "(--hidden-dropout, --attention-dropout); without dropout no masks are stored or written",
@@ -309,6 +311,8 @@ def record_to_scenario(rec: dict) -> dict:
         else bool(m["tied_embeddings"]),
         "dropout": _dropout(rec),
     }
+    if str(m.get("name", "")).lower().startswith("qwen3"):
+        model["qk_layernorm"] = True
     if m.get("head_dim"):
         model["head_dim"] = m["head_dim"]
     if m.get("moe"):

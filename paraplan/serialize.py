@@ -81,6 +81,8 @@ def model_to_mapping(m: ModelSpec) -> dict[str, Any]:
         "head_dim": m.head_dim, "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": m.vocab_size,
         "activation": m.activation, "tied_embeddings": m.tied_embeddings, "dropout": m.dropout,
     }
+    if m.qk_layernorm:
+        out["qk_layernorm"] = True
     if m.moe is not None:
         out["moe"] = moe_to_mapping(m.moe)
     if m.mla is not None:

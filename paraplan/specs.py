@@ -109,6 +109,10 @@ class ModelSpec:
     0.1 by default). 0, as the Llama-family, Mixtral, Qwen3, DeepSeek-V3 and MPT recipes train,
     stores no dropout masks and writes none: torch's dropout with p = 0 returns its input
     (aten/src/ATen/native/Dropout.cpp)."""
+    qk_layernorm: bool = False
+    """A norm over each attention head's queries and keys before the rotary embedding (Qwen3's
+    q_norm / k_norm; Megatron-Core --qk-layernorm builds SelfAttention's q_layernorm and
+    k_layernorm). Not with MLA, whose latent norms are part of model.mla."""
     moe: MoESpec | None = None
     """Mixture-of-experts FFN; None for a dense model."""
     mla: MLASpec | None = None

@@ -214,6 +214,8 @@ def _megatron_model(sc: Scenario) -> list[str]:
         a += ["--mtp-num-layers", str(m.mtp_layers)]
     if m.activation == "swiglu":
         a.append("--swiglu")
+    if m.qk_layernorm:
+        a.append("--qk-layernorm")
     if not m.tied_embeddings:
         a.append("--untie-embeddings-and-output-weights")
     # the simulated dropout (arguments.py _add_regularization_args: both default to 0.1)

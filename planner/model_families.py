@@ -168,7 +168,8 @@ def family_of(model: ModelSpec) -> Family | None:
     for fam in FAMILIES:
         if model.name in fam.presets:
             same = (model.activation == fam.activation and model.tied_embeddings == fam.tied_embeddings
-                    and (model.mla is not None) == fam.latent_attention)
+                    and (model.mla is not None) == fam.latent_attention
+                    and (fam.latent_attention or model.qk_layernorm == fam.qk_norm))
             return fam if same else None
     return None
 
@@ -188,7 +189,7 @@ def megatron_architecture_args(model: ModelSpec) -> list[str]:
         a += ["--rotary-base", str(fam.rotary_base), *fam.rope_extra]
     if not fam.linear_bias:
         a.append("--disable-bias-linear")
-    if fam.qk_norm:
+    if fam.qk_norm and not model.qk_layernorm:  # MLA's latent norms (a head norm is the model's own flag)
         a.append("--qk-layernorm")
     if model.moe is not None:
         a += fam.router

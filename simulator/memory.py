@@ -93,7 +93,8 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     fp32 training, and 1-byte dropout masks): h-wide tensors (LayerNorm inputs 2 x h, QKV and MLP
     inputs 2 x h elements, two dropout masks 2h bytes) = 10h bytes at 2 bytes, divided by tp only
     under sequence parallelism; tensor-parallel tensors (Q, K, V, attention output, MLP
-    intermediates: 24h for GPT's MHA + 4h GELU MLP) divided by tp; the s^2 softmax terms (5as:
+    intermediates: 24h for GPT's MHA + 4h GELU MLP; the inputs of query/key norms) divided by tp;
+    the s^2 softmax terms (5as:
     softmax and dropout outputs, dropout mask) unless the attention is fused (FlashAttention keeps
     only the fp32 logsumexp) or recomputed (selective core_attn). Full recompute keeps only each
     layer's input (2h). Selective recompute of other modules frees what they would keep: layernorm
@@ -119,6 +120,8 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     mlp_mats = model.ffn_matrices - 1
     mlp = e * (mlp_mats * f + f) / t if not moe and "mlp" not in recomputed else 0.0
     tp_sharded = e * (model.q_channels + model.k_channels + model.v_channels + model.o_channels) / t + mlp
+    if model.qk_layernorm:  # the query and key norms keep their inputs
+        tp_sharded += e * (model.q_channels + model.k_channels) / t
     # MLA keeps each latent twice (its norm's input and the up-projection's input), SP-sharded
     latents = 2 * e * model.latent_channels / sp
     if attention_kernel != "unfused":  # flash, flash3

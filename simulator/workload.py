@@ -184,9 +184,12 @@ def _attention_elementwise(ctx: LayerContext, backward: bool) -> float:
     h; the bias-dropout-add reads 2h and writes h plus a 1-byte mask; Llama-family models apply
     rotary embeddings to q and k (read + write). MLA also normalises its latents (read + write, on
     the h-wide tokens) and rotates only the rotary parts: qk_rope_head_dim per query head and one
-    shared key of that width."""
+    shared key of that width. With model.qk_layernorm the queries and keys of this rank's heads are
+    normalised too (read + write; Megatron-Core SelfAttention q_layernorm / k_layernorm)."""
     m, p, b = ctx.model, ctx.plan, ctx.act_bytes
     kernels = [_norm_bytes(ctx), _residual_bytes(ctx)]
+    if m.qk_layernorm:
+        kernels.append(ctx.tokens * 2 * (m.q_channels + m.kv_channels) // p.tp * b)
     if m.mla is not None:
         kernels.append(_h_wide_tokens(ctx) * 2 * m.latent_channels * b)
         rope = m.mla.qk_rope_head_dim

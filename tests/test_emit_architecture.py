@@ -142,7 +142,20 @@ def test_moe_presets_build_their_attention(name, groups, base, eps):
     assert (ns.normalization, ns.norm_epsilon, ns.position_embedding_type, ns.rotary_base) == \
         ("RMSNorm", eps, "rope", base)
     assert ns.qk_layernorm == name.startswith("qwen3")
+    assert megatron_args(scenario(name)).count("--qk-layernorm") == name.startswith("qwen3")
     assert (ns.num_query_groups, ns.add_bias_linear, ns.moe_router_score_function) == (groups, False, "softmax")
+
+
+def test_query_key_norm_is_the_models_own_flag():
+    """--qk-layernorm follows model.qk_layernorm (any model); a Qwen3-named model without it has left
+    the family; DeepSeek-V3's latent norms still get the flag from its family, once."""
+    llama = scenario("llama3-8b-64xh100")
+    normed = dataclasses.replace(llama, model=dataclasses.replace(llama.model, qk_layernorm=True))
+    assert megatron_parse(megatron_args(normed)).qk_layernorm and not megatron_parse(megatron_args(llama)).qk_layernorm
+    assert family_of(normed.model) is None  # Llama 3 has no query/key norm
+    qwen = scenario("qwen3-235b-256xh100")
+    assert family_of(dataclasses.replace(qwen.model, qk_layernorm=False)) is None
+    assert megatron_args(scenario("deepseek-v3-2048xh800")).count("--qk-layernorm") == 1
 
 
 def test_families_agree_with_the_bundled_presets():

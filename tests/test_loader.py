@@ -745,7 +745,25 @@ def test_hf_deepseek_config_loads_its_latent_attention(tmp_path):
         == (8, 4)
 
 
+def test_hf_qwen3_moe_config_normalises_queries_and_keys(tmp_path):
+    """transformers' Qwen3 and Qwen3-MoE attention has q_norm / k_norm: model.qk_layernorm, as in the
+    preset; Llama's has none."""
+    cfg = {"model_type": "qwen3_moe", "num_hidden_layers": 94, "hidden_size": 4096, "num_attention_heads": 64,
+           "num_key_value_heads": 4, "head_dim": 128, "intermediate_size": 12288, "moe_intermediate_size": 1536,
+           "vocab_size": 151936, "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+           "tie_word_embeddings": False, "hidden_act": "silu"}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    hf = load_scenario({**tiny(), "model": {"hf_config": str(tmp_path)}}).model
+    preset = load_scenario({**tiny(), "model": "qwen3-235b-a22b"}).model
+    assert hf.qk_layernorm and preset.qk_layernorm
+    assert dataclasses.replace(hf, name=preset.name) == preset
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3"}))
+    assert load_scenario({**tiny(), "model": {"hf_config": str(tmp_path)}}).model.qk_layernorm
+    assert not load_scenario({**tiny(), "model": "llama3-8b"}).model.qk_layernorm
+
+
 @pytest.mark.parametrize("extra, key, words", [
+    ({"qk_layernorm": True}, "model.qk_layernorm", "MLA's latent norms"),
     ({"num_kv_heads": 8}, "model.num_kv_heads", "every head has its own keys and values"),
     ({"head_dim": 192}, "model.head_dim", "v_head_dim (128)"),
     ({"preset": "llama3-8b", "num_kv_heads": 32,

@@ -275,3 +275,22 @@ def test_a_hidden_context_parallel_ring_costs_its_sm_share():
     step = collective_time(ctx.network, "send_recv", kv_bytes, ctx.cp_layout)
     assert 0 < step < _attention_step(ctx, False)
     assert _cp_ring(ctx, False).parts["cp_comm"] == pytest.approx(COMM_SM_SHARE * step)
+
+
+def test_query_key_norms_cost_their_kernels_and_keep_their_inputs(llama8b):
+    """model.qk_layernorm (Qwen3's q_norm / k_norm): a norm over this rank's query and key heads,
+    read + write forward and twice that backward, keeping its inputs (q and k channels / tp)."""
+    from simulator.workload import _attention_elementwise
+
+    plain = llama8b
+    normed = replace(llama8b, model=replace(llama8b.model, qk_layernorm=True))
+    m, p, s = plain.model, plain.plan, plain.training.seq_length
+    tokens = p.micro_batch_size * s
+    qk = tokens * (m.q_channels + m.kv_channels) // p.tp * 2
+    for backward, factor in ((False, 1), (True, 2)):
+        extra = _attention_elementwise(context(normed), backward) - _attention_elementwise(context(plain), backward)
+        assert extra == pytest.approx(memory_bound_time(context(plain).gpu, factor * 2 * qk), rel=1e-9)
+    none = replace(p, recompute="none")
+    kept = activation_bytes_per_layer(normed.model, none, s, "flash") - activation_bytes_per_layer(m, none, s, "flash")
+    assert kept == pytest.approx(tokens * 2 * (m.q_channels + m.kv_channels) / p.tp)
+    assert simulate(normed).step_time_s > simulate(plain).step_time_s
