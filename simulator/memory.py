@@ -96,7 +96,7 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     intermediates: 24h for GPT's MHA + 4h GELU MLP; the inputs of query/key norms) divided by tp;
     the s^2 softmax terms (5as:
     softmax and dropout outputs, dropout mask) unless the attention is fused (FlashAttention keeps
-    only the fp32 logsumexp) or recomputed (selective core_attn). Full recompute keeps only each
+    only the fp32 logsumexp) or recomputed (selective core_attn: nothing). Full recompute keeps only each
     layer's input (2h). Selective recompute of other modules frees what they would keep: layernorm
     the outputs of the norms that are not fused into a linear (norm_outputs_recomputed: 2h each of
     the 10h), mlp the dense MLP intermediates and its fused norm's output. Without dropout
@@ -124,10 +124,10 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
         tp_sharded += e * (model.q_channels + model.k_channels) / t
     # MLA keeps each latent twice (its norm's input and the up-projection's input), SP-sharded
     latents = 2 * e * model.latent_channels / sp
-    if attention_kernel != "unfused":  # flash, flash3
-        scores = 4 * a / t  # fp32 logsumexp per head
-    elif "core_attn" in recomputed:
+    if "core_attn" in recomputed:  # the checkpoint keeps q, k and v (counted above), nothing of its own
         scores = 0.0
+    elif attention_kernel != "unfused":  # flash, flash3
+        scores = 4 * a / t  # fp32 logsumexp per head
     else:
         scores = unfused_scores_bytes(model, plan, seq_length, e)
     return tokens * (h_wide + tp_sharded + latents + scores) + (moe_ffn_bytes or 0.0)

@@ -294,3 +294,14 @@ def test_query_key_norms_cost_their_kernels_and_keep_their_inputs(llama8b):
     kept = activation_bytes_per_layer(normed.model, none, s, "flash") - activation_bytes_per_layer(m, none, s, "flash")
     assert kept == pytest.approx(tokens * 2 * (m.q_channels + m.kv_channels) / p.tp)
     assert simulate(normed).step_time_s > simulate(plain).step_time_s
+
+
+def test_core_attn_recompute_with_flash_frees_the_logsumexp(llama8b):
+    """A fused attention keeps only its fp32 logsumexp (4 bytes per head per token); checkpointed
+    (core_attn), it keeps nothing of its own: its q, k and v are the projections' outputs, kept anyway."""
+    m, p, s = llama8b.model, llama8b.plan, llama8b.training.seq_length
+    tokens = p.micro_batch_size * s
+    kept = activation_bytes_per_layer(m, replace(p, recompute="none"), s, "flash")
+    recomputed = activation_bytes_per_layer(m, replace(p, recompute="selective", recompute_modules=("core_attn",)),
+                                            s, "flash")
+    assert kept - recomputed == pytest.approx(tokens * 4 * m.num_attention_heads / p.tp)
