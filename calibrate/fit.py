@@ -153,13 +153,16 @@ def _interp(x: np.ndarray, knots: np.ndarray, ys: np.ndarray) -> np.ndarray:
     return np.interp(np.log10(x), np.log10(knots), ys)
 
 
-def _compute_times(flops: np.ndarray, peak: float, knots: np.ndarray, ys: np.ndarray) -> np.ndarray:
-    """hwmodels.compute._compute_time, vectorised: flops / (peak x eff), floored at the time of
-    the slowest knot at or below flops."""
-    t = flops / (peak * _interp(flops, knots, ys))
-    i = np.searchsorted(knots, flops, side="right") - 1
+def _compute_times(flops: np.ndarray, peak: float, knots: np.ndarray, ys: np.ndarray,
+                   at: np.ndarray | None = None) -> np.ndarray:
+    """hwmodels.compute._compute_time, vectorised: flops / (peak x eff(at)), `at` the curve's sizes
+    (default the FLOPs), floored at the time of the slowest knot at or below `at`, scaled by
+    flops / at."""
+    x = flops if at is None else at
+    t = flops / (peak * _interp(x, knots, ys))
+    i = np.searchsorted(knots, x, side="right") - 1
     j = np.maximum(i, 0)
-    floor = np.where(i >= 0, np.maximum.accumulate(knots / ys)[j] / peak, 0.0)
+    floor = np.where(i >= 0, np.maximum.accumulate(knots / ys)[j] / peak * (flops / x), 0.0)
     return np.maximum(t, floor)
 
 
@@ -299,22 +302,25 @@ def fit_gemm(shapes: Sequence[tuple[int, int, int]], seconds: Sequence[float], *
 
 def fit_attention(configs: Sequence[dict], seconds: Sequence[float], *, backward: bool, dtype: str, profile: GpuProfile,
                   train: Sequence[int] | None = None, test: Sequence[int] | None = None) -> FitResult:
-    """The flash-attention curve (FLOPs of one call -> fraction of the 16-bit peak) that makes
+    """The flash-attention curve (the benchmark grid's FLOPs at a call's sequence lengths,
+    hwmodels.compute.attention_curve_flops -> fraction of the 16-bit peak) that makes
     hwmodels.compute.attention_time match the measured calls; `configs` hold attention_time's
     keyword arguments (batch, heads, q_len, kv_len, head_dim, causal)."""
     # the simulator's own rule for which peak attention runs at (fp8 training keeps it in bf16)
-    from hwmodels.compute import _attention_dtype, attention_flops
+    from hwmodels.compute import _attention_dtype, attention_curve_flops, attention_flops
 
     t = np.asarray(seconds, float)
     flops = np.array([attention_flops(**c, backward=backward) for c in configs])
+    at = np.array([attention_curve_flops(q_len=c["q_len"], kv_len=c["kv_len"], causal=c["causal"], backward=backward)
+                   for c in configs])
     peak = profile.peak(_attention_dtype(dtype))
-    train, test = _split(len(t), flops, train, test)
+    train, test = _split(len(t), at, train, test)
 
     def fit_on(idx: list[int]) -> Curve:
-        ft, tt = flops[idx], t[idx]
-        knots = choose_knots(_above_floor(ft, tt), per_knot=2)  # few configurations, each a smooth average over many tiles
-        ys = _fit_knot_values(lambda ys: np.maximum(_compute_times(ft, peak, knots, ys), KERNEL_OVERHEAD), tt,
-                              _initial(ft, ft / (peak * tt), knots))
+        ft, xt, tt = flops[idx], at[idx], t[idx]
+        knots = choose_knots(_above_floor(xt, tt), per_knot=2)  # few configurations, each a smooth average over many tiles
+        ys = _fit_knot_values(lambda ys: np.maximum(_compute_times(ft, peak, knots, ys, xt), KERNEL_OVERHEAD), tt,
+                              _initial(xt, ft / (peak * tt), knots))
         return Curve(tuple(knots), tuple(ys))
 
     field = "attention_bwd_efficiency" if backward else "attention_fwd_efficiency"

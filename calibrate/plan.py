@@ -22,6 +22,8 @@ from importlib import resources
 import numpy as np
 import yaml
 
+from hwmodels.compute import ATTENTION_HIDDEN, ATTENTION_TOKENS
+
 __all__ = ["AttentionConfig", "GemmShape", "Plan", "Rates", "Timing", "build_plan", "collective_sizes",
            "estimate_seconds", "gemm_pool", "rates_from_profile", "select_gemm_shapes"]
 
@@ -68,9 +70,8 @@ COUNTS = {
 SEQ_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 """Attention sequence lengths; a plan takes `seqs` of those the device runs within its budget,
 evenly spread and the longest included."""
-ATTENTION_TOKENS, ATTENTION_HIDDEN = 16384, 2048
-"""The FlashAttention-2/3 benchmark grid: batch = 16k tokens / seqlen, heads = 2048 / head_dim
-(arXiv 2307.08691 Sec. 4.1), causal, as the bundled profiles' attention knots were measured."""
+# the attention sweep runs the FlashAttention-2/3 benchmark grid (hwmodels.compute.ATTENTION_TOKENS /
+# ATTENTION_HIDDEN), causal, as the bundled profiles' attention knots were measured
 
 ELEMENTWISE = ("layernorm", "rmsnorm", "softmax", "gelu", "swiglu")
 ELEMENTWISE_WIDTH = 4096

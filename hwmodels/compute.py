@@ -14,7 +14,8 @@ from hwmodels.curves import Curve
 from hwmodels.profile import GpuProfile
 from paraplan.errors import ConfigError
 
-__all__ = ["KERNEL_OVERHEAD", "attention_flops", "attention_time", "dtype_bytes", "gemm_time",
+__all__ = ["ATTENTION_HIDDEN", "ATTENTION_TOKENS", "KERNEL_OVERHEAD", "attention_curve_flops", "attention_flops",
+           "attention_time", "dtype_bytes", "gemm_time",
            "memory_bound_time", "unfused_attention_time"]
 
 KERNEL_OVERHEAD = 3e-6
@@ -35,15 +36,17 @@ def dtype_bytes(dtype: str) -> int:
     return _BYTES[dtype]
 
 
-def _compute_time(flops: float, peak: float, curve: Curve) -> float:
-    """flops / (peak x curve(flops)), floored at the time of the slowest measured knot at or below
-    `flops`: the curve interpolates efficiency linearly in log(size), which where it climbs steeply
-    (launch-bound GEMMs) would let a bigger kernel finish sooner than a smaller one, and a fitted
-    curve's knots themselves can dip by a fraction of a percent where they are launch-bound."""
-    t = flops / (peak * curve(flops))
-    i = bisect.bisect_right(curve.xs, flops) - 1
+def _compute_time(flops: float, peak: float, curve: Curve, at: float | None = None) -> float:
+    """flops / (peak x curve(at)), `at` the curve's size for the kernel (default its FLOPs), floored
+    at the time of the slowest measured knot at or below `at`, scaled by flops / at: the curve
+    interpolates efficiency linearly in log(size), which where it climbs steeply (launch-bound
+    GEMMs) would let a bigger kernel finish sooner than a smaller one, and a fitted curve's knots
+    themselves can dip by a fraction of a percent where they are launch-bound."""
+    x = flops if at is None else at
+    t = flops / (peak * curve(x))
+    i = bisect.bisect_right(curve.xs, x) - 1
     if i >= 0:
-        t = max(t, curve.ratio_max(i) / peak)
+        t = max(t, curve.ratio_max(i) / peak * (flops / x))
     return t
 
 
@@ -114,10 +117,28 @@ def attention_flops(*, batch: int, heads: int, q_len: int, kv_len: int, head_dim
     return 2.5 * f if backward else f
 
 
+ATTENTION_TOKENS, ATTENTION_HIDDEN = 16384, 2048
+"""The FlashAttention-2/3 benchmark grid (arXiv 2307.08691 Sec. 4.1, arXiv 2407.08608 Sec. 4.1):
+batch = 16k tokens / seqlen, heads = 2048 / head_dim, on which the profiles' attention curves are
+measured (the bundled ones from those papers' figures, `paraplan calibrate` on the same grid)."""
+
+
+def attention_curve_flops(*, q_len: int, kv_len: int, causal: bool, backward: bool) -> float:
+    """Where a call reads the attention curves: the FLOPs the benchmark grid runs at this call's
+    sequence lengths. The curves give efficiency against the sequence, which sets how full a
+    kernel's tiles are and how long its inner loop runs; read at the call's own FLOPs, a call with
+    fewer heads or a smaller batch than the grid's would be priced at a shorter sequence's
+    efficiency (Qwen3's 16 heads per TP rank at 4k tokens and micro-batch 1: 1.4x the forward and
+    1.9x the backward the calibration measured for that kernel at 4k, scaled to its heads)."""
+    return attention_flops(batch=ATTENTION_TOKENS / q_len, heads=ATTENTION_HIDDEN, q_len=q_len, kv_len=kv_len,
+                           head_dim=1, causal=causal, backward=backward)
+
+
 def attention_time(gpu: GpuProfile, *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,
                    dtype: str, causal: bool, backward: bool, kernel: str = "flash") -> float:
     """One fused flash-attention call (forward, or backward). Efficiency from the profile's
-    attention curves (FLOPs of the call -> fraction of the 16-bit peak): `kernel` flash reads
+    attention curves (read at attention_curve_flops, the benchmark grid's FLOPs at the call's
+    sequence lengths -> fraction of the 16-bit peak): `kernel` flash reads
     attention_efficiency, FlashAttention-2-era figures in the bundled profiles (A100 0.50-0.73,
     H100 ~0.23-0.33); flash3 reads attention_efficiency_flash3, Hopper's FlashAttention-3-class
     kernels (H100 up to ~0.62 forward), see the profiles' provenance. Floored at one kernel's
@@ -133,7 +154,8 @@ def attention_time(gpu: GpuProfile, *, batch: int, heads: int, q_len: int, kv_le
         curve = gpu.attention_flash3_efficiency[1 if backward else 0]
     else:
         curve = gpu.attention_bwd_efficiency if backward else gpu.attention_fwd_efficiency
-    return max(_compute_time(flops, gpu.peak(_attention_dtype(dtype)), curve), KERNEL_OVERHEAD)
+    at = attention_curve_flops(q_len=q_len, kv_len=kv_len, causal=causal, backward=backward)
+    return max(_compute_time(flops, gpu.peak(_attention_dtype(dtype)), curve, at), KERNEL_OVERHEAD)
 
 
 def unfused_attention_time(gpu: GpuProfile, *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,

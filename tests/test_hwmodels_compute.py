@@ -210,6 +210,27 @@ def test_flash3_reproduces_the_flashattention3_papers_h100_point_and_its_speedup
         assert 1.5 - 1e-3 <= time(seq, True, "flash") / time(seq, True, "flash3") <= 1.75 + 1e-3
 
 
+@pytest.mark.parametrize("kernel", ["flash", "flash3"])
+def test_attention_efficiency_follows_the_sequence_not_the_calls_size(kernel):
+    """The curves are measured on the benchmark grid (16k tokens, 2048 wide); a call with fewer
+    heads or a smaller batch at the same sequence runs at the grid's efficiency for that sequence:
+    Qwen3's 16 heads per TP rank at micro-batch 1 and 4k tokens take a quarter of the grid's b = 4
+    call (the calibration measured 504 us forward there on an H100; the FLOPs-keyed lookup had priced
+    the quarter-size call at 1.4x a quarter of that)."""
+    gpu = load_profile("h100-sxm-80gb-calibrated")
+    for backward in (False, True):
+        def t(batch, heads):
+            return attention_time(gpu, batch=batch, heads=heads, q_len=4096, kv_len=4096, head_dim=128, dtype="bf16",
+                                  causal=True, backward=backward, kernel=kernel)
+        grid = t(4, 16)
+        assert t(1, 16) == pytest.approx(grid / 4, rel=1e-12)
+        assert t(2, 4) == pytest.approx(grid / 8, rel=1e-12)
+        assert t(8, 16) == pytest.approx(2 * grid, rel=1e-12)
+    longer = [attention_time(gpu, batch=1, heads=8, q_len=s, kv_len=s, head_dim=128, dtype="bf16", causal=True,
+                             backward=False, kernel=kernel) / s**2 for s in (1024, 4096, 16384)]
+    assert longer == sorted(longer, reverse=True)  # time per unit of work falls with the sequence
+
+
 def test_flash3_needs_a_profile_that_has_it():
     gpu = load_profile("a100-sxm-80gb")
     assert gpu.attention_flash3_efficiency is None
