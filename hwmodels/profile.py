@@ -54,9 +54,11 @@ class GpuProfile:
     gemm_efficiency: tuple[tuple[str, Curve], ...]
     """(dtype, curve): FLOPs of one GEMM -> fraction of peak(dtype) achieved."""
     attention_fwd_efficiency: Curve
-    """FLOPs of one flash-attention forward call -> fraction of the 16-bit peak."""
+    """FLOPs of one flash-attention forward call on the FlashAttention benchmark grid (16k tokens,
+    2048 wide) -> fraction of the 16-bit peak; a call is read at the grid's FLOPs for its sequence
+    length (hwmodels.compute.attention_curve_flops)."""
     attention_bwd_efficiency: Curve
-    """FLOPs of one flash-attention backward call -> fraction of the 16-bit peak."""
+    """The same for the backward call."""
     attention_flash3_efficiency: tuple[Curve, Curve] | None = None
     """(forward, backward) curves of Hopper's FlashAttention-3-class kernels (training.attention
     flash3), like the two above; None where the GPU has none."""
