@@ -188,14 +188,15 @@ def _attention_elementwise(ctx: LayerContext, backward: bool) -> float:
     normalised too (read + write; Megatron-Core SelfAttention q_layernorm / k_layernorm)."""
     m, p, b = ctx.model, ctx.plan, ctx.act_bytes
     kernels = [_norm_bytes(ctx), _residual_bytes(ctx)]
+    qk = ctx.tokens * 2 * (m.q_channels + m.kv_channels) // p.tp * b  # read + write this rank's q and k
     if m.qk_layernorm:
-        kernels.append(ctx.tokens * 2 * (m.q_channels + m.kv_channels) // p.tp * b)
+        kernels.append(qk)
     if m.mla is not None:
         kernels.append(_h_wide_tokens(ctx) * 2 * m.latent_channels * b)
         rope = m.mla.qk_rope_head_dim
         kernels.append(ctx.tokens * 2 * (m.num_attention_heads // p.tp + 1) * rope * b)
     elif m.activation == "swiglu":
-        kernels.append(ctx.tokens * 2 * (m.q_channels + m.kv_channels) // p.tp * b)
+        kernels.append(qk)
     return _memory_bound(ctx, kernels, backward)
 
 
@@ -308,7 +309,7 @@ def tp_exposed(ctx: LayerContext, transfers: list[tuple[str, float]], shapes: li
         # (LayerNormLinear/Linear backward, ub_bulk_dgrad)
         return exposed + sum(overlapped(dgrad, c) - dgrad for c, dgrad in regathers)
     if backward and p.tp_backward_overlap and p.tp > 1:
-        return _async_backward_exposed(ctx, transfers, shapes, gemms, regathers)
+        return _async_backward_exposed(ctx, transfers, shapes, regathers)
     return sum(_tp_collectives(ctx, transfers)) + sum(c for c, _ in regathers)
 
 
@@ -336,8 +337,7 @@ def _chunked_exposed(ctx: LayerContext, comms: list[float], gemms: list[float]) 
 
 
 def _async_backward_exposed(ctx: LayerContext, transfers: list[tuple[str, float]],
-                            shapes: list[tuple[int, int, float]], gemms: list[float],
-                            regathers: list[tuple[float, float]]) -> float:
+                            shapes: list[tuple[int, int, float]], regathers: list[tuple[float, float]]) -> float:
     """The backward's TP communication as Megatron runs it without --tp-comm-overlap
     (LinearWithGradAccumulationAndAsyncCommunication.backward, megatron/core/tensor_parallel/
     layers.py; Transformer Engine's Linear/LayerNormLinear backward alike), in launch order on one
@@ -357,7 +357,7 @@ def _async_backward_exposed(ctx: LayerContext, transfers: list[tuple[str, float]
     split = p.schedule in SPLIT_BACKWARD_SCHEDULES
     regathers = iter(regathers)  # one per column-parallel layer, in order
     total = 0.0
-    for (mode, nbytes), (k, n, tokens), _ in zip(transfers, shapes, gemms):
+    for (mode, nbytes), (k, n, tokens) in zip(transfers, shapes):
         if mode == "replicated":
             continue
         if mode == "row":
