@@ -273,6 +273,15 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
     if len(kernels) > 1:
         built.notes.append(f"attention: torch ran several kernels across the configurations ({', '.join(kernels)}); "
                            "their fit is written to the FlashAttention-2 curve (training.attention: flash)")
+    head_dim_field = "attention_flash3_head_dims" if as_flash3 else "attention_head_dims"
+    if attn:  # a base profile's per-head-dim curves describe the kernel measured anew: they go
+        profile = dataclasses.replace(profile, **{head_dim_field: ()})
+    elif base is not None and old_peaks.get("bf16") != peaks.get("bf16"):
+        scale = old_peaks["bf16"] / peaks["bf16"]
+        profile = dataclasses.replace(profile, **{f: tuple((d, _clamped(fw, scale), _clamped(bw, scale))
+                                                           for d, fw, bw in getattr(profile, f))
+                                                  for f in ("attention_head_dims", "attention_flash3_head_dims")})
+    head_dim_fits: dict[str, dict[int, Curve]] = {}
     for direction in ("fwd", "bwd"):
         ms = sorted(by_kind.get(f"attention_{direction}", []), key=lambda m: m.work)
         field_name = f"attention_{direction}_efficiency"
@@ -281,6 +290,7 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
                 profile = dataclasses.replace(profile, **{field_name: _clamped(getattr(profile, field_name),
                                                                               old_peaks["bf16"] / peaks["bf16"])})
             continue
+        head_dim_fits[direction] = _head_dim_fits(ms, direction, profile, built)
         if len(ms) < 2:
             built.notes.append(f"attention {direction}: one configuration ran; the curve is a single value")
         configs = [dict(m.params) for m in ms]
@@ -305,6 +315,19 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
             f"{sorted({c['head_dim'] for c in configs})}, seq {min(c['q_len'] for c in configs)}-"
             f"{max(c['q_len'] for c in configs)} (the FlashAttention benchmark grid, scaled to the device); fitted to "
             f"hwmodels.compute.attention_time on all {fit.n_train} (MAPE {_pct(fit.train_mape)}; {_held_out(fit)})")
+
+    dims = sorted(head_dim_fits.get("fwd", {}))
+    if len(dims) > 1 and dims == sorted(head_dim_fits.get("bwd", {})):
+        profile = dataclasses.replace(profile, **{head_dim_field: tuple(
+            (d, head_dim_fits["fwd"][d], head_dim_fits["bwd"][d]) for d in dims)})
+        key = "attention_efficiency_flash3" if as_flash3 else "attention_efficiency"
+        prov[f"{key}.by_head_dim"] = (
+            f"measured: the calls above fitted per head dim ({', '.join(map(str, dims))}), each to "
+            f"hwmodels.compute.attention_time on its own calls (MAPE fwd/bwd; fitted without some, on those): "
+            + "; ".join(f"{d}: " + ", ".join(
+                f"{_pct(built.fits[f'attention.{w}.d{d}']['train_mape'])} ({_pct(built.fits[f'attention.{w}.d{d}']['test_mape'])})"
+                for w in ("fwd", "bwd")) for d in dims)
+            + "; a call reads the curves of its own head dim, interpolated between two measured ones")
 
     # ---- memory-bound kernels vs the model (a check of the HBM curve on other kernels)
     checks = []
@@ -412,6 +435,11 @@ def _rounded(p: GpuProfile, base: GpuProfile | None) -> GpuProfile:
     def field_curve(name: str, xu: float | None, yu: float = 1.0) -> Curve:
         return curve(getattr(p, name), getattr(base, name) if base is not None else None, xu, yu)
 
+    def head_dims(name: str):
+        olds = {d: (fw, bw) for d, fw, bw in getattr(base, name)} if base is not None else {}
+        return tuple((d, *(curve(c, old, GFLOP) for c, old in zip((fw, bw), olds.get(d, (None, None)))))
+                     for d, fw, bw in getattr(p, name))
+
     base_peaks = dict(base.peak_flops) if base is not None else {}
     base_gemm = dict(base.gemm_efficiency) if base is not None else {}
     base_flash3 = (base.attention_flash3_efficiency if base is not None else None) or (None, None)
@@ -423,9 +451,27 @@ def _rounded(p: GpuProfile, base: GpuProfile | None) -> GpuProfile:
         attention_bwd_efficiency=field_curve("attention_bwd_efficiency", GFLOP),
         attention_flash3_efficiency=(None if p.attention_flash3_efficiency is None else tuple(
             curve(c, old, GFLOP) for c, old in zip(p.attention_flash3_efficiency, base_flash3))),
+        **{f: head_dims(f) for f in ("attention_head_dims", "attention_flash3_head_dims")},
         nvlink_bandwidth=num("nvlink_bandwidth", GBPS), nvlink_ring_busbw=num("nvlink_ring_busbw", GBPS),
         nvlink_busbw=field_curve("nvlink_busbw", None, GBPS), nvlink_latency=num("nvlink_latency", US),
         nic_efficiency=num("nic_efficiency"))
+
+
+def _head_dim_fits(ms: list, direction: str, profile: GpuProfile, built: Built) -> dict[int, Curve]:
+    """Per measured head dim with at least two calls, the attention curve fitted to its calls alone
+    (recorded in built.fits as attention.<direction>.d<head dim>)."""
+    by_dim: dict[int, list] = {}
+    for m in ms:
+        by_dim.setdefault(int(m.params["head_dim"]), []).append(m)
+    out = {}
+    for d, calls in sorted(by_dim.items()):
+        if len(calls) < 2:
+            continue
+        fit = F.fit_attention([dict(m.params) for m in calls], [m.seconds for m in calls],
+                              backward=direction == "bwd", dtype="bf16", profile=profile)
+        out[d] = fit.curve
+        built.fits[f"attention.{direction}.d{d}"] = _fit_json(fit) | {"configs": len(calls)}
+    return out
 
 
 def _mb(nbytes: float) -> str:

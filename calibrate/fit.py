@@ -326,7 +326,9 @@ def fit_attention(configs: Sequence[dict], seconds: Sequence[float], *, backward
     field = "attention_bwd_efficiency" if backward else "attention_fwd_efficiency"
 
     def model(c: Curve, i: int) -> float:
-        return attention_time(dataclasses.replace(profile, **{field: c}), **configs[i], dtype=dtype, backward=backward)
+        # the `flash` curves alone: per-head-dim ones (a base profile's) would be read in their place
+        return attention_time(dataclasses.replace(profile, **{field: c}, attention_head_dims=()), **configs[i],
+                              dtype=dtype, backward=backward)
 
     return _validated(fit_on, model, t, train, test)
 

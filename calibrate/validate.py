@@ -181,7 +181,7 @@ class Refit:
 
 def scaled_profile(profile, k: float):
     """`profile` with its GEMM and attention efficiencies (FlashAttention-2-class and, where the
-    profile has them, FlashAttention-3-class) times k, kept in (0, 1]."""
+    profile has them, FlashAttention-3-class and per head dim) times k, kept in (0, 1]."""
     from hwmodels.curves import Curve
 
     def scale(c):
@@ -194,6 +194,8 @@ def scaled_profile(profile, k: float):
         attention_fwd_efficiency=scale(profile.attention_fwd_efficiency),
         attention_bwd_efficiency=scale(profile.attention_bwd_efficiency),
         attention_flash3_efficiency=None if flash3 is None else tuple(scale(c) for c in flash3),
+        **{f: tuple((d, scale(fw), scale(bw)) for d, fw, bw in getattr(profile, f))
+           for f in ("attention_head_dims", "attention_flash3_head_dims")},
     )
 
 
@@ -203,6 +205,8 @@ def _saturating_factor(profile) -> float:
     ys += list(profile.attention_fwd_efficiency.ys) + list(profile.attention_bwd_efficiency.ys)
     for c in profile.attention_flash3_efficiency or ():
         ys += list(c.ys)
+    for f in ("attention_head_dims", "attention_flash3_head_dims"):
+        ys += [y for _, fw, bw in getattr(profile, f) for y in fw.ys + bw.ys]
     return 1.0 / min(ys)
 
 

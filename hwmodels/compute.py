@@ -141,8 +141,9 @@ def attention_time(gpu: GpuProfile, *, batch: int, heads: int, q_len: int, kv_le
     sequence lengths -> fraction of the 16-bit peak): `kernel` flash reads
     attention_efficiency, FlashAttention-2-era figures in the bundled profiles (A100 0.50-0.73,
     H100 ~0.23-0.33); flash3 reads attention_efficiency_flash3, Hopper's FlashAttention-3-class
-    kernels (H100 up to ~0.62 forward), see the profiles' provenance. Floored at one kernel's
-    overhead."""
+    kernels (H100 up to ~0.62 forward), see the profiles' provenance. Where calibration measured
+    several head dims (GpuProfile.attention_head_dims, attention_flash3_head_dims), the curves of the
+    call's head dim are read instead (_head_dim_time). Floored at one kernel's overhead."""
     flops = attention_flops(batch=batch, heads=heads, q_len=q_len, kv_len=kv_len, head_dim=head_dim,
                             causal=causal, backward=backward)
     if flops <= 0:
@@ -151,11 +152,30 @@ def attention_time(gpu: GpuProfile, *, batch: int, heads: int, q_len: int, kv_le
         if gpu.attention_flash3_efficiency is None:
             raise ConfigError("training.attention", f"flash3 needs a GPU profile with attention_efficiency_flash3 "
                                                     f"(FlashAttention-3-class kernels run on Hopper); {gpu.name} has none")
-        curve = gpu.attention_flash3_efficiency[1 if backward else 0]
+        curve, by_head_dim = gpu.attention_flash3_efficiency[1 if backward else 0], gpu.attention_flash3_head_dims
     else:
         curve = gpu.attention_bwd_efficiency if backward else gpu.attention_fwd_efficiency
+        by_head_dim = gpu.attention_head_dims
     at = attention_curve_flops(q_len=q_len, kv_len=kv_len, causal=causal, backward=backward)
-    return max(_compute_time(flops, gpu.peak(_attention_dtype(dtype)), curve, at), KERNEL_OVERHEAD)
+    peak = gpu.peak(_attention_dtype(dtype))
+    if not by_head_dim:
+        return max(_compute_time(flops, peak, curve, at), KERNEL_OVERHEAD)
+    return max(_head_dim_time(flops, peak, by_head_dim, head_dim, backward, at), KERNEL_OVERHEAD)
+
+
+def _head_dim_time(flops: float, peak: float, by_head_dim, head_dim: float, backward: bool, at: float) -> float:
+    """The time at `head_dim` from the per-head-dim curves (GpuProfile.attention_head_dims): a
+    measured head dim's own curve; between two, their efficiencies (flops / time) interpolated
+    linearly in log(head dim), as the curves interpolate in log(size) (an MLA call, whose query-key
+    and value head dims differ, sits at their mean); beyond the measured ones, the nearest."""
+    k = 2 if backward else 1  # (head_dim, forward curve, backward curve)
+    dims = [entry[0] for entry in by_head_dim]
+    i = bisect.bisect_left(dims, head_dim)
+    if i == len(dims) or dims[i] == head_dim or i == 0:
+        return _compute_time(flops, peak, by_head_dim[min(i, len(dims) - 1)][k], at)
+    lo, hi = by_head_dim[i - 1], by_head_dim[i]
+    w = math.log(head_dim / lo[0]) / math.log(hi[0] / lo[0])
+    return 1.0 / ((1.0 - w) / _compute_time(flops, peak, lo[k], at) + w / _compute_time(flops, peak, hi[k], at))
 
 
 def unfused_attention_time(gpu: GpuProfile, *, batch: int, heads: int, q_len: int, kv_len: int, head_dim: int,

@@ -34,6 +34,9 @@ ARCHS = ("ampere", "hopper", "blackwell")
 BUNDLED = ("a100-sxm-40gb", "a100-sxm-80gb", "h100-sxm-80gb", "h100-sxm-80gb-calibrated", "h200-sxm-141gb", "b200-sxm-180gb")
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
+HeadDimCurves = tuple[tuple[int, Curve, Curve], ...]
+"""((head_dim, forward curve, backward curve), ...), head dims ascending."""
+
 # Unit of each YAML key -> SI.
 TFLOPS, GBPS, GBITPS, GIB, GB, MB, GFLOP, US = 1e12, 1e9, 1e9 / 8, 2**30, 1e9, 1e6, 1e9, 1e-6
 
@@ -62,6 +65,15 @@ class GpuProfile:
     attention_flash3_efficiency: tuple[Curve, Curve] | None = None
     """(forward, backward) curves of Hopper's FlashAttention-3-class kernels (training.attention
     flash3), like the two above; None where the GPU has none."""
+    attention_head_dims: HeadDimCurves = ()
+    """Where calibration measured several head dims: per head dim, ascending, its own (forward,
+    backward) curves of the `flash` kernel. A call reads those of the head dims around its own
+    (hwmodels.compute.attention_time) instead of attention_fwd/bwd_efficiency, which one fit over all
+    head dims makes an average of kernels whose speeds differ (on the H100 measured here, from 2k tokens
+    up, head dim 128's backward ran 1.2-1.3x faster than that average and head dim 64's forward 1.25x
+    slower)."""
+    attention_flash3_head_dims: HeadDimCurves = ()
+    """The same for attention_flash3_efficiency."""
     nvlink_bandwidth: float
     """bytes/s per GPU per direction, datasheet."""
     nvlink_ring_busbw: float
@@ -181,6 +193,27 @@ def _curve(raw: Any, path: str, xkey: str, xscale: float, ykey: str, yscale: flo
         raise ConfigError(path, str(exc)) from None
 
 
+def _head_dim_curves(raw: Any, path: str) -> HeadDimCurves:
+    """`by_head_dim: {64: {fwd: CURVE, bwd: CURVE}, ...}` (absent or empty: none)."""
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise ConfigError(path, f"expected a mapping of head dim -> {{fwd, bwd}}, got {type(raw).__name__}")
+    out = []
+    for d, pair in raw.items():
+        if isinstance(d, bool) or not isinstance(d, int) or d <= 0:
+            raise ConfigError(f"{path}.{d}", "expected a positive whole head dim as the key")
+        pair = _keys(pair, f"{path}.{d}", ("fwd", "bwd"))
+        out.append((d, *(_curve(pair[k], f"{path}.{d}.{k}", "gflops", GFLOP, "efficiency") for k in ("fwd", "bwd"))))
+    return tuple(sorted(out, key=lambda e: e[0]))
+
+
+def _head_dim_dict(curves: HeadDimCurves) -> dict:
+    return {"by_head_dim": {d: {"fwd": _curve_dict(f, "gflops", GFLOP, "efficiency"),
+                                "bwd": _curve_dict(b, "gflops", GFLOP, "efficiency")} for d, f, b in curves}
+            } if curves else {}
+
+
 def _from_dict(raw: Any) -> GpuProfile:
     top = _keys(raw, "", ("name", "arch", "peak_tflops", "hbm", "gemm_efficiency", "attention_efficiency",
                           "nvlink", "network"), ("calibrated", "provenance", "attention_efficiency_flash3"))
@@ -207,12 +240,13 @@ def _from_dict(raw: Any) -> GpuProfile:
     capacity = (_num(hbm["capacity_GiB"], "hbm.capacity_GiB", GIB) if "capacity_GiB" in hbm
                 else _num(hbm["capacity_GB"], "hbm.capacity_GB", GB))
 
-    attn = _keys(top["attention_efficiency"], "attention_efficiency", ("fwd", "bwd"))
-    flash3 = None
+    attn = _keys(top["attention_efficiency"], "attention_efficiency", ("fwd", "bwd"), ("by_head_dim",))
+    flash3, flash3_head_dims = None, ()
     if top.get("attention_efficiency_flash3") is not None:
-        f3 = _keys(top["attention_efficiency_flash3"], "attention_efficiency_flash3", ("fwd", "bwd"))
+        f3 = _keys(top["attention_efficiency_flash3"], "attention_efficiency_flash3", ("fwd", "bwd"), ("by_head_dim",))
         flash3 = tuple(_curve(f3[k], f"attention_efficiency_flash3.{k}", "gflops", GFLOP, "efficiency")
                        for k in ("fwd", "bwd"))
+        flash3_head_dims = _head_dim_curves(f3.get("by_head_dim"), "attention_efficiency_flash3.by_head_dim")
     nvl = _keys(top["nvlink"], "nvlink", ("bandwidth_GBps", "latency_us", "ring_busbw_GBps", "allreduce_busbw"))
     net = _keys(top["network"], "network", ("nics_per_node", "nic_bandwidth_Gbps", "nic_efficiency", "topology",
                                             "oversubscription", "latency_us", "nodes_per_leaf"))
@@ -237,6 +271,8 @@ def _from_dict(raw: Any) -> GpuProfile:
         attention_fwd_efficiency=_curve(attn["fwd"], "attention_efficiency.fwd", "gflops", GFLOP, "efficiency"),
         attention_bwd_efficiency=_curve(attn["bwd"], "attention_efficiency.bwd", "gflops", GFLOP, "efficiency"),
         attention_flash3_efficiency=flash3,
+        attention_head_dims=_head_dim_curves(attn.get("by_head_dim"), "attention_efficiency.by_head_dim"),
+        attention_flash3_head_dims=flash3_head_dims,
         nvlink_bandwidth=_num(nvl["bandwidth_GBps"], "nvlink.bandwidth_GBps", GBPS),
         nvlink_ring_busbw=_num(nvl["ring_busbw_GBps"], "nvlink.ring_busbw_GBps", GBPS),
         nvlink_busbw=_curve(nvl["allreduce_busbw"], "nvlink.allreduce_busbw", "bytes", 1.0, "busbw_GBps", GBPS,
@@ -279,9 +315,11 @@ def _to_dict(p: GpuProfile) -> dict:
         "attention_efficiency": {
             "fwd": _curve_dict(p.attention_fwd_efficiency, "gflops", GFLOP, "efficiency"),
             "bwd": _curve_dict(p.attention_bwd_efficiency, "gflops", GFLOP, "efficiency"),
+            **_head_dim_dict(p.attention_head_dims),
         },
         **({"attention_efficiency_flash3": {
-            k: _curve_dict(c, "gflops", GFLOP, "efficiency") for k, c in zip(("fwd", "bwd"), p.attention_flash3_efficiency)
+            **{k: _curve_dict(c, "gflops", GFLOP, "efficiency") for k, c in zip(("fwd", "bwd"), p.attention_flash3_efficiency)},
+            **_head_dim_dict(p.attention_flash3_head_dims),
         }} if p.attention_flash3_efficiency else {}),
         "nvlink": {
             "bandwidth_GBps": to_unit(p.nvlink_bandwidth, GBPS),

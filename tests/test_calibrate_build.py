@@ -214,3 +214,32 @@ def test_a_measurement_that_is_not_a_positive_time_is_left_out_with_a_note():
     built = _build(GPU, H100, ms)
     assert any(n.startswith("2 measurement(s) with a time that is not a positive number were left out") for n in built.notes)
     assert built.fits["gemm.bf16"]["n_train"] == len(gemms) - 2
+
+
+def _scaled(curve, k):
+    from hwmodels.curves import Curve
+    return Curve(curve.xs, tuple(y * k for y in curve.ys))
+
+
+def test_attention_measured_at_several_head_dims_gets_a_curve_per_head_dim(tmp_path):
+    """A device whose head dim 64 runs attention at 0.8x the speed of its head dim 128: one fit over
+    both would price each at the average; the profile keeps a curve for each."""
+    rates = rates_from_profile(H100, ("bf16",), memory_budget=40 * 2**30)
+    plan = build_plan(device="cuda", quick=True, dtypes=("bf16",), rates=rates)
+    assert sorted({a.head_dim for a in plan.attention}) == [64, 128]
+    fwd, bwd = H100.attention_fwd_efficiency, H100.attention_bwd_efficiency
+    device = dataclasses.replace(H100, attention_head_dims=((64, _scaled(fwd, 0.8), _scaled(bwd, 0.8)), (128, fwd, bwd)))
+    built = _build(GPU, H100, _measure(device, plan, ("bf16",)))
+    p = load_profile(str(write_profile(built.profile, tmp_path / "p.yaml")))
+    assert [d for d, *_ in p.attention_head_dims] == [64, 128] and not p.attention_flash3_head_dims
+    for d, k in ((64, 0.8), (128, 1.0)):
+        shape = dict(batch=4, heads=2048 // d, q_len=4096, kv_len=4096, head_dim=d, causal=True, dtype="bf16")
+        for backward in (False, True):
+            truth = attention_time(device, **shape, backward=backward)
+            assert attention_time(p, **shape, backward=backward) == pytest.approx(truth, rel=0.05)
+    assert "64, 128" in dict(p.provenance)["attention_efficiency.by_head_dim"]
+    assert {f"attention.{w}.d{d}" for w in ("fwd", "bwd") for d in (64, 128)} <= built.fits.keys()
+    # measured anew at one head dim, a base profile's per-head-dim curves are dropped, not kept
+    one = [m for m in _measure(device, plan, ("bf16",)) if m.params.get("head_dim", 128) == 128]
+    again = _build(GPU, p, one).profile
+    assert again.attention_head_dims == ()

@@ -1,12 +1,16 @@
 """Kernel time models against published measurements and hand-computed formulas."""
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
+from pathlib import Path
 
 import pytest
 
 from hwmodels.compute import (KERNEL_OVERHEAD, attention_flops, attention_time, gemm_time, memory_bound_time,
                               unfused_attention_time)
+from hwmodels.curves import Curve
 from hwmodels.profile import BUNDLED, load_profile
 from paraplan.errors import ConfigError
 
@@ -293,3 +297,37 @@ def test_attention_times_are_monotonic_in_sequence_length(name):
             ts = [fn(gpu, batch=1, heads=16, q_len=s, kv_len=s, head_dim=128, dtype="bf16", causal=True,
                      backward=backward) for s in range(64, 16385, 256)]
             assert all(b >= a for a, b in zip(ts, ts[1:]))
+
+
+def test_per_head_dim_curves_are_read_at_the_calls_head_dim_and_interpolated_between():
+    base = load_profile("h100-sxm-80gb")
+    slow, fast = Curve((1e9,), (0.3,)), Curve((1e9,), (0.6,))
+    p = dataclasses.replace(base, attention_flash3_head_dims=((64, slow, fast), (256, fast, slow)))
+    shape = dict(batch=1, heads=16, q_len=8192, kv_len=8192, causal=True)
+    peak = p.peak("bf16")
+
+    def eff(d, backward=False, kernel="flash3", prof=p):
+        t = attention_time(prof, **shape, head_dim=d, dtype="bf16", backward=backward, kernel=kernel)
+        return attention_flops(**shape, head_dim=d, backward=backward) / (peak * t)
+
+    assert eff(64) == pytest.approx(0.3) and eff(64, backward=True) == pytest.approx(0.6)
+    assert eff(256) == pytest.approx(0.6) and eff(256, backward=True) == pytest.approx(0.3)
+    assert eff(128) == pytest.approx(0.45) and eff(128, backward=True) == pytest.approx(0.45)  # halfway in log
+    assert eff(32) == pytest.approx(0.3) and eff(512) == pytest.approx(0.6)  # the nearest beyond them
+    # the flash kernel has no per-head-dim curves here: it reads its own as before
+    assert eff(128, kernel="flash") == eff(128, kernel="flash", prof=base)
+
+
+def test_the_calibrated_h100_prices_every_measured_attention_call_at_its_head_dim():
+    """The H100's cuDNN attention at head dims 64, 128 and 256 (48 calls): with a curve per head dim
+    each call is within 10% (one curve over all head dims missed some by up to 30%)."""
+    report = Path(__file__).resolve().parents[1] / "benchmarks/data/gpu/h100-calibration-report.json"
+    p = load_profile("h100-sxm-80gb-calibrated")
+    assert [d for d, *_ in p.attention_flash3_head_dims] == [64, 128, 256]
+    errors = []
+    for m in json.loads(report.read_text())["measurements"]:
+        if m["kind"].startswith("attention_"):
+            t = attention_time(p, **m["params"], dtype="bf16", backward=m["kind"] == "attention_bwd", kernel="flash3")
+            errors.append(abs(t / m["seconds"] - 1))
+    assert len(errors) == 48
+    assert max(errors) < 0.10 and sum(errors) / len(errors) < 0.03

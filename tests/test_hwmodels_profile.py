@@ -275,6 +275,10 @@ def test_misspelt_key_names_its_path_and_suggests(tmp_path):
     (lambda r: r["nvlink"].update(latency_us=-1), "nvlink.latency_us"),
     (lambda r: r["hbm"].update(capacity_GB=80), "hbm"),
     (lambda r: r.pop("network"), "network"),
+    (lambda r: r["attention_efficiency"].update(by_head_dim={"d128": r["attention_efficiency"]}),
+     "attention_efficiency.by_head_dim.d128"),
+    (lambda r: r["attention_efficiency"].update(by_head_dim={128: {"fwd": r["attention_efficiency"]["fwd"]}}),
+     "attention_efficiency.by_head_dim.128.bwd"),
 ])
 def test_malformed_profile_is_a_config_error_at_its_key(tmp_path, mutate, path):
     raw = _bundled_raw()
@@ -320,3 +324,15 @@ def test_invalid_profile_yaml_is_one_line_with_its_position(tmp_path):
     message = str(exc.value)
     assert "\n" not in message
     assert message.startswith(f"cluster.gpu: {path}: invalid YAML: line 3, column 1: ")
+
+
+def test_per_head_dim_attention_curves_round_trip_in_head_dim_order(tmp_path):
+    p = load_profile("h100-sxm-80gb")
+    fwd, bwd = p.attention_fwd_efficiency, p.attention_bwd_efficiency
+    slow = Curve(fwd.xs, tuple(y / 2 for y in fwd.ys))
+    mine = dataclasses.replace(p, attention_head_dims=((256, fwd, bwd), (64, slow, bwd)),
+                               attention_flash3_head_dims=((128, slow, slow),))
+    again = load_profile(str(write_profile(mine, tmp_path / "p.yaml")))
+    assert again.attention_head_dims == ((64, slow, bwd), (256, fwd, bwd))
+    assert again.attention_flash3_head_dims == ((128, slow, slow),)
+    assert yaml.safe_load((tmp_path / "p.yaml").read_text())["attention_efficiency"]["by_head_dim"][64]["fwd"]

@@ -121,6 +121,11 @@ def format_summary(o) -> str:
                          f"{min(a['values']):.3f}-{max(a['values']):.3f}; held-out MAPE {_pct(a['test_mape'])} "
                          f"({a['n_test']}), train {_pct(a['train_mape'])}"
                          + (f"; {'/'.join(a['backend'])} -> {a['field']}" if a.get("backend") else ""))
+            per_dim = [(k.rsplit(".d", 1)[1], v) for k, v in f.items() if k.startswith(f"attention.{d}.d")]
+            if per_dim:
+                lines.append(f"              {d} per head dim (curves of their own): " + ", ".join(
+                    f"d{hd} held-out MAPE {_pct(v['test_mape'])} ({v['n_test']}), train {_pct(v['train_mape'])}"
+                    for hd, v in per_dim))
     mb = [(k.split(".", 1)[1], v) for k, v in f.items() if k.startswith("memory_bound.")]
     if mb:
         lines.append("  memory-bound kernels, memory_bound_time vs measured (MAPE, model/measured): "
