@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from paraplan.cli.torch_check import torch_version
 from paraplan.errors import ConfigError
 from paraplan.specs import (
-    ClusterSpec, InterNodeSpec, LinkSpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario,
+    ClusterSpec, InterNodeSpec, LinkSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario,
     TrainingSpec,
 )
 
@@ -259,7 +259,7 @@ def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
 
 _NESTED = {
     (Scenario, "model"): ModelSpec, (Scenario, "cluster"): ClusterSpec, (Scenario, "training"): TrainingSpec,
-    (Scenario, "plan"): PlanSpec, (Scenario, "run"): RunSpec, (ModelSpec, "moe"): MoESpec,
+    (Scenario, "plan"): PlanSpec, (Scenario, "run"): RunSpec, (ModelSpec, "moe"): MoESpec, (ModelSpec, "mla"): MLASpec,
     (MoESpec, "routing"): RoutingSpec, (ClusterSpec, "intra_node"): LinkSpec,
     (ClusterSpec, "inter_node"): InterNodeSpec,
 }

@@ -754,8 +754,15 @@ def _data_parallel(values: Mapping, cluster: ClusterSpec) -> int:
     return dp
 
 
+class FrozenMapping(tuple):
+    """A mapping as _freeze keeps it: its (key, value) pairs sorted by key, a tuple (so hashable and
+    equal to the plain tuple of those pairs) that a reader can still tell from a frozen list."""
+
+    __slots__ = ()
+
+
 def _freeze(value: Any, memo: dict | None = None) -> Any:
-    """Mappings -> sorted tuples of (key, value) pairs, lists -> tuples, recursively: hashable.
+    """Mappings -> FrozenMapping (sorted (key, value) pairs), lists -> tuples, recursively: hashable.
     A node YAML aliases many times is frozen once (`memo`, by identity), so nested aliases (the
     "billion laughs" file) cost their distinct nodes, not their expansion."""
     memo = {} if memo is None else memo
@@ -764,7 +771,7 @@ def _freeze(value: Any, memo: dict | None = None) -> Any:
     if id(value) in memo:
         return memo[id(value)]
     if isinstance(value, Mapping):
-        frozen = tuple(sorted(((k, _freeze(v, memo)) for k, v in value.items()), key=lambda kv: str(kv[0])))
+        frozen = FrozenMapping(sorted(((k, _freeze(v, memo)) for k, v in value.items()), key=lambda kv: str(kv[0])))
     else:
         frozen = tuple(_freeze(v, memo) for v in value)
     memo[id(value)] = frozen

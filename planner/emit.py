@@ -31,6 +31,12 @@ from planner.objective import GiB, Evaluation
 from simulator import layout
 
 
+def comment(text: str) -> str:
+    """`text` as comment lines ("# " before each of its lines): a scenario name or a path with a line
+    break in it must not end the comment and leave the rest as YAML, TOML or a Megatron argument."""
+    return "\n".join(f"# {line}" for line in (str(text).splitlines() or [""]))
+
+
 def launch_command(config_path: str) -> str:
     return f"paraplan launch {shlex.quote(config_path)}"
 
@@ -47,7 +53,7 @@ def executor_config_yaml(sc: Scenario, ev: Evaluation, *, launch: str, header: s
     if header:
         comments.append(header)
     body = yaml.safe_dump(scenario_to_mapping(sc), sort_keys=False, default_flow_style=False)
-    return "".join(f"# {c}\n" for c in comments) + body
+    return "".join(comment(c) + "\n" for c in comments) + body
 
 
 def layers_per_virtual_stage(sc: Scenario) -> list[int]:
@@ -71,7 +77,7 @@ def megatron_args(sc: Scenario) -> list[str]:
     if p.sequence_parallel and p.tp > 1:
         a.append("--sequence-parallel")
     a += _megatron_data_parallel(p)
-    a += _megatron_recompute(p)
+    a += _megatron_recompute(sc)
     if p.overlap_grad_reduce:
         a.append("--overlap-grad-reduce")
     if p.overlap_param_gather:
@@ -130,7 +136,7 @@ def _megatron_pipeline_split(sc: Scenario) -> list[str]:
     if _embedding_and_loss_accounted(sizes, sc.model.num_layers):
         per_rank = ["--num-virtual-stages-per-pipeline-rank", str(vpp)] if vpp > 1 else []
         return [*per_rank, "--account-for-embedding-in-pipeline-split", "--account-for-loss-in-pipeline-split"]
-    return ["--pipeline-model-parallel-layout", megatron_pipeline_layout(sizes)]
+    return ["--pipeline-model-parallel-layout", megatron_pipeline_layout(sizes, sc.model.mtp_layers)]
 
 
 def _embedding_and_loss_accounted(sizes: list[int], num_layers: int) -> bool:
@@ -141,15 +147,18 @@ def _embedding_and_loss_accounted(sizes: list[int], num_layers: int) -> bool:
     return edge is not None and [edge] + [edge + 1] * (len(sizes) - 2) + [edge] == sizes
 
 
-def megatron_pipeline_layout(sizes: list[int]) -> str:
+def megatron_pipeline_layout(sizes: list[int], mtp_layers: int = 0) -> str:
     """A --pipeline-model-parallel-layout string for these layers per virtual stage, e.g.
     "Et*3|(t*3|)*30tL": megatron/core/transformer/pipeline_parallel_layer_layout.py reads "E" as the
-    embedding, "L" as the loss, "t" as a transformer layer, "|" as the end of a stage, "x*n" and
-    "(...)*n" as repetitions, and the stages in virtual-stage order (i = vpp rank x pp + pp rank,
-    transformer_config.py's pipeline_model_parallel_layout). Runs of equal middle stages are written
-    once with a repeat count."""
+    embedding, "L" as the loss, "t" as a transformer layer, "m" as a multi-token-prediction layer,
+    "|" as the end of a stage, "x*n" and "(...)*n" as repetitions, and the stages in virtual-stage
+    order (i = vpp rank x pp + pp rank, transformer_config.py's pipeline_model_parallel_layout). Runs
+    of equal middle stages are written once with a repeat count. The MTP layers go where the
+    simulator runs them, on the last virtual stage after its transformer layers (its
+    validate_layer_layout: their number must match --mtp-num-layers, all in one virtual stage, after
+    every decoder layer)."""
     first = "E" + _transformer_layers(sizes[0])
-    last = _transformer_layers(sizes[-1]) + "L"
+    last = _transformer_layers(sizes[-1]) + "m" * mtp_layers + "L"
     middle = "".join(f"({stage}|)*{count}" if count > 1 else f"{stage}|"
                      for stage, count in _runs([_transformer_layers(n) for n in sizes[1:-1]]))
     return f"{first}|{middle}{last}"
@@ -178,15 +187,29 @@ def _megatron_data_parallel(p) -> list[str]:
     return a
 
 
-def _megatron_recompute(p) -> list[str]:
+def _megatron_recompute(sc: Scenario) -> list[str]:
+    p = sc.plan
     if p.recompute == "selective":
+        modules = _megatron_recompute_modules(sc)
+        if not modules:
+            return []
         a = ["--recompute-granularity", "selective"]
-        if p.recompute_modules != ("core_attn",):
-            a += ["--recompute-modules", *p.recompute_modules]
+        if modules != ("core_attn",):
+            a += ["--recompute-modules", *modules]
         return a
     if p.recompute == "full":
         return ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "1"]
     return []
+
+
+def _megatron_recompute_modules(sc: Scenario) -> tuple[str, ...]:
+    """The plan's selective checkpoints as Megatron runs them: transformer_config.py refuses
+    "moe_act in recompute_modules is only supported with moe_grouped_gemm", which needs bf16
+    (_grouped_gemm_runs), so an fp16 or fp32 MoE plan leaves moe_act out (megatron_notes says so)."""
+    modules = sc.plan.recompute_modules
+    if sc.model.moe is not None and not _grouped_gemm_runs(sc.training.precision):
+        modules = tuple(m for m in modules if m != "moe_act")
+    return modules
 
 
 def _megatron_model(sc: Scenario) -> list[str]:
@@ -296,7 +319,11 @@ def _megatron_precision(precision: str, grad_reduce_dtype: str) -> list[str]:
     if precision == "fp16":
         return ["--fp16"] if grad_reduce_dtype == "fp16" else ["--fp16", "--accumulate-allreduce-grads-in-fp32"]
     if precision == "fp8":
-        return ["--bf16", "--fp8-format", "hybrid", *bf16_grads]
+        # current per-tensor scaling: the fp8 GEMMs calibration measures (torch._scaled_mm, one scale
+        # per tensor); Megatron's default recipe, delayed, refuses the moe_act and layernorm
+        # checkpoints ("Delayed scaling does not support moe_act and layernorm recompute for fp8",
+        # transformer_config.py)
+        return ["--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", *bf16_grads]
     return []
 
 
@@ -342,9 +369,23 @@ def megatron_notes(sc: Scenario) -> list[str]:
     if m.moe is not None and not _grouped_gemm_runs(t.precision):
         notes.append(f"Megatron-LM's grouped expert GEMM needs bf16, so this {t.precision} plan runs one GEMM per "
                      "local expert (slower than simulated).")
+    if p.zero_stage >= 2 and p.pp > 1:
+        # Megatron-FSDP's documentation lists TP, CP and EP as what it composes with, not PP
+        # (NVIDIA/Megatron-LM issue #1455, open); examples/multimodal_dev/scripts/run_qwen35_vl.sh
+        # refuses FSDP with PP > 1: "FSDP and PP are mutually exclusive in Megatron's standard path"
+        notes.append(f"Megatron-FSDP (ZeRO-{p.zero_stage} here) is documented with tensor, context and expert "
+                     f"parallelism, not with pipeline parallelism: Megatron-LM may refuse this pp {p.pp} plan; "
+                     f"simulate it with plan.zero_stage=1 for the distributed optimizer, or run it with torchtitan.")
+    if p.recompute == "selective" and _megatron_recompute_modules(sc) != p.recompute_modules:
+        notes.append(f"Megatron-LM recomputes moe_act only with its grouped expert GEMM (bf16), so this "
+                     f"{t.precision} plan keeps those activations instead (more memory than simulated).")
     if m.moe is not None and p.moe_dispatcher == "deepep":
         notes.append("--moe-flex-dispatcher-backend needs Megatron-Core 0.15 or later; older versions take "
                      "--moe-enable-deepep instead.")
+        if m.moe.capacity_factor is not None:
+            # older transformer_config.py: "moe_expert_capacity_factor only works with alltoall token dispatcher"
+            notes.append("older Megatron-Core versions accept --moe-expert-capacity-factor only with the alltoall "
+                         "dispatcher, not the flex (DeepEP) one.")
     if m.moe is not None and p.moe_shared_expert_overlap and m.moe.num_shared_experts \
             and not _shared_expert_overlap_runs(sc):
         notes.append(f"Megatron-LM overlaps the shared experts with the dispatch only under the alltoall "
@@ -370,7 +411,7 @@ def megatron_args_text(sc: Scenario) -> str:
             f"Launch: {megatron_launch_command(sc)}",
             *megatron_architecture_comments(sc.model),
             *[f"Note: {n}" for n in megatron_notes(sc)]]
-    return "".join(f"# {h}\n" for h in head) + "\n".join(lines) + "\n"
+    return "".join(comment(h) + "\n" for h in head) + "\n".join(lines) + "\n"
 
 
 # torchtitan job config keys and values: torchtitan/config/job_config.py after the quantization
@@ -412,14 +453,14 @@ def torchtitan_toml(sc: Scenario) -> str:
     name, flavor, architecture = torchtitan_model(m)
     chosen = name != "CHANGE-ME" and flavor != "CHANGE-ME"
     lines = [
-        f"# torchtitan job config for {sc.name}: {p.tp * p.pp * p.cp * p.dp} GPUs "
-        f"({sc.cluster.shape}), written by `paraplan plan`; keys follow {TORCHTITAN_KEYS_VERSION}.",
-        f"# Model: {_torchtitan_shape(m)}"
-        + ("" if chosen else "; set [model] name/flavor to it")
-        + (" (an MoE model: one of torchtitan's MoE models such as deepseek_v3 or llama4, not llama3)."
-           if m.moe is not None else "."),
-        *[f"# {line}" for line in architecture],
-        *[f"# Note: {n}" for n in notes],
+        comment(f"torchtitan job config for {sc.name}: {p.tp * p.pp * p.cp * p.dp} GPUs "
+                f"({sc.cluster.shape}), written by `paraplan plan`; keys follow {TORCHTITAN_KEYS_VERSION}."),
+        comment(f"Model: {_torchtitan_shape(m)}"
+                + ("" if chosen else "; set [model] name/flavor to it")
+                + (" (an MoE model: one of torchtitan's MoE models such as deepseek_v3 or llama4, not llama3)."
+                   if m.moe is not None else ".")),
+        *[comment(line) for line in architecture],
+        *[comment(f"Note: {n}") for n in notes],
         "",
         "[model]",
         f'name = "{name}"',

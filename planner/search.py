@@ -337,6 +337,13 @@ def _open_study(req: SearchRequest, storage, fp: str) -> tuple[optuna.Study, boo
             study = optuna.load_study(study_name=req.study_name, storage=storage)
     if not created:
         theirs = _wait_for_attr(study, "paraplan_fingerprint")
+        if theirs is None and not study.get_trials(deepcopy=False):
+            # its creator stopped before setting it up (the fingerprint is written last, before the
+            # first trial): nothing in it to keep, so this run sets it up as its creator would have
+            return study, True
+        if theirs is None:
+            raise ParaplanError(f"study {req.study_name!r} in {mask_url(req.storage)} has trials but was not set up "
+                                f"by paraplan plan; choose another --study name")
         if theirs != fp:
             raise ParaplanError(
                 f"study {req.study_name!r} in {mask_url(req.storage)} was made for a different scenario, "

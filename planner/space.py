@@ -66,6 +66,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paraplan.errors import ConfigError
+from paraplan.loader import FrozenMapping
 from paraplan.specs import RECOMPUTE, SCHEDULES, ZERO_STAGES, PlanSpec, Scenario, nodes_x_gpus
 from simulator import layout
 
@@ -167,6 +168,8 @@ def _thaw(frozen: Any) -> dict:
 
 
 def _as_list(path: str, value: Any) -> list:
+    if isinstance(value, FrozenMapping):  # a mapping in the scenario's search section, frozen by the loader
+        raise ConfigError(path, "expected a list of candidates (or one value), got a mapping")
     if isinstance(value, (list, tuple)):
         if not value:
             raise ConfigError(path, "expected at least one candidate, got an empty list")
@@ -241,6 +244,12 @@ def parse_search(scenario: Scenario, raw: Any = None) -> SearchSpec:
     allow_tp = settings.get("allow_tp_across_nodes", False)
     cands = _defaults(scenario, given.get("num_nodes", (scenario.cluster.num_nodes,)), allow_tp)
     cands.update({k: v for k, v in given.items() if k != "dp"})
+    for schedule in given.get("schedule", ()):  # one the search section lists but could never search
+        if schedule in VIRTUAL_SCHEDULES and not vpp_options(schedule, cands["virtual_pipeline_stages"]):
+            raise ConfigError("search.virtual_pipeline_stages",
+                              f"schedule {schedule} takes 2 or more virtual stages per rank, and the candidates "
+                              f"{list(cands['virtual_pipeline_stages'])} have none; add one or drop {schedule} "
+                              f"from search.schedule")
     return SearchSpec(
         candidates=tuple((k, cands[k]) for k in KNOBS if k != "dp"),
         dp_filter=given.get("dp"),
@@ -389,6 +398,9 @@ class PlanSpace:
             sequence_parallel=sp, zero_stage=zero, recompute=v["recompute"],
             tp_comm_overlap=self._template.tp_comm_overlap and sp and v["tp"] > 1,
             overlap_param_gather=self._template.overlap_param_gather and zero >= 1 and self._template.overlap_grad_reduce,
+            # ZeRO-2/3 accumulate outside the GEMMs (Megatron-FSDP): a template's fusion applies to the other stages
+            gradient_accumulation_fusion=(None if zero >= 2 and self._template.gradient_accumulation_fusion
+                                          else self._template.gradient_accumulation_fusion),
         )
         return Candidate(num_nodes=v["num_nodes"], plan=plan)
 

@@ -157,6 +157,11 @@ def _moe_problems(sc: Scenario) -> list[str]:
         # dispatcher" (the flex/DeepEP dispatcher's set_shared_experts raises NotImplementedError)
         out.append(f"plan.moe_shared_expert_overlap: works with moe_dispatcher alltoall only, not {p.moe_dispatcher} "
                    "(Megatron-Core); set it false")
+    if p.moe_shared_expert_overlap and "shared_experts" in p.recomputed_modules:
+        # Megatron-Core TransformerConfig: "shared_experts recompute cannot work with
+        # --moe-shared-expert-overlap."
+        out.append("plan.recompute_modules: shared_experts cannot be recomputed with plan.moe_shared_expert_overlap "
+                   "(Megatron-Core); drop one of them")
     if e.num_experts % p.ep:
         out.append(f"plan.ep: {p.ep} does not divide model.moe.num_experts ({e.num_experts})")
     block = p.tp * p.cp * p.dp

@@ -55,7 +55,8 @@ def megatron_split(args, num_layers, pp):
     accounted = "--account-for-embedding-in-pipeline-split" in args
     if "--pipeline-model-parallel-layout" in args:
         assert not uneven and not accounted
-        return parse_layout(flag_value(args, "--pipeline-model-parallel-layout"), num_layers)
+        mtp = int(flag_value(args, "--mtp-num-layers")) if "--mtp-num-layers" in args else 0
+        return parse_layout(flag_value(args, "--pipeline-model-parallel-layout"), num_layers, mtp)
     if "--num-layers-per-virtual-pipeline-stage" in args:
         assert not uneven, "please use --num-virtual-stages-per-pipeline-rank ... when enable uneven pipeline"
         per = int(flag_value(args, "--num-layers-per-virtual-pipeline-stage"))
@@ -80,18 +81,20 @@ def megatron_split(args, num_layers, pp):
     return [per_rank[g % pp] // vpp for g in range(pp * vpp)]
 
 
-def parse_layout(layout, num_layers):
+def parse_layout(layout, num_layers, mtp_layers=0):
     """Transformer layers per stage of a --pipeline-model-parallel-layout string, as
     megatron/core/transformer/pipeline_parallel_layer_layout.py documents it: "(...)*n" and "x*n"
-    repeat, "|" ends a stage, E / L / t are the embedding, the loss and a transformer layer; the
-    embedding opens the first stage, the loss closes the last."""
+    repeat, "|" ends a stage, E / L / t / m are the embedding, the loss, a transformer layer and a
+    multi-token-prediction layer; the embedding opens the first stage, the loss closes the last, and
+    validate_layer_layout wants exactly --mtp-num-layers MTP layers, after every decoder layer."""
     text = layout.replace(",", "")
     text = re.sub(r"\(([^)]+)\)\*(\d+)", lambda g: g.group(1) * int(g.group(2)), text)
     text = re.sub(r"(.)\*(\d+)", lambda g: g.group(1) * int(g.group(2)), text)
     stages = text.split("|")
-    assert set(text) <= set("ELt|"), layout
+    assert set(text) <= set("ELtm|"), layout
     assert stages[0].startswith("E") and stages[-1].endswith("L"), layout
     assert text.count("E") == 1 and text.count("L") == 1 and text.count("t") == num_layers, layout
+    assert text.count("m") == mtp_layers and "t" not in text[text.find("m"):] if mtp_layers else True, layout
     return [s.count("t") for s in stages]
 
 
@@ -105,6 +108,9 @@ SPLITS = [
                                 "plan.first_stage_layers=2", "plan.last_stage_layers=4"]),
     ("llama3-405b-16384xh100", []),                                                 # 7 + 14 x 8 + 7, vpp 1
     ("deepseek-v3-2048xh800", []),                                                  # 4 + 14 x 4 + 1, vpp 1
+    ("deepseek-v3-2048xh800", ["plan.schedule=interleaved-1f1b", "plan.virtual_pipeline_stages=2",
+                               "plan.first_stage_layers=1", "plan.last_stage_layers=0",
+                               "training.global_batch_size=16384"]),                 # E t | 30 x 2 | m L
     ("mixtral-8x7b-64xh100", []),                                                   # even, vpp 8
     ("qwen3-235b-256xh100", ["plan.pp=32", "plan.virtual_pipeline_stages=3", "plan.ep=8",
                              "plan.first_stage_layers=0", "plan.last_stage_layers=0"]),   # E | 94 x 1 | L
@@ -421,3 +427,73 @@ def test_torchtitan_config_says_its_backward_tp_collectives_are_not_overlapped()
     assert note in torchtitan_toml(scenario("gpt3-175b-1024xa100"))
     assert note not in torchtitan_toml(scenario("gpt3-175b-1024xa100", "plan.tp_backward_overlap=false"))
     assert note not in torchtitan_toml(scenario("llama3-8b-64xh100", "plan.tp=1"))
+
+
+def test_an_irregular_layout_places_the_mtp_layers_last():
+    """validate_layer_layout: "Number of mtp layers in layout must match mtp_num_layers", all in the
+    last virtual stage after the decoder layers."""
+    args = megatron_args(scenario("deepseek-v3-2048xh800", "plan.schedule=interleaved-1f1b",
+                                  "plan.virtual_pipeline_stages=2", "plan.first_stage_layers=1",
+                                  "plan.last_stage_layers=0", "training.global_batch_size=16384"))
+    assert flag_value(args, "--pipeline-model-parallel-layout") == "Et|(t*2|)*30mL"
+    assert flag_value(args, "--mtp-num-layers") == "1"
+
+
+def test_fp8_names_a_recipe_that_recomputes_what_the_plan_recomputes():
+    """arguments.py defaults --fp8-recipe to delayed, and transformer_config.py: "Delayed scaling
+    does not support moe_act and layernorm recompute for fp8"."""
+    args = megatron_args(scenario("qwen3-235b-256xh100", "training.precision=fp8", "plan.recompute=selective",
+                                  "plan.recompute_modules=[moe_act, layernorm]"))
+    assert flag_value(args, "--fp8-recipe") == "tensorwise"
+    assert "--fp8-recipe" not in megatron_args(scenario("qwen3-235b-256xh100"))
+
+
+def test_moe_act_recompute_left_out_where_megatron_has_no_grouped_gemm():
+    """transformer_config.py: "moe_act in recompute_modules is only supported with moe_grouped_gemm",
+    and grouped GEMM needs bf16."""
+    sc = scenario("mixtral-8x7b-64xh100", "training.precision=fp32", "plan.recompute=selective",
+                  "plan.recompute_modules=[moe_act, layernorm]")
+    args = megatron_args(sc)
+    assert flag_value(args, "--recompute-modules") == "layernorm" and "moe_act" not in args
+    assert "keeps those activations" in megatron_args_text(sc)
+    only = scenario("mixtral-8x7b-64xh100", "training.precision=fp32", "plan.recompute=selective",
+                    "plan.recompute_modules=[moe_act]")
+    assert "--recompute-granularity" not in megatron_args(only)
+    kept = megatron_args(scenario("mixtral-8x7b-64xh100", "plan.recompute=selective",
+                                  "plan.recompute_modules=[moe_act, layernorm]"))
+    assert "moe_act" in kept
+
+
+def test_shared_experts_recompute_with_their_overlap_is_refused_as_megatron_refuses_it():
+    """transformer_config.py: "shared_experts recompute cannot work with --moe-shared-expert-overlap"."""
+    from simulator.feasibility import structural_problems
+    both = scenario("deepseek-v3-2048xh800", "plan.moe_dispatcher=alltoall", "plan.moe_shared_expert_overlap=true",
+                    "plan.recompute=selective", "plan.recompute_modules=[shared_experts]")
+    assert any(p.startswith("plan.recompute_modules: shared_experts cannot be recomputed")
+               for p in structural_problems(both))
+    one = scenario("deepseek-v3-2048xh800", "plan.moe_dispatcher=alltoall", "plan.recompute=selective",
+                   "plan.recompute_modules=[shared_experts]")
+    assert not structural_problems(one)
+
+
+def test_a_line_break_in_the_scenario_name_stays_inside_the_comments():
+    """A name is free text; interpolated into a comment line it must not end the comment."""
+    import yaml
+    from planner.emit import executor_config_yaml
+    from planner.objective import Evaluation
+
+    sc = scenario("tiny-gpt-8xa100", r'name="evil\nplan: {tp: 8}"')
+    assert "\n" in sc.name
+    args_text = megatron_args_text(sc)
+    assert all(line.startswith(("#", "--")) for line in args_text.splitlines() if line), args_text
+    tomllib.loads(torchtitan_toml(sc))
+    ev = Evaluation(candidate=None, status="ok", step_time_s=1.0, tokens_per_s=1.0, mfu=0.5, peak_memory_bytes=1.0,
+                    memory_capacity_bytes=2.0)
+    assert yaml.safe_load(executor_config_yaml(sc, ev, launch="paraplan launch 'a\nb'"))["plan"]["tp"] == sc.plan.tp
+
+
+def test_megatron_fsdp_with_pipeline_parallelism_is_flagged():
+    text = megatron_args_text(scenario("llama3-70b-512xh100", "plan.zero_stage=3", "plan.pp=2",
+                                       "plan.schedule=1f1b", "plan.virtual_pipeline_stages=1"))
+    assert "not with pipeline parallelism" in text
+    assert "not with pipeline parallelism" not in megatron_args_text(scenario("llama3-70b-512xh100", "plan.zero_stage=1"))

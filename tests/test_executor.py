@@ -375,6 +375,11 @@ def test_dropout_the_executor_does_not_run_is_said():
 def test_scenario_round_trip():
     sc = scaled_scenario(scenario("x", "moe", dp=2, ep=2))
     assert scenario_from_json(scenario_to_json(sc)) == sc
+    from pathlib import Path
+
+    from paraplan.loader import load_scenario  # every nested spec comes back typed, latent attention's too
+    mla = load_scenario(Path(__file__).resolve().parents[1] / "scenarios" / "deepseek-v3-2048xh800.yaml")
+    assert scenario_from_json(scenario_to_json(mla)) == mla
 
 
 def test_synthetic_data_is_deterministic_and_split_by_rank():

@@ -50,7 +50,7 @@ BAD_SEARCH = [
     ("search.allow_tp_across_nodes=1", "search.allow_tp_across_nodes: expected true or false, got 1"),
     ("search.gpu_hour_cost=-2", "search.gpu_hour_cost: expected a positive number, got -2"),
     ("search.ep=[1, 2]", "search.ep: expert parallelism needs an MoE model (model.moe); this model is dense"),
-    ("search.tp={a: 1}", "search.tp: expected positive integers"),
+    ("search.tp={a: 1}", "search.tp: expected a list of candidates (or one value), got a mapping"),
 ]
 
 
@@ -136,6 +136,18 @@ def test_overlap_param_gather_is_applied_only_where_megatron_allows_it():
     assert no_grad_overlap.candidate({**base, "zero_stage": 1}).plan.overlap_param_gather is False
     assert any(r.startswith("plan.overlap_param_gather: needs overlap_grad_reduce")
                for r in structural_problems(no_grad_overlap.scenario))
+
+
+def test_a_templates_gradient_accumulation_fusion_does_not_rule_out_zero_2_and_3():
+    """Megatron-FSDP (ZeRO-2/3) accumulates outside the GEMMs: the template's fusion holds for the
+    other ZeRO stages and is left to ZeRO-2/3's own default there, not a reason to refuse them."""
+    sp = space("plan.gradient_accumulation_fusion=true")
+    base = {"tp": 1, "pp": 2, "cp": 1, "micro_batch_size": 1, "schedule": "1f1b", "recompute": "none"}
+    one = sp.candidate({**base, "zero_stage": 1})
+    assert one.plan.gradient_accumulation_fusion is True
+    for zero in (2, 3):
+        c = sp.candidate({**base, "zero_stage": zero})
+        assert c.plan.fused_grad_accumulation is False and sp.problems(c) == []
 
 
 def test_problems_combine_planner_and_simulator_rules():

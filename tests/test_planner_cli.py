@@ -157,6 +157,9 @@ def test_cost_objective(tmp_path):
 BAD = [
     (["--set", "search.tp=16"], "error: search: no valid plan: every one of the"),
     (["--set", "search.tpp=[2]"], "error: search.tpp: unknown key, did you mean 'tp'?"),
+    (["--set", "search.tp={a: 1}"], "error: search.tp: expected a list of candidates (or one value), got a mapping"),
+    (["--set", "search.virtual_pipeline_stages=[1]", "--set", "search.schedule=[interleaved-1f1b]"],
+     "error: search.virtual_pipeline_stages: schedule interleaved-1f1b takes 2 or more virtual stages per rank"),
     (["--storage", "bogus://x"], "error: --storage bogus://x: cannot open it:"),
     (["--study", "nope", "--resume", "--storage", "{tmp}/s.journal"], "error: --resume: no study named 'nope'"),
     (["--trials", "0"], "error: argument --trials: expected a positive integer, got 0"),
@@ -279,3 +282,15 @@ def test_the_recompute_column_fits_named_modules(tmp_path):
     for row in rows:  # every column after the label starts where its heading does
         assert row.index("selective(core_attn,mlp)") == head.index("recompute")
         assert row[head.index("step s") + len("step s") - 1] != " "  # the step time ends under its heading
+
+
+def test_the_launch_line_is_judged_on_the_scaled_down_model_launch_runs(tmp_path):
+    """`paraplan launch` scales the model by run.num_layers before it checks the plan; a best plan
+    whose pipeline cannot split the scaled-down layers gets the reason, not a launch line."""
+    out = tmp_path / "o"
+    r = paraplan("plan", TINY, "--out", str(out), "--quiet", "--no-plots", "--set", "run.num_layers=3",
+                 "--set", "run.backend=gloo", "--set", "search.tp=[2]", "--set", "search.pp=[2]", "--set", "search.cp=[1]")
+    assert r.returncode == 0, r.stderr
+    assert "launch it:" not in r.stdout
+    assert "do not split evenly" in r.stdout and "(run.num_layers 3 sets model.num_layers; this layout splits" in r.stdout
+    assert json.loads((out / "top_plans.json").read_text())["best_plan"]["launch"] is None

@@ -290,3 +290,22 @@ def test_rejections_are_counts_with_one_example(tmp_path):
         assert f"{r.count:>6,} plan{'s' if r.count > 1 else ''}, e.g. {r.example}" in text
     for _, count, example in rep.trial_rejections[:6]:
         assert f"{count:>6,} trial{'s' if count > 1 else ''}, e.g. {example}" in text
+
+
+def test_a_study_its_creator_never_set_up_is_taken_over_not_refused(tmp_path, monkeypatch):
+    """A run stopped between creating its study and writing the study's fingerprint leaves an empty
+    study behind; the next run sets it up instead of calling it another search's."""
+    import types
+
+    from planner import search
+
+    storage = open_storage(str(tmp_path / "study.journal"))
+    optuna.create_study(study_name="s", storage=storage)
+    monkeypatch.setattr(search, "_wait_for_attr", lambda study, key, timeout_s=10.0: None)  # the creator is gone
+    req = types.SimpleNamespace(resume=False, study_name="s", storage=str(tmp_path / "study.journal"),
+                                objective=types.SimpleNamespace(directions=("minimize",)))
+    study, created = search._open_study(req, storage, "fingerprint")
+    assert created and study.study_name == "s"
+    study.add_trial(optuna.trial.create_trial(params={}, distributions={}, value=1.0))
+    with pytest.raises(ParaplanError, match="has trials but was not set up by paraplan plan"):
+        search._open_study(req, storage, "fingerprint")

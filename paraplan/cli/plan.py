@@ -234,11 +234,20 @@ def _write_outputs(scenario, result, objective, out: Path, args) -> int:
             files["pareto.png"] = pareto_png(rep)
     best = rep.best
     if best is not None:
-        from executor.config import launch_problems
+        from executor.config import launch_problems, scaled_scenario
 
         sc = emit.best_scenario(scenario, best)
         config = out / "best_plan.yaml"
-        refused = launch_problems(sc)  # features the bundled executor lacks (MLA, MTP, fp8, ...)
+        # judged as `paraplan launch` judges it: on the model its run section scales it down to
+        try:
+            scaled = scaled_scenario(sc)
+            refused = launch_problems(scaled)  # features the bundled executor lacks (MLA, MTP, fp8, ...)
+            if refused and scaled.run.num_layers is not None:
+                from paraplan.cli.launch import _with_layer_hint
+
+                refused = _with_layer_hint(scaled, refused, "run.num_layers")
+        except ConfigError as exc:
+            refused = [str(exc)]
         launch = None if refused else emit.launch_command(str(config))
         data["best_plan"] = {"config": str(config), "launch": launch, "executor_refuses": refused}
         files["best_plan.yaml"] = emit.executor_config_yaml(
