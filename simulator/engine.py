@@ -5,7 +5,8 @@ stage: every TP/CP/DP peer of it behaves alike under the placement, so one rank 
 them, which is what makes a 16,384-GPU plan cost about what a 64-GPU one does). A second process
 per stage runs its data-parallel gradient stream, which starts bucket reductions as the backward
 produces them. Cross-stage dependencies are SimPy events; a pipeline send arrives `p2p` seconds
-after the producer finishes. At the end every stage waits for the global gradient-norm sync
+after the producer finishes, and where the framework waits for its sends (`blocking_sends`) the
+sending stage starts its next op only then. At the end every stage waits for the global gradient-norm sync
 (Megatron clips gradients with a norm reduced over all ranks), then runs its optimizer step.
 
 NIC sharing (flow-level, max-min fair): an op whose traffic crosses nodes (an MoE all-to-all), a
@@ -94,9 +95,11 @@ class Timeline(Sequence):
     def _span(self, rec) -> Span:
         if isinstance(rec, Span):
             return rec
-        if len(rec) == 4:  # a receive: (stage, input's output key, start, arrival)
+        if len(rec) == 4:  # a receive (stage, input's output key, start, arrival), or a send ~key
             stage, key, start, end = rec
-            return Span(stage, "pp-comm", f"recv {'FB'[key & 1]}{(key >> 1) // self._num_vstages}", "pp_comm",
+            what = "recv" if key >= 0 else "send"
+            key = key if key >= 0 else ~key
+            return Span(stage, "pp-comm", f"{what} {'FB'[key & 1]}{(key >> 1) // self._num_vstages}", "pp_comm",
                         start, end)
         stage, op, category, start, end = rec  # an op
         return Span(stage, "compute", _op_name(op, self._num_chunks), category, start, end)
@@ -238,6 +241,7 @@ def run_iteration(
     p2p_nic: float | Sequence[float] = 0.0,
     align_grad_reduce: bool = False,
     record_spans: bool = True,
+    blocking_sends: str = "none",
 ) -> EngineResult:
     """Simulate one iteration; returns per-stage breakdowns summing to each stage's end time.
     `p2p_time`: seconds of a pipeline send, one for every link or per link (entry s joins stage s
@@ -252,6 +256,8 @@ def run_iteration(
     backward s steps after the chunk's last one (all stages launch together), or after its last
     backward when fewer remain. Under a split backward (zero-bubble) the W passes, which produce
     the weight gradients, are the ones counted.
+    `blocking_sends` (PlanSpec.blocking_sends): which sends the sending stage waits for before its
+    next op: none, forward (each forward activation's) or all.
     `record_spans` False leaves the timeline out (EngineResult.spans empty): the planner needs only
     the figures. Recorded, the spans of ops and receives are bare records until the timeline is
     read; built as they ran, they had cost a fifth to a third of the engine's time."""
@@ -338,6 +344,7 @@ def run_iteration(
             link_nic_until[to] = until
         return t + seconds + delay
 
+    blocking = {"none": (), "forward": ("F",), "all": ("F", "B")}[blocking_sends]
     grad_kinds = [_grad_kind(w.ops) for w in works]
 
     def last_grad_ops(ops: Sequence[Op], kind: str) -> dict[int, int]:
@@ -509,6 +516,11 @@ def run_iteration(
                 ev = waiting.pop(key, None)
                 if ev is not None:
                     ev.succeed(arrival)
+                if arrival > end and op[0] in blocking:  # the stage waits for its send to complete
+                    yield timeout(arrival - end)
+                    comm += arrival - end
+                    if record_spans:
+                        spans.append((stage, ~key, end, arrival))  # named when the timeline is read
             if special is not None:
                 for c in launched_after:  # whole chunks whose reduction is launched now
                     ready_events[c].succeed((end, end))

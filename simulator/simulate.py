@@ -301,7 +301,8 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
     sync = _sync_time(sc, net, emb_params, hops[-1])
     eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce,
                         sync_time=sync, p2p_nic=[t if hop.num_nodes > 1 else 0.0 for t, hop in zip(p2p, hops)],
-                        align_grad_reduce=p.schedule in ("1f1b", "interleaved-1f1b"), record_spans=record_spans)
+                        align_grad_reduce=p.schedule in ("1f1b", "interleaved-1f1b"), record_spans=record_spans,
+                        blocking_sends=p.blocking_sends)
     return _Iteration(kinds=kinds, draw=draw, mems=mems, eng=eng)
 
 

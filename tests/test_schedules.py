@@ -112,6 +112,34 @@ def test_exact_1f1b_timeline_two_stages():
     assert res.stages[1].breakdown["pp_comm"] == pytest.approx(0.5)
 
 
+def test_a_blocking_send_holds_its_sender_until_it_arrives():
+    # The timeline above with every send blocking (Megatron's non-interleaved 1F1B): stage 0 runs F1
+    # once F0's send is over (1.5), stage 1 its F1 once B0's is over (5.0); B1's gradient reaches
+    # stage 0 at 8.5 and the step ends at 10.5. With only forward sends blocking (Megatron-Core's
+    # interleaved schedule) stage 0 still waits 0.5 s after each F, hidden here by the pipeline.
+    works = uniform_works(build_schedule("1f1b", 2, 2))
+    res = run_iteration(works, num_chunks=1, p2p_time=0.5, overlap_grad_reduce=True, sync_time=0.0,
+                        blocking_sends="all")
+    assert compute_log(res, 0) == [(0.0, "F0"), (1.5, "F1"), (5.0, "B0"), (8.5, "B1"), (10.5, "optimizer")]
+    assert compute_log(res, 1) == [(1.5, "F0"), (2.5, "B0"), (5.0, "F1"), (6.0, "B1"), (10.5, "optimizer")]
+    assert res.step_time == 10.5
+    assert res.stages[1].breakdown["pp_comm"] == pytest.approx(1.5)  # F0's arrival, then B0's and B1's sends
+    assert [(sp.name, sp.start, sp.end) for sp in res.spans if sp.stage == 1 and sp.name.startswith("send")] == \
+        [("send B0", 4.5, 5.0), ("send B1", 8.0, 8.5)]
+    fwd = run_iteration(works, num_chunks=1, p2p_time=0.5, overlap_grad_reduce=True, sync_time=0.0,
+                        blocking_sends="forward")
+    assert compute_log(fwd, 0)[:3] == [(0.0, "F0"), (1.5, "F1"), (5.0, "B0")] and fwd.step_time == 10.0
+
+
+def test_plans_block_on_sends_as_megatron_core_runs_their_schedule():
+    from paraplan.specs import PlanSpec
+
+    assert PlanSpec(pp=2, schedule="1f1b").blocking_sends == "all"
+    assert PlanSpec(pp=2, schedule="interleaved-1f1b", virtual_pipeline_stages=2).blocking_sends == "forward"
+    assert PlanSpec(pp=2, schedule="zero-bubble").blocking_sends == "none"
+    assert PlanSpec(pp=2, schedule="1f1b", p2p_blocking="none").blocking_sends == "none"
+
+
 def test_each_pipeline_link_takes_its_own_time():
     # 3 stages, one microbatch, F = 1 s, B = 2 s; links 0 -> 1 and 1 -> 2 take 0.25 s and 0.5 s,
     # the wrap-around 2 -> 0 (unused by 1F1B) 5 s. The microbatch crosses each link forward and
