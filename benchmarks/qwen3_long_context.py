@@ -57,7 +57,7 @@ def main() -> None:
                 f"training.global_batch_size={GBS}", f"training.attention={kernel}", "plan.recompute=selective",
                 "plan.recompute_modules=[layernorm, moe]", f"cluster.gpu={args.profile}",
                 # the 2025 Megatron-Core of these runs did not wait for its interleaved forward sends
-                "plan.p2p_blocking=none"])
+                "plan.wait_forward_sends=false"])
             t = simulate(sc, imbalance_reference=False, record_spans=False).step_time_s
             cells += [f"{t:.2f}", f"{100 * (t / pub - 1):+.1f}%"]
         print(f"| {seq:,} | {cp} | {pub:.2f} / {published_step(seq, dropless):.2f} | " + " | ".join(cells) + " |")

@@ -243,12 +243,11 @@ def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
         out.append("model.qk_layernorm: the executor's attention has no query/key norm")
     if p.p2p_scatter_gather and p.tp > 1 and p.pp > 1 and not p.sequence_parallel:
         out.append("plan.p2p_scatter_gather: the executor's pipeline stages send whole activations, not 1/tp slices")
-    if p.pp > 1 and p.virtual_pipeline_stages > 1 and p.blocking_sends != "none":
+    if p.pp > 1 and p.blocking_sends == "forward":
         # torch.distributed.pipelining's _PipelineScheduleRuntime keeps its send works and waits for them
         # at the end of the step
-        out.append(f"plan.p2p_blocking {p.blocking_sends}: the executor's PyTorch schedule with virtual stages "
-                   "waits for its pipeline sends at the end of the step, not before the next op; "
-                   "plan.p2p_blocking: none predicts it")
+        out.append("plan.wait_forward_sends: the executor's PyTorch interleaved schedule waits for its forward sends "
+                   "at the end of the step, not before the next op; plan.wait_forward_sends: false predicts it")
     if not p.overlap_grad_reduce and p.dp * p.cp > 1:
         out.append("plan.overlap_grad_reduce false: DDP / FSDP2 always overlap the gradient reduction with backward")
     if p.overlap_param_gather and effective_zero_stage(p) == 1 and p.dp * p.cp > 1:

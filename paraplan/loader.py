@@ -32,7 +32,7 @@ import yaml
 from paraplan.errors import ConfigError
 from paraplan.fileio import read_text, yaml_problem
 from paraplan.specs import (
-    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, GRAD_REDUCE_DTYPES, MOE_DISPATCHERS, P2P_BLOCKING, ROUTING_DISTRIBUTIONS, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
+    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, GRAD_REDUCE_DTYPES, MOE_DISPATCHERS, ROUTING_DISTRIBUTIONS, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
     ClusterSpec, InterNodeSpec, LinkSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
 )
 
@@ -317,7 +317,7 @@ PLAN = _schema(
     tp_backward_overlap=Key(_boolean),
     gradient_accumulation_fusion=Key(_optional(_boolean)),
     p2p_scatter_gather=Key(_boolean),
-    p2p_blocking=Key(_optional(_one_of(P2P_BLOCKING))),
+    wait_forward_sends=Key(_optional(_boolean)),
     expert_tp=Key(POSITIVE),
     moe_shared_expert_overlap=Key(_boolean),
     moe_dispatcher=Key(_one_of(MOE_DISPATCHERS)),

@@ -65,10 +65,9 @@ ASSUMPTIONS = (
     "--scatter-gather-tensors-in-pipeline, DeepSpeed's partitioned pipeline activations) send each TP rank's 1/tp "
     "slice and all-gather it on the receiving node; later ones send the whole activation from every TP rank, as "
     "Megatron-Core does (plan.p2p_scatter_gather)",
-    "pipeline sends and the sender (plan.p2p_blocking): plain 1F1B rows wait for every send before the next op "
-    "(Megatron's non-interleaved schedule waits on each batch_isend_irecv; DeepSpeed's pipeline engine sends "
-    "blocking); interleaved rows do not (every record predates Megatron-Core's wait on forward sends, PR #4047 of "
-    "2026-04)",
+    "pipeline sends and the sender: plain 1F1B rows wait for every send before the next op, as Megatron's "
+    "non-interleaved schedule and DeepSpeed's pipeline engine always have; interleaved rows do not wait for their "
+    "forward sends (plan.wait_forward_sends false: every record predates Megatron-Core's wait, PR #4047 of 2026-04)",
     "GPU: H100 rows run on the profile measured on an H100 SXM (h100-sxm-80gb-calibrated: paraplan calibrate, "
     "torch 2.11 + CUDA 13.0; its large bf16 GEMMs ran at a median 0.68 of peak sustained at the 700 W power "
     "limit, below the 0.80 of the burst-measured public figures in h100-sxm-80gb; its flash3 curve is cuDNN's fused attention as "
@@ -352,7 +351,7 @@ def record_to_scenario(rec: dict) -> dict:
             # Megatron-LM before Megatron-Core (--scatter-gather-tensors-in-pipeline on by default)
             # and DeepSpeed's pipeline engine send each TP rank's slice of a pipeline activation
             "p2p_scatter_gather": not modern,
-            "p2p_blocking": "none" if vpp > 1 else "all",
+            "wait_forward_sends": False,
             "ep": int(par.get("ep") or 1),
             # unset on an MoE run, Megatron shards the experts like the dense layers (arguments.py:
             # expert tensor parallelism defaults to --tensor-model-parallel-size)

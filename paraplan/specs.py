@@ -16,7 +16,6 @@ RECOMPUTE = ("none", "selective", "full")
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "shared_experts")
 MOE_RECOMPUTE_MODULES = ("moe_act", "moe", "shared_experts")
 ZERO_STAGES = (0, 1, 2, 3)
-P2P_BLOCKING = ("none", "forward", "all")
 TOPOLOGIES = ("fat-tree", "rail-optimized")
 ATTENTION_KERNELS = ("flash", "flash3", "unfused")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
@@ -347,13 +346,12 @@ class PlanSpec:
     DeepSpeed's pipeline engine partitions the same way). false, as Megatron-Core runs: every TP
     rank sends the whole activation (p2p_communication get_tensor_shapes divides the sequence by tp
     only under sequence parallelism)."""
-    p2p_blocking: str | None = None
-    """Which pipeline sends the sending stage waits for before its next op (P2P_BLOCKING): none (it
-    goes on at once: PyTorch's pipelining schedules, Megatron's interleaved schedule before 2026-04),
-    forward (each forward activation send: Megatron-Core's interleaved schedule since PR #4047,
-    2026-04, which waits before freeing the sent buffer), all (every send: Megatron's
-    non-interleaved 1F1B, whose batch_isend_irecv calls wait on every request, and DeepSpeed's
-    pipeline engine). None: as Megatron-Core runs the schedule today, see blocking_sends."""
+    wait_forward_sends: bool | None = None
+    """Under interleaved 1F1B, each stage waits for a forward activation's send to complete before
+    its next op, as Megatron-Core does since PR #4047 (2026-04: it waits before freeing the sent
+    buffer); false: it goes on at once (Megatron-Core before that, PyTorch's interleaved schedules,
+    which wait for their sends at the end of the step). None: true. The other schedules wait as
+    their frameworks always have (blocking_sends)."""
     first_stage_layers: int | None = None
     """Layers on the first (virtual) pipeline stage when it differs (Megatron --decoder-first-pipeline-num-layers)."""
     last_stage_layers: int | None = None
@@ -374,14 +372,18 @@ class PlanSpec:
 
     @property
     def blocking_sends(self) -> str:
-        """p2p_blocking as set, else current Megatron-Core's: every send under plain 1F1B
-        (forward_backward_pipelining_without_interleaving raises on overlap_p2p_comm and waits on
-        each batch_isend_irecv), the forward sends under interleaved 1F1B (pp_post_forward waits for
-        send_next before deallocating the output), none under GPipe and zero-bubble, which Megatron
-        does not run and PyTorch's schedules run with sends waited at the end."""
-        if self.p2p_blocking is not None:
-            return self.p2p_blocking
-        return {"1f1b": "all", "interleaved-1f1b": "forward"}.get(self.schedule, "none")
+        """Which pipeline sends a stage waits for before its next op (engine.run_iteration): all
+        under plain 1F1B (Megatron's forward_backward_pipelining_without_interleaving refuses
+        overlap_p2p_comm and waits on each batch_isend_irecv, PyTorch's Schedule1F1B waits on each
+        send batched with the next receive, DeepSpeed's pipeline engine sends blocking); forward
+        under interleaved 1F1B unless wait_forward_sends is false (Megatron-Core's pp_post_forward
+        waits for send_next before deallocating the output); none under GPipe and zero-bubble, which
+        PyTorch's schedules run with their sends waited at the end of the step."""
+        if self.schedule == "1f1b":
+            return "all"
+        if self.schedule == "interleaved-1f1b" and self.wait_forward_sends is not False:
+            return "forward"
+        return "none"
 
     @property
     def recomputed_modules(self) -> tuple[str, ...]:

@@ -368,10 +368,10 @@ def test_overlapped_backward_tp_collectives_are_said_to_run_exposed():
 
 def test_forward_sends_the_executors_interleaved_schedule_does_not_wait_for_are_said():
     interleaved = scenario("x", pp=2, schedule="interleaved-1f1b", virtual_pipeline_stages=2)
-    assert any(n.startswith("plan.p2p_blocking forward:") for n in notes(interleaved, on_gpu=True))
-    unblocked = scenario("x", pp=2, schedule="interleaved-1f1b", virtual_pipeline_stages=2, p2p_blocking="none")
-    assert not any("p2p_blocking" in n for n in notes(unblocked, on_gpu=True))
-    assert not any("p2p_blocking" in n for n in notes(scenario("x", pp=2, schedule="1f1b"), on_gpu=True))
+    assert any(n.startswith("plan.wait_forward_sends:") for n in notes(interleaved, on_gpu=True))
+    unblocked = scenario("x", pp=2, schedule="interleaved-1f1b", virtual_pipeline_stages=2, wait_forward_sends=False)
+    assert not any("wait_forward_sends" in n for n in notes(unblocked, on_gpu=True))
+    assert not any("wait_forward_sends" in n for n in notes(scenario("x", pp=2, schedule="1f1b"), on_gpu=True))
 
 
 def test_dropout_the_executor_does_not_run_is_said():

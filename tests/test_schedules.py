@@ -137,7 +137,9 @@ def test_plans_block_on_sends_as_megatron_core_runs_their_schedule():
     assert PlanSpec(pp=2, schedule="1f1b").blocking_sends == "all"
     assert PlanSpec(pp=2, schedule="interleaved-1f1b", virtual_pipeline_stages=2).blocking_sends == "forward"
     assert PlanSpec(pp=2, schedule="zero-bubble").blocking_sends == "none"
-    assert PlanSpec(pp=2, schedule="1f1b", p2p_blocking="none").blocking_sends == "none"
+    assert PlanSpec(pp=2, schedule="interleaved-1f1b", virtual_pipeline_stages=2,
+                    wait_forward_sends=False).blocking_sends == "none"
+    assert PlanSpec(pp=2, schedule="1f1b", wait_forward_sends=False).blocking_sends == "all"
 
 
 def test_each_pipeline_link_takes_its_own_time():
