@@ -516,15 +516,15 @@ def run_iteration(
                 ev = waiting.pop(key, None)
                 if ev is not None:
                     ev.succeed(arrival)
-                if arrival > end and op[0] in blocking:  # the stage waits for its send to complete
-                    yield timeout(arrival - end)
-                    comm += arrival - end
-                    if record_spans:
-                        spans.append((stage, ~key, end, arrival))  # named when the timeline is read
             if special is not None:
                 for c in launched_after:  # whole chunks whose reduction is launched now
                     ready_events[c].succeed((end, end))
                 gate = launched_after = None
+            if produces is not None and arrival > end and op[0] in blocking:  # it waits for its send
+                yield timeout(arrival - end)
+                comm += arrival - end
+                if record_spans:
+                    spans.append((stage, ~key, end, arrival))  # named when the timeline is read
         traces[stage].ops_done = len(ops)
         if owed_next[stage]:  # a send landed during the last op
             contended[prev_slot] += owed_next[stage]
