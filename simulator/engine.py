@@ -287,6 +287,7 @@ def run_iteration(
     # the slowdown a bucket that started mid-op owes that op
     bucket_until = [0.0] * pp
     op_until = [0.0] * pp
+    op_from = [0.0] * pp  # when the current op starts (after the waits folded into its timeout)
     owed_sm = [0.0] * pp
 
     # When each cross-stage output arrives at its consumer; a SimPy event (in `waiting`) only for
@@ -302,9 +303,11 @@ def run_iteration(
 
     def occupy_sms(stage: int, t: float, seconds: float) -> None:
         """A data-parallel bucket (gradients or weights) holds its SM share over [t, t + seconds]:
-        the op running then owes COMM_SM_SHARE of the overlap (paid when it ends), and ops starting
-        before t + seconds see the bucket through bucket_until."""
-        slowdown = COMM_SM_SHARE * held(op_until[stage], t, seconds)
+        the op running then owes COMM_SM_SHARE of the overlap (paid when it ends; not the part
+        before it starts, while its stage waits for its input), and ops starting before
+        t + seconds see the bucket through bucket_until."""
+        begin = op_from[stage] if op_from[stage] > t else t
+        slowdown = COMM_SM_SHARE * held(op_until[stage], begin, seconds - (begin - t))
         owed_sm[stage] += slowdown
         op_until[stage] += slowdown
         bucket_until[stage] = t + seconds
@@ -481,6 +484,7 @@ def run_iteration(
             busy = bucket_until[stage] - start  # the SMs a gradient bucket holds (held())
             sm = sm_share * (busy if busy < duration else duration) if busy > 0 else 0.0
             op_until[stage] = start + duration + shared + sm
+            op_from[stage] = start
             yield timeout(recv + duration + shared + sm)
             while owed_compute[stage] > 0 or owed_sm[stage] > 0:  # a bucket started during this op
                 extra, owed_compute[stage] = owed_compute[stage], 0.0
