@@ -274,8 +274,10 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
         built.notes.append(f"attention: torch ran several kernels across the configurations ({', '.join(kernels)}); "
                            "their fit is written to the FlashAttention-2 curve (training.attention: flash)")
     head_dim_field = "attention_flash3_head_dims" if as_flash3 else "attention_head_dims"
+    head_dim_key = ("attention_efficiency_flash3" if as_flash3 else "attention_efficiency") + ".by_head_dim"
     if attn:  # a base profile's per-head-dim curves describe the kernel measured anew: they go
         profile = dataclasses.replace(profile, **{head_dim_field: ()})
+        prov.pop(head_dim_key, None)
     elif base is not None and old_peaks.get("bf16") != peaks.get("bf16"):
         scale = old_peaks["bf16"] / peaks["bf16"]
         profile = dataclasses.replace(profile, **{f: tuple((d, _clamped(fw, scale), _clamped(bw, scale))
@@ -317,11 +319,13 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
             f"hwmodels.compute.attention_time on all {fit.n_train} (MAPE {_pct(fit.train_mape)}; {_held_out(fit)})")
 
     dims = sorted(head_dim_fits.get("fwd", {}))
-    if len(dims) > 1 and dims == sorted(head_dim_fits.get("bwd", {})):
+    if not (len(dims) > 1 and dims == sorted(head_dim_fits.get("bwd", {}))):  # nothing kept: no fits to report
+        for key in [k for k in built.fits if k.startswith(("attention.fwd.d", "attention.bwd.d"))]:
+            del built.fits[key]
+    else:
         profile = dataclasses.replace(profile, **{head_dim_field: tuple(
             (d, head_dim_fits["fwd"][d], head_dim_fits["bwd"][d]) for d in dims)})
-        key = "attention_efficiency_flash3" if as_flash3 else "attention_efficiency"
-        prov[f"{key}.by_head_dim"] = (
+        prov[head_dim_key] = (
             f"measured: the calls above fitted per head dim ({', '.join(map(str, dims))}), each to "
             f"hwmodels.compute.attention_time on its own calls (MAPE fwd/bwd; fitted without some, on those): "
             + "; ".join(f"{d}: " + ", ".join(

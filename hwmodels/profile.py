@@ -73,7 +73,14 @@ class GpuProfile:
     up, head dim 128's backward ran 1.2-1.3x faster than that average and head dim 64's forward 1.25x
     slower)."""
     attention_flash3_head_dims: HeadDimCurves = ()
-    """The same for attention_flash3_efficiency."""
+    """The same for attention_flash3_efficiency (where the H100 profile's measured curves are).
+    With a single head dim, every call reads that one's curves."""
+
+    def __post_init__(self) -> None:
+        for name in ("attention_head_dims", "attention_flash3_head_dims"):
+            dims = [entry[0] for entry in getattr(self, name)]
+            if dims != sorted(set(dims)):
+                raise ValueError(f"{name}: head dims must be distinct and ascending, got {dims}")
     nvlink_bandwidth: float
     """bytes/s per GPU per direction, datasheet."""
     nvlink_ring_busbw: float

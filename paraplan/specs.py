@@ -374,11 +374,13 @@ class PlanSpec:
     def blocking_sends(self) -> str:
         """Which pipeline sends a stage waits for before its next op (engine.run_iteration): all
         under plain 1F1B (Megatron's forward_backward_pipelining_without_interleaving refuses
-        overlap_p2p_comm and waits on each batch_isend_irecv, PyTorch's Schedule1F1B waits on each
-        send batched with the next receive, DeepSpeed's pipeline engine sends blocking); forward
-        under interleaved 1F1B unless wait_forward_sends is false (Megatron-Core's pp_post_forward
-        waits for send_next before deallocating the output); none under GPipe and zero-bubble, which
-        PyTorch's schedules run with their sends waited at the end of the step."""
+        overlap_p2p_comm and waits on each batch_isend_irecv, DeepSpeed's pipeline engine sends
+        blocking; PyTorch's Schedule1F1B waits on its steady-state sends, batched with the next
+        receive, but on a warm-up forward's send only after the next forward); forward under
+        interleaved 1F1B unless wait_forward_sends is false (Megatron-Core's pp_post_forward waits
+        for send_next before deallocating the output); none under GPipe and zero-bubble, which
+        PyTorch's schedules run with their forward sends waited before the backward (GPipe) or at
+        the end of the step."""
         if self.schedule == "1f1b":
             return "all"
         if self.schedule == "interleaved-1f1b" and self.wait_forward_sends is not False:

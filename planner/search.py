@@ -250,14 +250,21 @@ def run_search(req: SearchRequest, *, progress: Callable[[int, int, Evaluation |
     evaluator = Evaluator(space)
     baseline_cand = space.baseline()
     if created:
+        # the fingerprint first, right after the study is made: a joiner tells this search from
+        # another at once, and one that finds none within _wait_for_attr's wait knows its creator died
+        study.set_user_attr("paraplan_strategy", strategy_name)
+        study.set_user_attr("paraplan_fingerprint", fp)
         baseline = evaluator.evaluate_baseline(baseline_cand)
         study.set_user_attr("paraplan_baseline", baseline.to_json())
-        study.set_user_attr("paraplan_strategy", strategy_name)
-        study.set_user_attr("paraplan_fingerprint", fp)  # last: joiners wait for it
         for params in strategy.first_trials(space, budget):
             study.enqueue_trial({k: v for k, v in params.items() if k in choices}, skip_if_exists=True)
     else:
-        baseline = Evaluation.from_json(study.user_attrs["paraplan_baseline"])
+        shared = _wait_for_attr(study, "paraplan_baseline")
+        if shared is None:  # its creator stopped before the baseline: the same search, so the same plan
+            baseline = evaluator.evaluate_baseline(baseline_cand)
+            study.set_user_attr("paraplan_baseline", baseline.to_json())
+        else:
+            baseline = Evaluation.from_json(shared)
     before = len(study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED)))
 
     job = _Job(scenario=req.scenario, spec=req.spec, objective=req.objective, storage=req.storage,
@@ -338,8 +345,8 @@ def _open_study(req: SearchRequest, storage, fp: str) -> tuple[optuna.Study, boo
     if not created:
         theirs = _wait_for_attr(study, "paraplan_fingerprint")
         if theirs is None and not study.get_trials(deepcopy=False):
-            # its creator stopped before setting it up (the fingerprint is written last, before the
-            # first trial): nothing in it to keep, so this run sets it up as its creator would have
+            # its creator stopped between making it and writing the fingerprint, its next step:
+            # nothing in it to keep, so this run sets it up as its creator would have
             return study, True
         if theirs is None:
             raise ParaplanError(f"study {req.study_name!r} in {mask_url(req.storage)} has trials but was not set up "

@@ -307,7 +307,8 @@ def run_iteration(
         before it starts, while its stage waits for its input), and ops starting before
         t + seconds see the bucket through bucket_until."""
         begin = op_from[stage] if op_from[stage] > t else t
-        slowdown = COMM_SM_SHARE * held(op_until[stage], begin, seconds - (begin - t))
+        window = seconds - (begin - t)  # the bucket's time from the op's start on
+        slowdown = COMM_SM_SHARE * held(op_until[stage], begin, window) if window > 0 else 0.0
         owed_sm[stage] += slowdown
         op_until[stage] += slowdown
         bucket_until[stage] = t + seconds

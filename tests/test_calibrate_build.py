@@ -241,5 +241,7 @@ def test_attention_measured_at_several_head_dims_gets_a_curve_per_head_dim(tmp_p
     assert {f"attention.{w}.d{d}" for w in ("fwd", "bwd") for d in (64, 128)} <= built.fits.keys()
     # measured anew at one head dim, a base profile's per-head-dim curves are dropped, not kept
     one = [m for m in _measure(device, plan, ("bf16",)) if m.params.get("head_dim", 128) == 128]
-    again = _build(GPU, p, one).profile
-    assert again.attention_head_dims == ()
+    again = _build(GPU, p, one)
+    assert again.profile.attention_head_dims == ()
+    assert "attention_efficiency.by_head_dim" not in dict(again.profile.provenance)
+    assert not [k for k in again.fits if k.startswith("attention.fwd.d")]  # nothing kept, nothing reported

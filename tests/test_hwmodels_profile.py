@@ -330,9 +330,19 @@ def test_per_head_dim_attention_curves_round_trip_in_head_dim_order(tmp_path):
     p = load_profile("h100-sxm-80gb")
     fwd, bwd = p.attention_fwd_efficiency, p.attention_bwd_efficiency
     slow = Curve(fwd.xs, tuple(y / 2 for y in fwd.ys))
-    mine = dataclasses.replace(p, attention_head_dims=((256, fwd, bwd), (64, slow, bwd)),
+    mine = dataclasses.replace(p, attention_head_dims=((64, slow, bwd), (256, fwd, bwd)),
                                attention_flash3_head_dims=((128, slow, slow),))
     again = load_profile(str(write_profile(mine, tmp_path / "p.yaml")))
-    assert again.attention_head_dims == ((64, slow, bwd), (256, fwd, bwd))
-    assert again.attention_flash3_head_dims == ((128, slow, slow),)
-    assert yaml.safe_load((tmp_path / "p.yaml").read_text())["attention_efficiency"]["by_head_dim"][64]["fwd"]
+    assert again == mine
+    raw = yaml.safe_load((tmp_path / "p.yaml").read_text())
+    raw["attention_efficiency"]["by_head_dim"] = dict(reversed(list(raw["attention_efficiency"]["by_head_dim"].items())))
+    assert list(raw["attention_efficiency"]["by_head_dim"]) == [256, 64]
+    assert _load_raw(tmp_path, raw).attention_head_dims == ((64, slow, bwd), (256, fwd, bwd))  # read in order
+
+
+def test_per_head_dim_curves_must_be_distinct_and_ascending():
+    p = load_profile("h100-sxm-80gb")
+    fwd, bwd = p.attention_fwd_efficiency, p.attention_bwd_efficiency
+    for dims in ((256, 64), (128, 128)):
+        with pytest.raises(ValueError, match="head dims must be distinct and ascending"):
+            dataclasses.replace(p, attention_head_dims=tuple((d, fwd, bwd) for d in dims))

@@ -309,3 +309,23 @@ def test_a_study_its_creator_never_set_up_is_taken_over_not_refused(tmp_path, mo
     study.add_trial(optuna.trial.create_trial(params={}, distributions={}, value=1.0))
     with pytest.raises(ParaplanError, match="has trials but was not set up by paraplan plan"):
         search._open_study(req, storage, "fingerprint")
+
+
+def test_a_study_whose_creator_stopped_before_the_baseline_is_joined(tmp_path, monkeypatch):
+    """The creator writes the study's fingerprint first, then simulates the baseline; a run that
+    joins a study its creator left without a baseline simulates the baseline itself."""
+    from planner import search
+    from planner.objective import Evaluator
+
+    real = Evaluator.evaluate_baseline
+    monkeypatch.setattr(Evaluator, "evaluate_baseline", lambda self, cand: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        run_search(request(tmp_path, *SMALL, strategy="tpe", trials=5))
+    study = optuna.load_study(study_name="s", storage=open_storage(str(tmp_path / "study.journal")))
+    assert "paraplan_fingerprint" in study.user_attrs and "paraplan_baseline" not in study.user_attrs
+    monkeypatch.setattr(Evaluator, "evaluate_baseline", real)
+    monkeypatch.setattr(search, "_wait_for_attr", lambda study, key, timeout_s=10.0:
+                        study._storage.get_study_user_attrs(study._study_id).get(key))  # no creator to wait for
+    res = run_search(request(tmp_path, *SMALL, strategy="tpe", trials=5))
+    assert res.records and "paraplan_baseline" in optuna.load_study(
+        study_name="s", storage=open_storage(str(tmp_path / "study.journal"))).user_attrs

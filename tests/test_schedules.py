@@ -449,3 +449,25 @@ def test_runs_in_threads_share_the_kept_op_plans_safely(monkeypatch):
     engine.clear_caches()
     assert all(step == alone[m] for m, step in got)
     assert sum(len(entry[0]) for entry in engine._PLAN_CACHE.values()) == 0
+
+
+def test_a_bucket_that_ends_before_the_next_op_starts_charges_it_nothing():
+    """Interleaved 1F1B on 2 stages, 4 microbatches, F = 1 s, B = 2 s, sends of 1 s: a chunk's
+    last bucket of 3 s overlaps a whole 2 s backward (0.15 x 2 = 0.3 s of SM sharing), and the short
+    buckets before it start and end while the stage waits for its next input, which they must not
+    charge (nor, with NIC traffic on both, give a negative delay)."""
+    ops = build_schedule("interleaved-1f1b", 2, 4, 2)
+
+    def works(buckets, nic):
+        cost = (lambda t: Cost().add("compute", t).add_nic("ep_comm", 0.5 * t)) if nic else \
+            (lambda t: Cost().add("compute", t))
+        return [StageWork(ops=o, op_cost={(k, c): cost(t) for k, t in (("F", 1.0), ("B", 2.0)) for c in range(2)},
+                          grad_buckets=buckets, grad_bucket_nic={c: list(v) for c, v in buckets.items()} if nic else {},
+                          optimizer_time=0.0, param_gather_time=0.0) for o in ops]
+
+    res = run_iteration(works({c: [0.1, 0.1, 0.1, 3.0] for c in range(2)}, nic=False), num_chunks=2, p2p_time=1.0,
+                        overlap_grad_reduce=True, sync_time=0.0, align_grad_reduce=True)
+    assert res.step_time == pytest.approx(36.6)
+    assert [s.compute_end for s in res.stages] == [pytest.approx(33.3), pytest.approx(30.3)]
+    run_iteration(works({c: [0.1, 0.1, 0.1, 0.5] for c in range(2)}, nic=True), num_chunks=2, p2p_time=1.0,
+                  p2p_nic=1.0, overlap_grad_reduce=True, sync_time=0.0, align_grad_reduce=True)  # no negative delay
