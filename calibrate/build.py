@@ -23,6 +23,7 @@ import dataclasses
 import datetime as _dt
 import math
 import os
+from collections import Counter
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +34,7 @@ from calibrate.errors import CalibrationError
 from hwmodels.compute import memory_bound_time
 from hwmodels.curves import Curve
 from hwmodels.network import busbw_factor
-from hwmodels.profile import GpuProfile
+from hwmodels.profile import HEAD_DIM_FIELDS, GpuProfile
 from paraplan.specs import InterNodeSpec
 
 __all__ = ["CPU_ARCH", "CPU_HEADROOM", "Built", "build_profile"]
@@ -282,7 +283,8 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
         scale = old_peaks["bf16"] / peaks["bf16"]
         profile = dataclasses.replace(profile, **{f: tuple((d, _clamped(fw, scale), _clamped(bw, scale))
                                                            for d, fw, bw in getattr(profile, f))
-                                                  for f in ("attention_head_dims", "attention_flash3_head_dims")})
+                                                  for f in HEAD_DIM_FIELDS})
+    head_dims = _fitted_head_dims(by_kind)
     head_dim_fits: dict[str, dict[int, Curve]] = {}
     for direction in ("fwd", "bwd"):
         ms = sorted(by_kind.get(f"attention_{direction}", []), key=lambda m: m.work)
@@ -292,7 +294,7 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
                 profile = dataclasses.replace(profile, **{field_name: _clamped(getattr(profile, field_name),
                                                                               old_peaks["bf16"] / peaks["bf16"])})
             continue
-        head_dim_fits[direction] = _head_dim_fits(ms, direction, profile, built)
+        head_dim_fits[direction] = _head_dim_fits(ms, head_dims, direction, profile, built)
         if len(ms) < 2:
             built.notes.append(f"attention {direction}: one configuration ran; the curve is a single value")
         configs = [dict(m.params) for m in ms]
@@ -318,19 +320,15 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
             f"{max(c['q_len'] for c in configs)} (the FlashAttention benchmark grid, scaled to the device); fitted to "
             f"hwmodels.compute.attention_time on all {fit.n_train} (MAPE {_pct(fit.train_mape)}; {_held_out(fit)})")
 
-    dims = sorted(head_dim_fits.get("fwd", {}))
-    if not (len(dims) > 1 and dims == sorted(head_dim_fits.get("bwd", {}))):  # nothing kept: no fits to report
-        for key in [k for k in built.fits if k.startswith(("attention.fwd.d", "attention.bwd.d"))]:
-            del built.fits[key]
-    else:
+    if head_dims:
         profile = dataclasses.replace(profile, **{head_dim_field: tuple(
-            (d, head_dim_fits["fwd"][d], head_dim_fits["bwd"][d]) for d in dims)})
+            (d, head_dim_fits["fwd"][d], head_dim_fits["bwd"][d]) for d in head_dims)})
         prov[head_dim_key] = (
-            f"measured: the calls above fitted per head dim ({', '.join(map(str, dims))}), each to "
+            f"measured: the calls above fitted per head dim ({', '.join(map(str, head_dims))}), each to "
             f"hwmodels.compute.attention_time on its own calls (MAPE fwd/bwd; fitted without some, on those): "
             + "; ".join(f"{d}: " + ", ".join(
                 f"{_pct(built.fits[f'attention.{w}.d{d}']['train_mape'])} ({_pct(built.fits[f'attention.{w}.d{d}']['test_mape'])})"
-                for w in ("fwd", "bwd")) for d in dims)
+                for w in ("fwd", "bwd")) for d in head_dims)
             + "; a call reads the curves of its own head dim, interpolated between two measured ones")
 
     # ---- memory-bound kernels vs the model (a check of the HBM curve on other kernels)
@@ -455,22 +453,32 @@ def _rounded(p: GpuProfile, base: GpuProfile | None) -> GpuProfile:
         attention_bwd_efficiency=field_curve("attention_bwd_efficiency", GFLOP),
         attention_flash3_efficiency=(None if p.attention_flash3_efficiency is None else tuple(
             curve(c, old, GFLOP) for c, old in zip(p.attention_flash3_efficiency, base_flash3))),
-        **{f: head_dims(f) for f in ("attention_head_dims", "attention_flash3_head_dims")},
+        **{f: head_dims(f) for f in HEAD_DIM_FIELDS},
         nvlink_bandwidth=num("nvlink_bandwidth", GBPS), nvlink_ring_busbw=num("nvlink_ring_busbw", GBPS),
         nvlink_busbw=field_curve("nvlink_busbw", None, GBPS), nvlink_latency=num("nvlink_latency", US),
         nic_efficiency=num("nic_efficiency"))
 
 
-def _head_dim_fits(ms: list, direction: str, profile: GpuProfile, built: Built) -> dict[int, Curve]:
-    """Per measured head dim with at least two calls, the attention curve fitted to its calls alone
+def _fitted_head_dims(by_kind: dict) -> list[int]:
+    """The head dims that get curves of their own: those with at least two calls measured in each
+    direction, when forward and backward have the same ones and there are several (else none)."""
+    def dims(direction: str) -> list[int]:
+        counts = Counter(int(m.params["head_dim"]) for m in by_kind.get(f"attention_{direction}", []))
+        return sorted(d for d, n in counts.items() if n >= 2)
+
+    fwd = dims("fwd")
+    return fwd if len(fwd) > 1 and fwd == dims("bwd") else []
+
+
+def _head_dim_fits(ms: list, head_dims: list[int], direction: str, profile: GpuProfile, built: Built) -> dict[int, Curve]:
+    """Per head dim of `head_dims`, the attention curve fitted to its calls among `ms` alone
     (recorded in built.fits as attention.<direction>.d<head dim>)."""
-    by_dim: dict[int, list] = {}
+    by_dim: dict[int, list] = {d: [] for d in head_dims}
     for m in ms:
-        by_dim.setdefault(int(m.params["head_dim"]), []).append(m)
+        if int(m.params["head_dim"]) in by_dim:
+            by_dim[int(m.params["head_dim"])].append(m)
     out = {}
-    for d, calls in sorted(by_dim.items()):
-        if len(calls) < 2:
-            continue
+    for d, calls in by_dim.items():
         fit = F.fit_attention([dict(m.params) for m in calls], [m.seconds for m in calls],
                               backward=direction == "bwd", dtype="bf16", profile=profile)
         out[d] = fit.curve

@@ -183,6 +183,7 @@ def scaled_profile(profile, k: float):
     """`profile` with its GEMM and attention efficiencies (FlashAttention-2-class and, where the
     profile has them, FlashAttention-3-class and per head dim) times k, kept in (0, 1]."""
     from hwmodels.curves import Curve
+    from hwmodels.profile import HEAD_DIM_FIELDS
 
     def scale(c):
         return Curve(c.xs, tuple(min(1.0, max(1e-9, y * k)) for y in c.ys))
@@ -195,17 +196,19 @@ def scaled_profile(profile, k: float):
         attention_bwd_efficiency=scale(profile.attention_bwd_efficiency),
         attention_flash3_efficiency=None if flash3 is None else tuple(scale(c) for c in flash3),
         **{f: tuple((d, scale(fw), scale(bw)) for d, fw, bw in getattr(profile, f))
-           for f in ("attention_head_dims", "attention_flash3_head_dims")},
+           for f in HEAD_DIM_FIELDS},
     )
 
 
 def _saturating_factor(profile) -> float:
     """The k beyond which every scaled efficiency sits at 1: more changes nothing."""
+    from hwmodels.profile import HEAD_DIM_FIELDS
+
     ys = [y for _, c in profile.gemm_efficiency for y in c.ys]
     ys += list(profile.attention_fwd_efficiency.ys) + list(profile.attention_bwd_efficiency.ys)
     for c in profile.attention_flash3_efficiency or ():
         ys += list(c.ys)
-    for f in ("attention_head_dims", "attention_flash3_head_dims"):
+    for f in HEAD_DIM_FIELDS:
         ys += [y for _, fw, bw in getattr(profile, f) for y in fw.ys + bw.ys]
     return 1.0 / min(ys)
 

@@ -27,7 +27,7 @@ from paraplan.errors import ConfigError
 from paraplan.fileio import read_text, write_atomic, yaml_problem
 from paraplan.specs import TOPOLOGIES, InterNodeSpec, LinkSpec
 
-__all__ = ["ARCHS", "BUNDLED", "Curve", "DTYPES", "GpuProfile", "load_profile", "write_profile"]
+__all__ = ["ARCHS", "BUNDLED", "Curve", "DTYPES", "HEAD_DIM_FIELDS", "GpuProfile", "load_profile", "write_profile"]
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
 ARCHS = ("ampere", "hopper", "blackwell")
@@ -36,6 +36,8 @@ PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 HeadDimCurves = tuple[tuple[int, Curve, Curve], ...]
 """((head_dim, forward curve, backward curve), ...), head dims ascending."""
+HEAD_DIM_FIELDS = ("attention_head_dims", "attention_flash3_head_dims")
+"""GpuProfile's per-head-dim curves, of the flash and flash3 kernels."""
 
 # Unit of each YAML key -> SI.
 TFLOPS, GBPS, GBITPS, GIB, GB, MB, GFLOP, US = 1e12, 1e9, 1e9 / 8, 2**30, 1e9, 1e6, 1e9, 1e-6
@@ -77,7 +79,7 @@ class GpuProfile:
     With a single head dim, every call reads that one's curves."""
 
     def __post_init__(self) -> None:
-        for name in ("attention_head_dims", "attention_flash3_head_dims"):
+        for name in HEAD_DIM_FIELDS:
             dims = [entry[0] for entry in getattr(self, name)]
             if dims != sorted(set(dims)):
                 raise ValueError(f"{name}: head dims must be distinct and ascending, got {dims}")
