@@ -27,7 +27,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from paraplan.specs import ClusterSpec, ModelSpec, PlanSpec, RunSpec, Scenario, TrainingSpec  # noqa: E402
+from paraplan.specs import (  # noqa: E402
+    ClusterSpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec)
 
 
 @dataclass(frozen=True)
@@ -44,6 +45,8 @@ class Plan:
     mbs: int
     microbatches: int = 1
     recompute: str = "none"
+    moe: tuple[int, int, int] | None = None
+    """(experts, top_k, expert FFN width): every layer's FFN is a dropless MoE, all experts on the GPU."""
 
 
 PLANS = (
@@ -58,14 +61,28 @@ PLANS = (
     Plan("gpt-1.2b mbs8", 20, 2048, 16, 16, 8192, "gelu", 50304, 2048, 8),
     # Llama-style: GQA 32/8, SwiGLU, seq 4096, selective recompute
     Plan("llama-2b seq4k selective", 8, 4096, 32, 8, 14336, "swiglu", 32000, 4096, 2, recompute="selective"),
+    # MoE, dropless, every expert on the one GPU (no all-to-all): the router, the permutation and the
+    # expert GEMMs. Few large experts (Mixtral's 8, top 2: 2,048 tokens per expert), then many small
+    # ones (64, top 8: 512 tokens per expert, the per-expert load of Qwen3-235B on EP 8), where the
+    # GPU's work per expert is small and the executor's per-expert kernels and host time weigh most
+    Plan("moe-8x top2 seq2k mbs4", 6, 2048, 16, 8, 5632, "swiglu", 32000, 2048, 4, moe=(8, 2, 5632)),
+    Plan("moe-64x top8 seq2k mbs2", 6, 2048, 16, 8, 768, "swiglu", 32000, 2048, 2, moe=(64, 8, 768)),
 )
 
 
-def scenario(p: Plan, gpu: str, *, steps: int, warmup: int) -> Scenario:
+def scenario(p: Plan, gpu: str, *, steps: int, warmup: int, routing: list[int] | None = None) -> Scenario:
+    """`routing`: the router's measured tokens per expert (summed over layers and steps), simulated as
+    a histogram; None: uniform."""
+    moe = None
+    if p.moe:
+        experts, top_k, ffn = p.moe
+        dist = RoutingSpec(distribution="histogram", tokens_per_expert=tuple(float(c) for c in routing)) \
+            if routing else RoutingSpec()
+        moe = MoESpec(num_experts=experts, top_k=top_k, expert_ffn_hidden_size=ffn, routing=dist)
     model = ModelSpec(name=p.name.split()[0], num_layers=p.layers, hidden_size=p.hidden,
                       num_attention_heads=p.heads, num_kv_heads=p.kv_heads, head_dim=p.hidden // p.heads,
                       ffn_hidden_size=p.ffn, vocab_size=p.vocab, activation=p.activation,
-                      dropout=0.0)  # the executor trains without dropout
+                      dropout=0.0, moe=moe)  # the executor trains without dropout
     return Scenario(
         name=p.name, model=model,
         cluster=ClusterSpec(gpu=gpu, num_nodes=1, gpus_per_node=1),
@@ -121,11 +138,11 @@ def main() -> int:
     from paraplan.fileio import write_atomic
 
     failure = None
+    plans_by_name = {p.name: p for p in PLANS}
     if args.measured:
         saved = json.loads(Path(args.measured).read_text())
         device, device_info, rows = saved["device"], saved.get("device_info", {}), saved["rows"]
-        plans = {p.name: p for p in PLANS}
-        scenarios = [scenario(plans[r["plan"]], "h100-sxm-80gb", steps=args.steps, warmup=args.warmup) for r in rows]
+        scenarios = [scenario(plans_by_name[r["plan"]], "h100-sxm-80gb", steps=args.steps, warmup=args.warmup) for r in rows]
         measurements = [r["measured"] for r in rows]
         failure = saved.get("failure")
     else:
@@ -156,6 +173,10 @@ def main() -> int:
 
     rows = []
     for sc, m in zip(scenarios, measurements):
+        if m.get("tokens_per_expert"):  # simulate the routing the executor's router made
+            counts = [sum(c) for c in zip(*m["tokens_per_expert"].values())]
+            sc = scenario(plans_by_name[sc.name], "h100-sxm-80gb", steps=args.steps, warmup=args.warmup,
+                          routing=counts)
         steps = [s["time_s"] for s in m["steps"] if not s["warmup"]]
         row = {"plan": sc.name, "measured": m, "measured_step_time_s": m["step_time_s"],
                "measured_spread_pct": 100.0 * (max(steps) - min(steps)) / statistics.median(steps),

@@ -27,8 +27,27 @@ from torch.utils.checkpoint import checkpoint
 from paraplan.specs import ModelSpec
 
 
+ROW_ALIGN = 8
+"""Rows each expert's token group is padded to a multiple of in the grouped GEMM: a bf16 group must
+start 16 bytes aligned for the kernel's TMA loads (torch's grouped GEMM checks 16-byte strides,
+pytorch#150374; torchtitan pads token groups to 8 rows for bf16, 16 for fp8, torchtitan#1503)."""
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype the expert GEMMs run in: autocast's where it is on, else the input's."""
+    kind = x.device.type
+    return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
+
+
 class GroupedExperts(nn.Module):
-    """E_local experts' weights stacked on dim 0; tokens arrive grouped by expert."""
+    """E_local experts' weights stacked on dim 0; tokens arrive grouped by expert.
+
+    The experts run as grouped GEMMs (`torch._grouped_mm`: one kernel per projection for all local
+    experts, as Megatron-Core's TEGroupedMLP and torchtitan run them) where torch has one for the
+    device and dtype (CUDA bf16, or CPU) and the widths keep 16-byte strides; else as one GEMM per
+    expert. Either way the host never waits for the token counts, and a weight's gradient is
+    written once per layer, not once per expert (indexing `w[e]` per expert made autograd write a
+    zero gradient the size of all E experts for each of them: E^2 traffic)."""
 
     def __init__(self, num_local: int, hidden: int, ffn: int, activation: str):
         super().__init__()
@@ -37,21 +56,65 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(num_local, hidden, ffn))
         self.w3 = nn.Parameter(torch.empty(num_local, ffn, hidden)) if self.swiglu else None
 
-    def forward(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
-        """Each row's routing probability `probs` (fp32) weights its activation before the down
-        projection, as Megatron-Core's TEGroupedMLP does (weighted_bias_swiglu_impl with
-        permuted_probs): the same product as weighting the expert output (no bias), but the
-        backward keeps no expert output for a weighted combine."""
+    def forward(self, x: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        """`counts`: rows per local expert (a tensor on x's device). Each row's routing probability
+        `probs` (fp32) weights its activation before the down projection, as Megatron-Core's
+        TEGroupedMLP does (weighted_bias_swiglu_impl with permuted_probs): the same product as
+        weighting the expert output (no bias), but the backward keeps no expert output for a
+        weighted combine."""
+        dtype = _compute_dtype(x)
+        if self.grouped_gemm(x.device, dtype):
+            return self._grouped(x.to(dtype), counts, probs, dtype)
+        return self._per_expert(x, counts.tolist(), probs)
+
+    def grouped_gemm(self, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether torch's grouped GEMM runs these experts: it needs 16-byte strides, and on CUDA bf16."""
+        if not hasattr(torch, "_grouped_mm") or dtype not in (torch.bfloat16, torch.float32):
+            return False
+        if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] < 8):
+            return False
+        if device.type not in ("cuda", "cpu"):
+            return False
+        per_16_bytes = 16 // torch.empty((), dtype=dtype).element_size()
+        return self.w1.shape[1] % per_16_bytes == 0 and self.w1.shape[2] % per_16_bytes == 0
+
+    def _grouped(self, x: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, dtype) -> torch.Tensor:
+        n, experts = x.shape[0], counts.numel()
+        # each expert's rows move to a group padded to ROW_ALIGN rows (zero rows compute zeros); the
+        # buffer has a size fixed by n and E, so nothing waits for the counts to reach the host
+        padded = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+        ends = torch.cumsum(padded, 0)
+        expert_of_row = torch.repeat_interleave(torch.arange(experts, device=x.device), counts, output_size=n)
+        first_row = torch.cumsum(counts, 0) - counts
+        dest = (ends - padded)[expert_of_row] + torch.arange(n, device=x.device) - first_row[expert_of_row]
+        rows = n + experts * (ROW_ALIGN - 1)
+        # the last group runs to the buffer's end, so every row of the buffer belongs to a group
+        offs = torch.cat([ends[:-1], ends.new_full((1,), rows)]).to(torch.int32)
+        buf = x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x)
+        weight = probs.new_zeros(rows).index_copy(0, dest, probs)[:, None]
+
+        def proj(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # a[rows of e] @ w[e].T for each e
+            return torch._grouped_mm(a, w.to(dtype).transpose(-2, -1), offs=offs)
+
+        if self.swiglu:
+            a = F.silu(proj(buf, self.w1)) * proj(buf, self.w3)
+        else:
+            a = F.gelu(proj(buf, self.w1), approximate="tanh")
+        return proj((a * weight).to(dtype), self.w2).index_select(0, dest)
+
+    def _per_expert(self, x: torch.Tensor, counts: list[int], probs: torch.Tensor) -> torch.Tensor:
+        w1, w2 = self.w1.unbind(0), self.w2.unbind(0)  # one gradient write per weight, not per expert
+        w3 = self.w3.unbind(0) if self.swiglu else None
         outs, start = [], 0
         for e, n in enumerate(counts):
             seg = x[start:start + n]
             w = probs[start:start + n, None]
             start += n
             if self.swiglu:
-                a = F.silu(seg @ self.w1[e].t()) * (seg @ self.w3[e].t())
+                a = F.silu(seg @ w1[e].t()) * (seg @ w3[e].t())
             else:
-                a = F.gelu(seg @ self.w1[e].t(), approximate="tanh")
-            outs.append((a * w).to(a.dtype) @ self.w2[e].t())
+                a = F.gelu(seg @ w1[e].t(), approximate="tanh")
+            outs.append((a * w).to(a.dtype) @ w2[e].t())
         if not outs:
             return x[:0]
         return torch.cat(outs)
@@ -107,7 +170,10 @@ class MoE(nn.Module):
         flat_e, flat_w = experts.reshape(-1), weights.reshape(-1)
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
             # the router's demand, before any capacity drop
-            self.tokens_per_expert += torch.bincount(flat_e.detach(), minlength=self.num_experts).cpu()
+            # counted on the device: reading them here would make the host wait for the GPU every layer
+            if self.tokens_per_expert.device != flat_e.device:
+                self.tokens_per_expert = self.tokens_per_expert.to(flat_e.device)
+            self.tokens_per_expert += torch.bincount(flat_e.detach(), minlength=self.num_experts)
         keep = None
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
@@ -126,7 +192,7 @@ class MoE(nn.Module):
         if self.ep_size > 1:
             y = self._expert_parallel(routed, routed_w, counts)
         else:
-            y = self.experts(routed, counts.tolist(), routed_w)
+            y = self.experts(routed, counts, routed_w)
         out = torch.zeros_like(x).index_add(0, token_of, y.to(x.dtype))
         if self.shared is not None:
             if self.shared_recompute:
@@ -152,6 +218,6 @@ class MoE(nn.Module):
         local_expert = torch.repeat_interleave(
             torch.arange(n_local, device=routed.device).repeat(ep), recv_counts.reshape(-1))
         regroup = torch.argsort(local_expert, stable=True)
-        y = self.experts(received[regroup], recv_counts.sum(0).tolist(), received_w[regroup])
+        y = self.experts(received[regroup], recv_counts.sum(0), received_w[regroup])
         y = y[torch.argsort(regroup)]
         return funcol.all_to_all_single_autograd(y.contiguous(), send_splits, recv_splits, self.ep_group)

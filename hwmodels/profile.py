@@ -31,7 +31,8 @@ __all__ = ["ARCHS", "BUNDLED", "Curve", "DTYPES", "HEAD_DIM_FIELDS", "GpuProfile
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
 ARCHS = ("ampere", "hopper", "blackwell")
-BUNDLED = ("a100-sxm-40gb", "a100-sxm-80gb", "h100-sxm-80gb", "h100-sxm-80gb-calibrated", "h200-sxm-141gb", "b200-sxm-180gb")
+BUNDLED = ("a100-sxm-40gb", "a100-sxm-80gb", "h100-sxm-80gb", "h100-sxm-80gb-calibrated", "h200-sxm-141gb",
+           "h200-sxm-141gb-calibrated", "b200-sxm-180gb")
 PROFILE_DIR = Path(__file__).resolve().parent / "profiles"
 
 HeadDimCurves = tuple[tuple[int, Curve, Curve], ...]
