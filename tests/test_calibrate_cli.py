@@ -348,3 +348,17 @@ def test_from_report_refits_the_bundled_h100_profile_exactly(tmp_path):
     assert again["measured_at"] == original["measured_at"] and again["wall_s"] == original["wall_s"]
     assert {k: v for k, v in again["options"].items() if k not in ("out", "report")} == \
         {k: v for k, v in original["options"].items() if k not in ("out", "report")}
+
+
+def test_from_report_refits_the_bundled_h200_profile_exactly(tmp_path):
+    """h200-sxm-141gb-calibrated, likewise, is `--from-report` of the H200 run's report."""
+    from calibrate.run import _same
+
+    report = ROOT / "benchmarks/data/gpu/h200-calibration-report.json"
+    r = paraplan("--from-report", str(report), "--out", str(tmp_path / "h200.yaml"),
+                 "--name", "h200-sxm-141gb-calibrated")
+    assert r.returncode == 0, r.stderr
+    mine, bundled = load_profile(str(tmp_path / "h200.yaml")), load_profile("h200-sxm-141gb-calibrated")
+    strip = lambda p: p.__class__(**{**p.__dict__, "provenance": ()})  # noqa: E731 - the refit's date differs
+    assert _same(strip(mine), strip(bundled))
+    assert bundled.calibrated and bundled.arch == "hopper" and "NVIDIA H200" in dict(bundled.provenance)["calibration"]
