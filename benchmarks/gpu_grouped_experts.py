@@ -3,6 +3,11 @@
     python benchmarks/gpu_grouped_experts.py [--out FILE.json]
     python benchmarks/gpu_grouped_experts.py --device cpu --scale 0.0625   # the same checks, small, on a CPU
 
+With --kernels, the grouped path's forward + backward also runs under torch.profiler (5 calls) and
+the GPU time of its kernels is printed by kind (grouped GEMMs, casts, copies, ...), with the
+calibrated profile's price of the same expert GEMMs (every expert's forward, dgrad and wgrad priced
+as a GEMM of its own, as the simulator prices them) beside the measured grouped-GEMM kernels.
+
 For each shape (local experts, tokens per expert, hidden, expert FFN), with uneven random counts
 that include an expert with no tokens: the two paths' outputs and gradients are compared (the
 grouped path must match the per-expert one to bf16 rounding), then the forward + backward of each
@@ -35,6 +40,60 @@ def counts_for(experts: int, per_expert: int, gen) -> "torch.Tensor":
     return c
 
 
+def kernel_kind(name: str) -> str:
+    n = name.lower()
+    if "gemm" in n or "cutlass" in n or "sm90" in n or "nvjet" in n or "xmma" in n:
+        return "gemm"
+    for kind in ("copy", "cast", "index", "scatter", "gather", "fill", "silu", "mul", "reduce", "cumsum", "sort"):
+        if kind in n:
+            return kind
+    return "other"
+
+
+def modelled_gemm_s(profile: str, counts: list[int], hidden: int, ffn: int) -> float:
+    """The GEMM model's time for the experts' SwiGLU forward, dgrad and wgrad, one GEMM per expert."""
+    from hwmodels.compute import gemm_time
+    from hwmodels.profile import load_profile
+
+    gpu, t = load_profile(profile), 0.0
+    for m in counts:
+        for rows, out, inner in ((m, ffn, hidden), (m, ffn, hidden), (m, hidden, ffn)) if m else ():
+            t += gemm_time(gpu, rows, out, inner, "bf16") + gemm_time(gpu, rows, inner, out, "bf16") + \
+                gemm_time(gpu, inner, out, rows, "bf16")
+    return t
+
+
+def profile_kernels(run, dev, experts: int, counts: list[int], hidden: int, ffn: int, profile: str) -> dict:
+    import torch
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    calls = 5
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run(True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize()
+    by_kind: dict[str, float] = {}
+    names: dict[str, float] = {}
+    for ev in prof.key_averages():
+        us = getattr(ev, "device_time_total", 0.0) or getattr(ev, "cuda_time_total", 0.0)
+        if ev.device_type != torch.autograd.DeviceType.CUDA or not us:
+            continue
+        kind = kernel_kind(ev.key)
+        by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e6 / calls
+        names[ev.key[:90]] = us / 1e6 / calls
+    model = modelled_gemm_s(profile, counts, hidden, ffn)
+    gpu_total = sum(by_kind.values())
+    print(f"    GPU kernels per call {gpu_total * 1e3:.2f} ms: " +
+          ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
+    print(f"    grouped GEMM kernels {by_kind.get('gemm', 0.0) * 1e3:.2f} ms; {profile} prices the same GEMMs "
+          f"at {model * 1e3:.2f} ms")
+    for name, v in sorted(names.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"      {v * 1e3:7.3f} ms  {name}")
+    return {"gpu_s_by_kind": by_kind, "top_kernels_s": dict(sorted(names.items(), key=lambda kv: -kv[1])[:12]),
+            "modelled_gemm_s": model, "profile": profile}
+
+
 def main() -> int:
     import torch
 
@@ -43,6 +102,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--kernels", action="store_true", help="also profile the grouped path's kernels")
+    ap.add_argument("--gpu-profile", default="h200-sxm-141gb-calibrated",
+                    help="the profile whose GEMM model prices the expert GEMMs (--kernels)")
     ap.add_argument("--scale", type=float, default=1.0, help="scale the tokens and widths (multiples of 8 kept)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -92,7 +154,9 @@ def main() -> int:
                 sync()
                 samples.append(time.perf_counter() - t0)
             times["grouped" if grouped else "per_expert"] = statistics.median(samples)
-        rows.append({"experts": experts, "tokens_per_expert": per_expert, "hidden": hidden, "ffn": ffn,
+        kernels = profile_kernels(run, dev, experts, counts.tolist(), hidden, ffn, args.gpu_profile) \
+            if args.kernels else None
+        rows.append({"kernels": kernels, "experts": experts, "tokens_per_expert": per_expert, "hidden": hidden, "ffn": ffn,
                      "counts": counts.tolist(), "max_rel_err": max(errs), "errs": errs, "time_s": times})
         print(f"{experts:7d} {per_expert:7d} {hidden:6d} {ffn:5d}  {max(errs):11.2e}  "
               f"{times['grouped'] * 1e3:12.2f} ms  {times['per_expert'] * 1e3:7.2f} ms")
