@@ -5,8 +5,10 @@
 
 With --kernels, the grouped path's forward + backward also runs under torch.profiler (5 calls) and
 the GPU time of its kernels is printed by kind (grouped GEMMs, casts, copies, ...), with the
-calibrated profile's price of the same expert GEMMs (every expert's forward, dgrad and wgrad priced
-as a GEMM of its own, as the simulator prices them) beside the measured grouped-GEMM kernels.
+calibrated profile's GEMM model beside the measured grouped-GEMM kernels: for the GEMMs torch ran
+(each expert's gate, up and down projections' forward, dgrad and wgrad as GEMMs of their own), and
+as the simulator prices the experts' GEMMs (gate and up fused, the wgrad accumulating into fp32 main
+gradients).
 
 For each shape (local experts, tokens per expert, hidden, expert FFN), with uneven random counts
 that include an expert with no tokens: the two paths' outputs and gradients are compared (the
@@ -50,17 +52,30 @@ def kernel_kind(name: str) -> str:
     return "other"
 
 
-def modelled_gemm_s(profile: str, counts: list[int], hidden: int, ffn: int) -> float:
-    """The GEMM model's time for the experts' SwiGLU forward, dgrad and wgrad, one GEMM per expert."""
+def modelled_gemm_s(profile: str, counts: list[int], hidden: int, ffn: int) -> tuple[float, float]:
+    """(the GEMM model's time for the GEMMs torch ran: each expert's gate, up and down projections'
+    forward, dgrad and wgrad as GEMMs of their own; the simulator's price of the same experts'
+    GEMMs (simulator.moe._gemm): gate and up fused into one GEMM, as Megatron-Core runs them, and
+    the wgrad accumulating into the fp32 main gradient)."""
     from hwmodels.compute import gemm_time
     from hwmodels.profile import load_profile
+    from paraplan.specs import ModelSpec, MoESpec, PlanSpec
+    from simulator.moe import _expert_linears, _gemm
+    from simulator.workload import LayerContext
 
-    gpu, t = load_profile(profile), 0.0
+    gpu, ran = load_profile(profile), 0.0
     for m in counts:
         for rows, out, inner in ((m, ffn, hidden), (m, ffn, hidden), (m, hidden, ffn)) if m else ():
-            t += gemm_time(gpu, rows, out, inner, "bf16") + gemm_time(gpu, rows, inner, out, "bf16") + \
+            ran += gemm_time(gpu, rows, out, inner, "bf16") + gemm_time(gpu, rows, inner, out, "bf16") + \
                 gemm_time(gpu, inner, out, rows, "bf16")
-    return t
+    model = ModelSpec(name="experts", num_layers=1, hidden_size=hidden, num_attention_heads=8, num_kv_heads=8,
+                      head_dim=hidden // 8, ffn_hidden_size=ffn, vocab_size=32000, activation="swiglu",
+                      moe=MoESpec(num_experts=len(counts), top_k=1, expert_ffn_hidden_size=ffn))
+    ctx = LayerContext(model=model, plan=PlanSpec(), gpu=gpu, network=None, seq_length=max(counts),
+                       dtype="bf16", attention_kernel="flash3", tp_layout=None, cp_layout=None)
+    simulated = sum(_gemm(ctx, m, k, n, backward, casts=False)
+                    for m in counts if m for k, n in _expert_linears(ctx) for backward in (False, True))
+    return ran, simulated
 
 
 def profile_kernels(run, dev, experts: int, counts: list[int], hidden: int, ffn: int, profile: str) -> dict:
@@ -82,16 +97,17 @@ def profile_kernels(run, dev, experts: int, counts: list[int], hidden: int, ffn:
         kind = kernel_kind(ev.key)
         by_kind[kind] = by_kind.get(kind, 0.0) + us / 1e6 / calls
         names[ev.key[:90]] = us / 1e6 / calls
-    model = modelled_gemm_s(profile, counts, hidden, ffn)
+    ran, simulated = modelled_gemm_s(profile, counts, hidden, ffn)
     gpu_total = sum(by_kind.values())
     print(f"    GPU kernels per call {gpu_total * 1e3:.2f} ms: " +
           ", ".join(f"{k} {v * 1e3:.2f}" for k, v in sorted(by_kind.items(), key=lambda kv: -kv[1])))
-    print(f"    grouped GEMM kernels {by_kind.get('gemm', 0.0) * 1e3:.2f} ms; {profile} prices the same GEMMs "
-          f"at {model * 1e3:.2f} ms")
+    print(f"    grouped GEMM kernels {by_kind.get('gemm', 0.0) * 1e3:.2f} ms; {profile}'s GEMM model: "
+          f"{ran * 1e3:.2f} ms for the GEMMs that ran, {simulated * 1e3:.2f} ms as the simulator prices "
+          "the experts' GEMMs (gate and up fused, wgrad into fp32 main gradients)")
     for name, v in sorted(names.items(), key=lambda kv: -kv[1])[:8]:
         print(f"      {v * 1e3:7.3f} ms  {name}")
     return {"gpu_s_by_kind": by_kind, "top_kernels_s": dict(sorted(names.items(), key=lambda kv: -kv[1])[:12]),
-            "modelled_gemm_s": model, "profile": profile}
+            "modelled_gemm_s": ran, "simulated_gemm_s": simulated, "profile": profile}
 
 
 def main() -> int:

@@ -39,15 +39,22 @@ def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else x.dtype
 
 
+def _count(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """Assignments per expert, without a host wait (CUDA's bincount reads the input's min and max
+    on the host)."""
+    return experts.new_zeros(num_experts).index_add_(0, experts, torch.ones_like(experts))
+
+
 class GroupedExperts(nn.Module):
     """E_local experts' weights stacked on dim 0; tokens arrive grouped by expert.
 
     The experts run as grouped GEMMs (`torch._grouped_mm`: one kernel per projection for all local
     experts, as Megatron-Core's TEGroupedMLP and torchtitan run them) where torch has one for the
-    device and dtype (CUDA bf16, or CPU) and the widths keep 16-byte strides; else as one GEMM per
-    expert. Either way the host never waits for the token counts, and a weight's gradient is
-    written once per layer, not once per expert (indexing `w[e]` per expert made autograd write a
-    zero gradient the size of all E experts for each of them: E^2 traffic)."""
+    device and dtype (CUDA bf16 on Hopper or Blackwell, or CPU) and the widths keep 16-byte
+    strides; else as one GEMM per expert. The grouped path never makes the host wait for the token
+    counts (the per-expert one reads them); either way a weight's gradient is written once per
+    layer, not once per expert (indexing `w[e]` per expert made autograd write a zero gradient the
+    size of all E experts for each of them: E^2 traffic)."""
 
     def __init__(self, num_local: int, hidden: int, ffn: int, activation: str):
         super().__init__()
@@ -68,10 +75,12 @@ class GroupedExperts(nn.Module):
         return self._per_expert(x, counts.tolist(), probs)
 
     def grouped_gemm(self, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether torch's grouped GEMM runs these experts: it needs 16-byte strides, and on CUDA bf16."""
+        """Whether torch's grouped GEMM runs these experts: it needs 16-byte strides, and on CUDA bf16
+        on sm90/sm100 (elsewhere torch falls back to a loop over the groups that reads the offsets
+        on the host: aten/src/ATen/native/cuda/GroupedBlas.cpp)."""
         if not hasattr(torch, "_grouped_mm") or dtype not in (torch.bfloat16, torch.float32):
             return False
-        if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] < 8):
+        if device.type == "cuda" and (dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] not in (9, 10)):
             return False
         if device.type not in ("cuda", "cpu"):
             return False
@@ -80,14 +89,16 @@ class GroupedExperts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor, dtype) -> torch.Tensor:
         n, experts = x.shape[0], counts.numel()
-        # each expert's rows move to a group padded to ROW_ALIGN rows (zero rows compute zeros); the
-        # buffer has a size fixed by n and E, so nothing waits for the counts to reach the host
-        padded = (counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN
+        # each expert's rows move to a group padded to ROW_ALIGN rows (zero rows compute zeros), an
+        # expert with no tokens to one of ROW_ALIGN zero rows (an empty group's weight gradient is
+        # not zeroed on sm100: pytorch#172439); the buffer has a size fixed by n and E, so nothing
+        # waits for the counts to reach the host
+        padded = torch.clamp_min((counts + ROW_ALIGN - 1) // ROW_ALIGN * ROW_ALIGN, ROW_ALIGN)
         ends = torch.cumsum(padded, 0)
         expert_of_row = torch.repeat_interleave(torch.arange(experts, device=x.device), counts, output_size=n)
         first_row = torch.cumsum(counts, 0) - counts
         dest = (ends - padded)[expert_of_row] + torch.arange(n, device=x.device) - first_row[expert_of_row]
-        rows = n + experts * (ROW_ALIGN - 1)
+        rows = n + experts * ROW_ALIGN
         # the last group runs to the buffer's end, so every row of the buffer belongs to a group
         offs = torch.cat([ends[:-1], ends.new_full((1,), rows)]).to(torch.int32)
         buf = x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x)
@@ -173,21 +184,21 @@ class MoE(nn.Module):
             # counted on the device: reading them here would make the host wait for the GPU every layer
             if self.tokens_per_expert.device != flat_e.device:
                 self.tokens_per_expert = self.tokens_per_expert.to(flat_e.device)
-            self.tokens_per_expert += torch.bincount(flat_e.detach(), minlength=self.num_experts)
+            self.tokens_per_expert += _count(flat_e.detach(), self.num_experts)
         keep = None
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
             # rank of each assignment within its expert, in token order (a stable sort by expert)
             by_expert = torch.argsort(flat_e, stable=True)
-            starts = torch.cumsum(torch.bincount(flat_e, minlength=self.num_experts), 0) - \
-                torch.bincount(flat_e, minlength=self.num_experts)
+            per_expert = _count(flat_e, self.num_experts)
+            starts = torch.cumsum(per_expert, 0) - per_expert
             position = torch.empty_like(flat_e)
             position[by_expert] = torch.arange(flat_e.numel(), device=flat_e.device) - starts[flat_e[by_expert]]
             keep = (position < capacity).nonzero().squeeze(-1)
             flat_e, flat_w = flat_e[keep], flat_w[keep]
         order = torch.argsort(flat_e, stable=True)
         token_of = (keep[order] if keep is not None else order) // self.top_k
-        counts = torch.bincount(flat_e, minlength=self.num_experts)
+        counts = _count(flat_e, self.num_experts)
         routed, routed_w = x[token_of], flat_w[order]
         if self.ep_size > 1:
             y = self._expert_parallel(routed, routed_w, counts)

@@ -554,6 +554,33 @@ def test_grouped_expert_gemms_match_one_gemm_per_expert(activation):
     assert not GroupedExperts(2, 16, 6, activation).grouped_gemm(torch.device("cpu"), torch.float32)
 
 
+@pytest.mark.gpu
+def test_a_dropless_moe_layer_never_makes_the_host_wait_on_a_gpu():
+    """Without a capacity factor and with EP 1 nothing in the MoE layer reads a GPU value on the host
+    (CUDA's bincount and a list of counts both did, every layer)."""
+    from executor.moe import MoE
+
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] not in (9, 10):
+        pytest.skip("needs a Hopper or Blackwell GPU")
+    spec = dataclasses.replace(MOE, hidden_size=64, moe=dataclasses.replace(MOE.moe, expert_ffn_hidden_size=128))
+    layer = MoE(spec).cuda()
+    x = torch.randn(2, 16, 64, device="cuda", requires_grad=True)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().square().sum().backward()
+
+    step()  # the first call moves the token counter to the GPU, once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert x.grad is not None and int(layer.tokens_per_expert.sum()) == 2 * 2 * 16 * spec.moe.top_k
+
+
 def test_group_limited_routing_keeps_each_token_in_its_chosen_groups():
     """DeepSeek-V3's node-limited routing: a token picks groups_per_token groups (by the sum of
     their two highest probabilities), then its top-k among their experts only."""
