@@ -3,6 +3,8 @@
 #   1. paraplan calibrate (full sweep) -> DIR/profile.yaml and DIR/calibration.json
 #   2. benchmarks/gpu_closed_loop.py   -> DIR/closed_loop.json (executor-measured vs predicted)
 #   3. benchmarks/bench_executor.py    -> the executor's MFU
+#   4. benchmarks/gpu_grouped_experts.py --kernels -> DIR/grouped_experts.json (the executor's MoE experts:
+#      grouped against per-expert GEMMs, and the grouped GEMM kernels against the GEMM model)
 # Logs go to DIR/*.log, the machine's description to DIR/env.txt, with an 8192^3 bf16 GEMM's rate
 # before and after the steps (a GPU that slows down when hot or at its power limit shows here),
 # and the clocks and power every 2 s to DIR/dmon.log.
@@ -56,5 +58,10 @@ profile=""
 # shellcheck disable=SC2086  # $profile is empty or two words
 step closed_loop "${CLOSED_LOOP_S:-220}" $py benchmarks/gpu_closed_loop.py $profile --out "$dir/closed_loop.json"
 step bench_executor "${BENCH_S:-70}" $py benchmarks/bench_executor.py
+gpu_profile=""
+[ -f "$dir/profile.yaml" ] && gpu_profile="--gpu-profile $dir/profile.yaml"
+# shellcheck disable=SC2086
+step grouped_experts "${EXPERTS_S:-90}" $py benchmarks/gpu_grouped_experts.py --kernels $gpu_profile \
+  --out "$dir/grouped_experts.json"
 gemm_rate after
 tail -n 1 "$dir/env.txt"

@@ -110,6 +110,22 @@ def profile_kernels(run, dev, experts: int, counts: list[int], hidden: int, ffn:
             "modelled_gemm_s": ran, "simulated_gemm_s": simulated, "profile": profile}
 
 
+def default_profile(dev) -> str:
+    """The bundled profile of the device, its calibrated one where there is one."""
+    import torch
+
+    from calibrate.device import bundled_match
+    from hwmodels.profile import BUNDLED
+
+    if dev.type != "cuda":
+        return "h100-sxm-80gb-calibrated"  # a CPU run checks the mechanics; any GPU's model will do
+    props = torch.cuda.get_device_properties(dev)
+    match = bundled_match(props.name, int(props.total_memory))
+    if match is None:
+        raise SystemExit(f"gpu_grouped_experts: {props.name!r} matches no bundled profile; pass --gpu-profile")
+    return f"{match}-calibrated" if f"{match}-calibrated" in BUNDLED else match
+
+
 def main() -> int:
     import torch
 
@@ -119,14 +135,17 @@ def main() -> int:
     ap.add_argument("--out")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--kernels", action="store_true", help="also profile the grouped path's kernels")
-    ap.add_argument("--gpu-profile", default="h200-sxm-141gb-calibrated",
-                    help="the profile whose GEMM model prices the expert GEMMs (--kernels)")
+    ap.add_argument("--gpu-profile", help="the profile (bundled name or file) whose GEMM model prices the expert "
+                                          "GEMMs (--kernels; default: the device's bundled profile, calibrated if "
+                                          "one is bundled)")
     ap.add_argument("--scale", type=float, default=1.0, help="scale the tokens and widths (multiples of 8 kept)")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_grouped_experts: no CUDA GPU here (--device cpu runs the checks on the CPU)")
         return 0
     dev = torch.device(args.device)
+    if args.kernels and args.gpu_profile is None:
+        args.gpu_profile = default_profile(dev)
 
     def sync():
         if dev.type == "cuda":
