@@ -245,7 +245,7 @@ def test_a_best_plan_the_executor_refuses_gets_its_reasons_not_a_launch_line(tmp
     """fp16 trains under Megatron-LM and torchtitan but not the bundled executor: the report says
     so instead of printing a `paraplan launch` line that would fail."""
     out = tmp_path / "o"
-    r = paraplan("plan", TINY, "--out", str(out), "--quiet", "--no-plots", "--trials", "5",
+    r = paraplan("plan", TINY, "--out", str(out), "--quiet", "--no-plots", "--trials", "5", *SMALL,
                  "--set", "training.precision=fp16")
     assert r.returncode == 0, r.stderr
     assert "launch it:" not in r.stdout
