@@ -75,7 +75,7 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
         raise ConfigError(f"{given[exc.path]} ({exc.path})", str(exc)[len(exc.path) + 2:]) from None
     problems = launch_problems(sc)
     if problems and sc.run.num_layers is not None:
-        problems = _with_layer_hint(sc, problems, "--layers" if args.layers is not None else "run.num_layers")
+        problems = with_layer_hint(sc, problems, "--layers" if args.layers is not None else "run.num_layers")
     if problems:
         raise InfeasiblePlanError(problems)
     if args.nnodes < 1 or (args.nproc is not None and args.nproc < 1):
@@ -117,7 +117,7 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
 _LAYER_SPLIT_KEYS = ("plan.first_stage_layers/last_stage_layers", "plan.pp: model.num_layers")
 
 
-def _with_layer_hint(sc, problems: list[str], source: str) -> list[str]:
+def with_layer_hint(sc, problems: list[str], source: str) -> list[str]:
     """A scaled-down layer count (`source`: the --layers flag or the config's run.num_layers) that
     the plan's pipeline layout cannot split is named as such, with the nearest counts that split
     (the plan's first/last stage layers, e.g. as the planner wrote them, stay as they are)."""

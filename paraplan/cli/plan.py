@@ -243,9 +243,9 @@ def _write_outputs(scenario, result, objective, out: Path, args) -> int:
             scaled = scaled_scenario(sc)
             refused = launch_problems(scaled)  # features the bundled executor lacks (MLA, MTP, fp8, ...)
             if refused and scaled.run.num_layers is not None:
-                from paraplan.cli.launch import _with_layer_hint
+                from paraplan.cli.launch import with_layer_hint
 
-                refused = _with_layer_hint(scaled, refused, "run.num_layers")
+                refused = with_layer_hint(scaled, refused, "run.num_layers")
         except ConfigError as exc:
             refused = [str(exc)]
         launch = None if refused else emit.launch_command(str(config))
