@@ -30,6 +30,11 @@ range**, so `search: {}` or no section at all means "every valid factorisation o
 | zero_stage | 0, 1, 2, 3 |
 | recompute | none, selective, full |
 
+search.recompute also takes selective recompute of named modules, `selective(moe_act,layernorm)`
+or, inside a [..] list where a comma would split it, `selective(moe_act+layernorm)` (Megatron
+--recompute-modules; the modules of plan.recompute_modules), beside plain `selective`, which
+recomputes the scenario's own plan.recompute_modules (core_attn by default).
+
 Every other plan field (overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, expert_tp)
 keeps the scenario's value; tp_comm_overlap is applied where it can be (sequence_parallel and
 tp > 1), and so is overlap_param_gather (zero_stage >= 1 and overlap_grad_reduce). Uneven stages
@@ -67,7 +72,7 @@ from typing import Any
 
 from paraplan.errors import ConfigError
 from paraplan.loader import FrozenMapping
-from paraplan.specs import RECOMPUTE, SCHEDULES, ZERO_STAGES, PlanSpec, Scenario, nodes_x_gpus
+from paraplan.specs import RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, ZERO_STAGES, PlanSpec, Scenario, nodes_x_gpus
 from simulator import layout
 
 # Knobs in the order they are enumerated and shown.
@@ -189,6 +194,8 @@ def _check_candidates(knob: str, raw: Any) -> tuple:
                 raise ConfigError(path, f"expected positive integers, got {_show(v)}")
             if v < 1:
                 raise ConfigError(path, f"expected positive integers, got {v}")
+        elif knob == "recompute":
+            v = _check_recompute(path, v)
         else:
             choices = ENUM_KNOBS[knob]
             if not any(type(v) is type(c) and v == c for c in choices):
@@ -202,6 +209,38 @@ def _check_candidates(knob: str, raw: Any) -> tuple:
             raise ConfigError(path, f"candidate {_show(v)} is listed twice")
         out.append(v)
     return tuple(sorted(out, key=lambda x: (str(type(x)), x)))
+
+
+_SELECTIVE_OF = re.compile(r"selective\((.*)\)")
+
+
+def recompute_choice(value: str) -> tuple[str, tuple[str, ...] | None]:
+    """A search.recompute candidate as (plan.recompute, plan.recompute_modules): `selective(a,b)`
+    names the modules; none, selective and full keep the scenario's modules (None)."""
+    named = _SELECTIVE_OF.fullmatch(value)
+    if named is None:
+        return value, None
+    return "selective", tuple(m for m in re.split(r"[,+\s]+", named.group(1).strip()) if m)
+
+
+def _check_recompute(path: str, v: Any) -> str:
+    """A search.recompute candidate, checked and spelled canonically (`selective(a,b)`, no spaces)."""
+    if isinstance(v, str) and _SELECTIVE_OF.fullmatch(v.strip()):
+        _, modules = recompute_choice(v.strip())
+        for m in modules:
+            if m not in RECOMPUTE_MODULES:
+                raise ConfigError(path, f"{v!r}: {m!r} is not a recompute module{_did_you_mean(m, RECOMPUTE_MODULES)}")
+        if len(set(modules)) != len(modules):
+            raise ConfigError(path, f"{v!r}: a module is listed twice")
+        return f"selective({','.join(modules)})"
+    if not any(type(v) is type(c) and v == c for c in RECOMPUTE):
+        hint = ""
+        if isinstance(v, str):
+            close = difflib.get_close_matches(v, RECOMPUTE, n=1)
+            hint = f", did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(path, f"{_show(v)} is not one of {', '.join(RECOMPUTE)} or selective(MODULE,...) "
+                                f"with modules among {', '.join(RECOMPUTE_MODULES)}{hint}")
+    return v
 
 
 def _divisors(n: int) -> list[int]:
@@ -239,6 +278,13 @@ def parse_search(scenario: Scenario, raw: Any = None) -> SearchSpec:
         settings["gpu_hour_cost"] = float(v)
 
     given = {k: _check_candidates(k, v) for k, v in raw.items() if k in KNOBS}
+    if "recompute" in given:  # selective of the scenario's own modules is plain selective: one plan
+        own = f"selective({','.join(scenario.plan.recompute_modules)})"
+        canonical = ["selective" if v == own else v for v in given["recompute"]]
+        if len(set(canonical)) != len(canonical):
+            raise ConfigError("search.recompute", f"{own} is the scenario's plan.recompute_modules, which "
+                                                  f"selective already recomputes: list it once")
+        given["recompute"] = tuple(sorted(canonical))
     if scenario.model.moe is None and any(e != 1 for e in given.get("ep", (1,))):
         raise ConfigError("search.ep", "expert parallelism needs an MoE model (model.moe); this model is dense")
     allow_tp = settings.get("allow_tp_across_nodes", False)
@@ -385,6 +431,7 @@ class PlanSpace:
         interleaved = virtual and v["virtual_pipeline_stages"] > 1
         sp = v["sequence_parallel"] if v["tp"] > 1 else self._cands["sequence_parallel"][0]
         zero = v["zero_stage"] if self._zero_matters(v["tp"], dp, v["cp"], v["ep"]) else self._cands["zero_stage"][0]
+        recompute, modules = recompute_choice(v["recompute"])
         layers = self.scenario.model.num_layers
         if interleaved:
             first, last = interleaved_edges(layers, v["pp"] * v["virtual_pipeline_stages"])
@@ -395,7 +442,8 @@ class PlanSpace:
             first_stage_layers=first, last_stage_layers=last,
             micro_batch_size=v["micro_batch_size"], schedule=schedule,
             virtual_pipeline_stages=v["virtual_pipeline_stages"] if virtual else 1,
-            sequence_parallel=sp, zero_stage=zero, recompute=v["recompute"],
+            sequence_parallel=sp, zero_stage=zero, recompute=recompute,
+            recompute_modules=self._template.recompute_modules if modules is None else modules,
             tp_comm_overlap=self._template.tp_comm_overlap and sp and v["tp"] > 1,
             overlap_param_gather=self._template.overlap_param_gather and zero >= 1 and self._template.overlap_grad_reduce,
             # ZeRO-2/3 accumulate outside the GEMMs (Megatron-FSDP): a template's fusion applies to the other stages
@@ -418,15 +466,20 @@ class PlanSpace:
         """The scenario's own plan, exactly as written."""
         return Candidate(num_nodes=self.scenario.cluster.num_nodes, plan=self.scenario.plan)
 
-    @staticmethod
-    def params_of(cand: Candidate) -> dict[str, Any]:
+    def params_of(self, cand: Candidate) -> dict[str, Any]:
         """Every knob value of a candidate except the derived dp (the inverse of `candidate`)."""
         p = cand.plan
         return {"num_nodes": cand.num_nodes, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
                 "micro_batch_size": p.micro_batch_size, "schedule": p.schedule,
                 "virtual_pipeline_stages": p.virtual_pipeline_stages,
                 "sequence_parallel": p.sequence_parallel, "zero_stage": p.zero_stage,
-                "recompute": p.recompute}
+                "recompute": self._recompute_value(p)}
+
+    def _recompute_value(self, p: PlanSpec) -> str:
+        """The plan's search.recompute value: selective names its modules unless they are the scenario's."""
+        if p.recompute == "selective" and p.recompute_modules != self._template.recompute_modules:
+            return f"selective({','.join(p.recompute_modules)})"
+        return p.recompute
 
     def valid(self, cand: Candidate) -> bool:
         """In the space and free of problems: a plan the search may simulate (memoised: samplers
@@ -442,7 +495,7 @@ class PlanSpace:
         p = cand.plan
         checks = {"num_nodes": cand.num_nodes, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
                   "micro_batch_size": p.micro_batch_size, "schedule": p.schedule,
-                  "recompute": p.recompute}
+                  "recompute": self._recompute_value(p)}
         if p.schedule in VIRTUAL_SCHEDULES and p.virtual_pipeline_stages > 1:
             checks["virtual_pipeline_stages"] = p.virtual_pipeline_stages
         if p.tp > 1:

@@ -43,6 +43,11 @@ BAD_SEARCH = [
     ("search.schedule=[1f1b, zb]", "search.schedule: 'zb' is not one of gpipe, 1f1b, interleaved-1f1b"),
     ("search.schedule=[interleaved]", "did you mean 'interleaved-1f1b'?"),
     ("search.recompute=[partial]", "search.recompute: 'partial' is not one of none, selective, full"),
+    ("search.recompute=[selective(mlp+attn)]", "search.recompute: 'selective(mlp+attn)': 'attn' is not a recompute "
+                                               "module, did you mean"),
+    ("search.recompute=[selective(mlp+mlp)]", "search.recompute: 'selective(mlp+mlp)': a module is listed twice"),
+    ("search.recompute=[selective, selective(core_attn)]", "search.recompute: selective(core_attn) is the scenario's "
+                                                           "plan.recompute_modules, which selective already recomputes"),
     ("search.zero_stage=[true]", "search.zero_stage: true is not one of 0, 1, 2, 3"),
     ("search.sequence_parallel=[yes please]", "search.sequence_parallel: 'yes please' is not one of false, true"),
     ("search.trials=0", "search.trials: expected a positive integer, got 0"),
@@ -91,6 +96,31 @@ def test_moe_model_offers_expert_parallelism():
     sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml")
     spec = parse_search(sc, {})
     assert spec.values("ep") == (1, 2, 4, 8)                # divisors of 64 GPUs that divide 8 experts
+
+
+def test_selective_recompute_of_named_modules_is_a_candidate_of_its_own():
+    """search.recompute may name modules (Megatron --recompute-modules): such a candidate sets
+    plan.recompute_modules, the others keep the scenario's; a plan maps back to its candidate."""
+    sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml",
+                       ["search.recompute=[none, selective, 'selective(moe_act, layernorm)']", "search.tp=[1]",
+                        "search.pp=[4]", "search.cp=[1]", "search.ep=[8]", "search.micro_batch_size=[1]",
+                        "search.schedule=[1f1b]", "search.sequence_parallel=[false]", "search.zero_stage=[1]"])
+    sp = PlanSpace(sc, parse_search(sc))
+    assert sp.spec.values("recompute") == ("none", "selective", "selective(moe_act,layernorm)")
+    plans = {sp.params_of(c)["recompute"]: c.plan for c in sp.enumerate().valid}
+    assert set(plans) == {"none", "selective", "selective(moe_act,layernorm)"}
+    assert plans["selective(moe_act,layernorm)"].recompute_modules == ("moe_act", "layernorm")
+    assert plans["selective"].recompute_modules == sc.plan.recompute_modules
+    assert plans["none"].recompute_modules == sc.plan.recompute_modules  # one plan, whatever the modules
+    for plan in plans.values():
+        cand = Candidate(num_nodes=sc.cluster.num_nodes, plan=plan)
+        assert sp.candidate(sp.params_of(cand)) == cand and sp.in_space(cand)
+    # the spelling for a [..] list, where a comma would split the candidate, is the same candidate
+    plus = parse_search(sc, {"recompute": ["selective(moe_act+layernorm)"]})
+    assert plus.values("recompute") == ("selective(moe_act,layernorm)",)
+    none, moe_act = (simulate(sp.scenario_for(Candidate(num_nodes=sc.cluster.num_nodes, plan=plans[k])))
+                     for k in ("none", "selective(moe_act,layernorm)"))
+    assert moe_act.peak_memory_bytes < none.peak_memory_bytes and moe_act.step_time_s > none.step_time_s
 
 
 # -- canonical plans and validity ---------------------------------------------------------------
