@@ -223,6 +223,12 @@ def recompute_choice(value: str) -> tuple[str, tuple[str, ...] | None]:
     return "selective", tuple(m for m in re.split(r"[,+\s]+", named.group(1).strip()) if m)
 
 
+def _selective_of(modules) -> str:
+    """`selective(a,b)` with the modules in RECOMPUTE_MODULES' order: the order recompute runs them in
+    does not matter, so one spelling per set."""
+    return f"selective({','.join(m for m in RECOMPUTE_MODULES if m in modules)})"
+
+
 def _check_recompute(path: str, v: Any) -> str:
     """A search.recompute candidate, checked and spelled canonically (`selective(a,b)`, no spaces)."""
     if isinstance(v, str) and _SELECTIVE_OF.fullmatch(v.strip()):
@@ -232,7 +238,7 @@ def _check_recompute(path: str, v: Any) -> str:
                 raise ConfigError(path, f"{v!r}: {m!r} is not a recompute module{_did_you_mean(m, RECOMPUTE_MODULES)}")
         if len(set(modules)) != len(modules):
             raise ConfigError(path, f"{v!r}: a module is listed twice")
-        return f"selective({','.join(modules)})"
+        return _selective_of(modules)
     if not any(type(v) is type(c) and v == c for c in RECOMPUTE):
         hint = ""
         if isinstance(v, str):
@@ -279,7 +285,7 @@ def parse_search(scenario: Scenario, raw: Any = None) -> SearchSpec:
 
     given = {k: _check_candidates(k, v) for k, v in raw.items() if k in KNOBS}
     if "recompute" in given:  # selective of the scenario's own modules is plain selective: one plan
-        own = f"selective({','.join(scenario.plan.recompute_modules)})"
+        own = _selective_of(scenario.plan.recompute_modules)
         canonical = ["selective" if v == own else v for v in given["recompute"]]
         if len(set(canonical)) != len(canonical):
             raise ConfigError("search.recompute", f"{own} is the scenario's plan.recompute_modules, which "
@@ -477,8 +483,8 @@ class PlanSpace:
 
     def _recompute_value(self, p: PlanSpec) -> str:
         """The plan's search.recompute value: selective names its modules unless they are the scenario's."""
-        if p.recompute == "selective" and p.recompute_modules != self._template.recompute_modules:
-            return f"selective({','.join(p.recompute_modules)})"
+        if p.recompute == "selective" and set(p.recompute_modules) != set(self._template.recompute_modules):
+            return _selective_of(p.recompute_modules)
         return p.recompute
 
     def valid(self, cand: Candidate) -> bool:

@@ -48,6 +48,8 @@ BAD_SEARCH = [
     ("search.recompute=[selective(mlp+mlp)]", "search.recompute: 'selective(mlp+mlp)': a module is listed twice"),
     ("search.recompute=[selective, selective(core_attn)]", "search.recompute: selective(core_attn) is the scenario's "
                                                            "plan.recompute_modules, which selective already recomputes"),
+    ("search.recompute=[selective(mlp+core_attn), selective(core_attn+mlp)]",
+     "search.recompute: candidate 'selective(core_attn,mlp)' is listed twice"),
     ("search.zero_stage=[true]", "search.zero_stage: true is not one of 0, 1, 2, 3"),
     ("search.sequence_parallel=[yes please]", "search.sequence_parallel: 'yes please' is not one of false, true"),
     ("search.trials=0", "search.trials: expected a positive integer, got 0"),
@@ -106,10 +108,10 @@ def test_selective_recompute_of_named_modules_is_a_candidate_of_its_own():
                         "search.pp=[4]", "search.cp=[1]", "search.ep=[8]", "search.micro_batch_size=[1]",
                         "search.schedule=[1f1b]", "search.sequence_parallel=[false]", "search.zero_stage=[1]"])
     sp = PlanSpace(sc, parse_search(sc))
-    assert sp.spec.values("recompute") == ("none", "selective", "selective(moe_act,layernorm)")
+    assert sp.spec.values("recompute") == ("none", "selective", "selective(layernorm,moe_act)")  # one order per set
     plans = {sp.params_of(c)["recompute"]: c.plan for c in sp.enumerate().valid}
-    assert set(plans) == {"none", "selective", "selective(moe_act,layernorm)"}
-    assert plans["selective(moe_act,layernorm)"].recompute_modules == ("moe_act", "layernorm")
+    assert set(plans) == {"none", "selective", "selective(layernorm,moe_act)"}
+    assert plans["selective(layernorm,moe_act)"].recompute_modules == ("layernorm", "moe_act")
     assert plans["selective"].recompute_modules == sc.plan.recompute_modules
     assert plans["none"].recompute_modules == sc.plan.recompute_modules  # one plan, whatever the modules
     for plan in plans.values():
@@ -117,9 +119,9 @@ def test_selective_recompute_of_named_modules_is_a_candidate_of_its_own():
         assert sp.candidate(sp.params_of(cand)) == cand and sp.in_space(cand)
     # the spelling for a [..] list, where a comma would split the candidate, is the same candidate
     plus = parse_search(sc, {"recompute": ["selective(moe_act+layernorm)"]})
-    assert plus.values("recompute") == ("selective(moe_act,layernorm)",)
+    assert plus.values("recompute") == ("selective(layernorm,moe_act)",)
     none, moe_act = (simulate(sp.scenario_for(Candidate(num_nodes=sc.cluster.num_nodes, plan=plans[k])))
-                     for k in ("none", "selective(moe_act,layernorm)"))
+                     for k in ("none", "selective(layernorm,moe_act)"))
     assert moe_act.peak_memory_bytes < none.peak_memory_bytes and moe_act.step_time_s > none.step_time_s
 
 
