@@ -233,6 +233,8 @@ def _check_recompute(path: str, v: Any) -> str:
     """A search.recompute candidate, checked and spelled canonically (`selective(a,b)`, no spaces)."""
     if isinstance(v, str) and _SELECTIVE_OF.fullmatch(v.strip()):
         _, modules = recompute_choice(v.strip())
+        if not modules:
+            raise ConfigError(path, f"{v!r}: name at least one module, e.g. selective(core_attn)")
         for m in modules:
             if m not in RECOMPUTE_MODULES:
                 raise ConfigError(path, f"{v!r}: {m!r} is not a recompute module{_did_you_mean(m, RECOMPUTE_MODULES)}")
@@ -241,7 +243,9 @@ def _check_recompute(path: str, v: Any) -> str:
         return _selective_of(modules)
     if not any(type(v) is type(c) and v == c for c in RECOMPUTE):
         hint = ""
-        if isinstance(v, str):
+        if isinstance(v, str) and v.strip().startswith("selective(") and ")" not in v:
+            hint = ("; a comma inside [..] splits the candidate: write selective(core_attn+mlp), or quote it")
+        elif isinstance(v, str):
             close = difflib.get_close_matches(v, RECOMPUTE, n=1)
             hint = f", did you mean '{close[0]}'?" if close else ""
         raise ConfigError(path, f"{_show(v)} is not one of {', '.join(RECOMPUTE)} or selective(MODULE,...) "

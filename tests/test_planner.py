@@ -45,6 +45,9 @@ BAD_SEARCH = [
     ("search.recompute=[partial]", "search.recompute: 'partial' is not one of none, selective, full"),
     ("search.recompute=[selective(mlp+attn)]", "search.recompute: 'selective(mlp+attn)': 'attn' is not a recompute "
                                                "module, did you mean"),
+    ("search.recompute=[selective()]", "search.recompute: 'selective()': name at least one module"),
+    ("search.recompute=[selective(core_attn,mlp)]", "a comma inside [..] splits the candidate: write "
+                                                    "selective(core_attn+mlp), or quote it"),
     ("search.recompute=[selective(mlp+mlp)]", "search.recompute: 'selective(mlp+mlp)': a module is listed twice"),
     ("search.recompute=[selective, selective(core_attn)]", "search.recompute: selective(core_attn) is the scenario's "
                                                            "plan.recompute_modules, which selective already recomputes"),
