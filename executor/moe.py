@@ -179,26 +179,25 @@ class MoE(nn.Module):
         if self.top_k > 1:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         flat_e, flat_w = experts.reshape(-1), weights.reshape(-1)
+        demand = counts = _count(flat_e, self.num_experts)  # the router's demand, before any capacity drop
         if torch._C._current_graph_task_id() == -1:  # not a recomputation inside backward
-            # the router's demand, before any capacity drop
             # counted on the device: reading them here would make the host wait for the GPU every layer
             if self.tokens_per_expert.device != flat_e.device:
                 self.tokens_per_expert = self.tokens_per_expert.to(flat_e.device)
-            self.tokens_per_expert += _count(flat_e.detach(), self.num_experts)
+            self.tokens_per_expert += demand
         keep = None
         if self.capacity_factor is not None:
             capacity = math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
             # rank of each assignment within its expert, in token order (a stable sort by expert)
             by_expert = torch.argsort(flat_e, stable=True)
-            per_expert = _count(flat_e, self.num_experts)
-            starts = torch.cumsum(per_expert, 0) - per_expert
+            starts = torch.cumsum(demand, 0) - demand
             position = torch.empty_like(flat_e)
             position[by_expert] = torch.arange(flat_e.numel(), device=flat_e.device) - starts[flat_e[by_expert]]
             keep = (position < capacity).nonzero().squeeze(-1)
             flat_e, flat_w = flat_e[keep], flat_w[keep]
+            counts = _count(flat_e, self.num_experts)
         order = torch.argsort(flat_e, stable=True)
         token_of = (keep[order] if keep is not None else order) // self.top_k
-        counts = _count(flat_e, self.num_experts)
         routed, routed_w = x[token_of], flat_w[order]
         if self.ep_size > 1:
             y = self._expert_parallel(routed, routed_w, counts)
