@@ -194,14 +194,18 @@ def _check_candidates(knob: str, raw: Any) -> tuple:
                 raise ConfigError(path, f"expected positive integers, got {_show(v)}")
             if v < 1:
                 raise ConfigError(path, f"expected positive integers, got {v}")
-        elif knob == "recompute":
-            v = _check_recompute(path, v)
+        elif knob == "recompute" and isinstance(v, str) and _SELECTIVE_OF.fullmatch(v.strip()):
+            v = _check_selective_of(path, v)
         else:
             choices = ENUM_KNOBS[knob]
             if not any(type(v) is type(c) and v == c for c in choices):
                 allowed = ", ".join(_show(c) if isinstance(c, bool) else str(c) for c in choices)
                 hint = ""
-                if isinstance(v, str):
+                if knob == "recompute":
+                    allowed += f" or selective(MODULE,...) with modules among {', '.join(RECOMPUTE_MODULES)}"
+                if knob == "recompute" and isinstance(v, str) and v.strip().startswith("selective(") and ")" not in v:
+                    hint = "; a comma inside [..] splits the candidate: write selective(core_attn+mlp), or quote it"
+                elif isinstance(v, str):
                     close = difflib.get_close_matches(v, [str(c) for c in choices], n=1)
                     hint = f", did you mean '{close[0]}'?" if close else ""
                 raise ConfigError(path, f"{_show(v)} is not one of {allowed}{hint}")
@@ -229,28 +233,17 @@ def _selective_of(modules) -> str:
     return f"selective({','.join(m for m in RECOMPUTE_MODULES if m in modules)})"
 
 
-def _check_recompute(path: str, v: Any) -> str:
-    """A search.recompute candidate, checked and spelled canonically (`selective(a,b)`, no spaces)."""
-    if isinstance(v, str) and _SELECTIVE_OF.fullmatch(v.strip()):
-        _, modules = recompute_choice(v.strip())
-        if not modules:
-            raise ConfigError(path, f"{v!r}: name at least one module, e.g. selective(core_attn)")
-        for m in modules:
-            if m not in RECOMPUTE_MODULES:
-                raise ConfigError(path, f"{v!r}: {m!r} is not a recompute module{_did_you_mean(m, RECOMPUTE_MODULES)}")
-        if len(set(modules)) != len(modules):
-            raise ConfigError(path, f"{v!r}: a module is listed twice")
-        return _selective_of(modules)
-    if not any(type(v) is type(c) and v == c for c in RECOMPUTE):
-        hint = ""
-        if isinstance(v, str) and v.strip().startswith("selective(") and ")" not in v:
-            hint = ("; a comma inside [..] splits the candidate: write selective(core_attn+mlp), or quote it")
-        elif isinstance(v, str):
-            close = difflib.get_close_matches(v, RECOMPUTE, n=1)
-            hint = f", did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(path, f"{_show(v)} is not one of {', '.join(RECOMPUTE)} or selective(MODULE,...) "
-                                f"with modules among {', '.join(RECOMPUTE_MODULES)}{hint}")
-    return v
+def _check_selective_of(path: str, v: str) -> str:
+    """A `selective(a,b)` search.recompute candidate, checked and spelled canonically (_selective_of)."""
+    _, modules = recompute_choice(v.strip())
+    if not modules:
+        raise ConfigError(path, f"{v!r}: name at least one module, e.g. selective(core_attn)")
+    for m in modules:
+        if m not in RECOMPUTE_MODULES:
+            raise ConfigError(path, f"{v!r}: {m!r} is not a recompute module{_did_you_mean(m, RECOMPUTE_MODULES)}")
+    if len(set(modules)) != len(modules):
+        raise ConfigError(path, f"{v!r}: a module is listed twice")
+    return _selective_of(modules)
 
 
 def _divisors(n: int) -> list[int]:
