@@ -78,7 +78,7 @@ def modelled_gemm_s(profile: str, counts: list[int], hidden: int, ffn: int) -> t
     return ran, simulated
 
 
-def profile_kernels(run, dev, experts: int, counts: list[int], hidden: int, ffn: int, profile: str) -> dict:
+def profile_kernels(run, dev, counts: list[int], hidden: int, ffn: int, profile: str) -> dict:
     import torch
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
@@ -189,7 +189,7 @@ def main() -> int:
                 sync()
                 samples.append(time.perf_counter() - t0)
             times["grouped" if grouped else "per_expert"] = statistics.median(samples)
-        kernels = profile_kernels(run, dev, experts, counts.tolist(), hidden, ffn, args.gpu_profile) \
+        kernels = profile_kernels(run, dev, counts.tolist(), hidden, ffn, args.gpu_profile) \
             if args.kernels else None
         rows.append({"kernels": kernels, "experts": experts, "tokens_per_expert": per_expert, "hidden": hidden, "ffn": ffn,
                      "counts": counts.tolist(), "max_rel_err": max(errs), "errs": errs, "time_s": times})
