@@ -191,6 +191,12 @@ def executor_problems(sc: Scenario) -> list[str]:
     if p.tp_comm_overlap:
         out.append("plan.tp_comm_overlap: the executor does not overlap TP communication with GEMMs (no "
                    "Transformer Engine userbuffers), so its step time would not measure this plan; use tp_comm_overlap: false")
+    if p.moe_dispatcher != "alltoall" and m.moe is not None and p.ep > 1:
+        out.append(f"plan.moe_dispatcher: the executor dispatches tokens with torch's all-to-all, not {p.moe_dispatcher}'s "
+                   "kernels, so its step time would not measure this plan; use moe_dispatcher: alltoall")
+    if p.moe_shared_expert_overlap:
+        out.append("plan.moe_shared_expert_overlap: the executor runs the shared experts after the combine, not beside "
+                   "the dispatch, so its step time would not measure this plan; use moe_shared_expert_overlap: false")
     if p.cp > 1 and (t.seq_length // p.cp) % 2:
         out.append(f"plan.cp: seq_length / cp = {t.seq_length // p.cp} must be even (two load-balanced chunks per rank)")
     if r.steps < 1:

@@ -92,12 +92,19 @@ def build_report(scenario: str, result: SearchResult, objective: Objective, *, t
 
 
 def plan_label(p: PlanSpec) -> str:
-    """`tp8 pp8 dp16 mbs1 interleaved x6 sp zero1 selective` (cp/ep only when > 1)."""
+    """`tp8 pp8 dp16 mbs1 interleaved x6 sp zero1 selective` (cp/ep only when > 1; the MoE settings,
+    e.g. `ep8 etp2 deepep`, only where they differ from Megatron-Core's defaults)."""
     parts = [f"tp{p.tp}", f"pp{p.pp}", f"dp{p.dp}"]
     if p.cp > 1:
         parts.append(f"cp{p.cp}")
     if p.ep > 1:
         parts.append(f"ep{p.ep}")
+    if p.expert_tp > 1:
+        parts.append(f"etp{p.expert_tp}")
+    if p.moe_dispatcher != "alltoall":
+        parts.append(p.moe_dispatcher)
+    if p.moe_shared_expert_overlap:
+        parts.append("shared-overlap")
     parts.append(f"mbs{p.micro_batch_size}")
     sched = p.schedule + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
     parts += [sched, "sp" if p.sequence_parallel else "no-sp", f"zero{p.zero_stage}", p.recompute_label]
@@ -115,7 +122,20 @@ def stage_layers(p: PlanSpec) -> str:
     return f"{first}/{last}"
 
 
-def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool, recompute_width: int = 9) -> str:
+def moe_label(p: PlanSpec) -> str:
+    """The report's `moe` column: the dispatcher (a2a or deepep, +ovl with the shared experts
+    overlapped), then the expert-TP degree when above 1, e.g. `a2a+ovl etp2`."""
+    text = ("a2a" if p.moe_dispatcher == "alltoall" else p.moe_dispatcher) + ("+ovl" if p.moe_shared_expert_overlap else "")
+    return text + (f" etp{p.expert_tp}" if p.expert_tp > 1 else "")
+
+
+def _shows_moe(plans: list[PlanSpec]) -> bool:
+    """A `moe` column only where a plan of the table sets one of the MoE knobs off its default."""
+    return any(p.expert_tp > 1 or p.moe_dispatcher != "alltoall" or p.moe_shared_expert_overlap for p in plans)
+
+
+def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool, recompute_width: int = 9,
+         moe_width: int = 0) -> str:
     e = r.evaluation
     p = e.candidate.plan
     sched = {"interleaved-1f1b": "inter", "1f1b": "1f1b", "gpipe": "gpipe", "zero-bubble": "zb"}[p.schedule]
@@ -125,7 +145,10 @@ def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool, r
     if show_nodes:
         cols.append(f"{e.world_size:>5}")
     cols += [f"{p.tp:>2}", f"{p.pp:>3}", f"{p.dp:>4}", f"{p.cp:>2}"]
-    cols += [f"{p.ep:>2}", f"{p.micro_batch_size:>3}", f"{sched:<8}"]
+    cols.append(f"{p.ep:>2}")
+    if moe_width:
+        cols.append(f"{moe_label(p):<{moe_width}}")
+    cols += [f"{p.micro_batch_size:>3}", f"{sched:<8}"]
     if show_stages:
         cols.append(f"{stage_layers(p) or '-':<6}")
     cols += [f"{'on' if p.sequence_parallel else 'off':<3}",
@@ -164,8 +187,11 @@ def format_report(rep: Report) -> str:
         show_stages = any(stage_layers(r.evaluation.candidate.plan) for r in rep.plans)
         # selective recompute names its modules, e.g. selective(core_attn,mlp): the column fits the longest
         rc_width = max(len("recompute"), *(len(r.evaluation.candidate.plan.recompute_label) for r in rep.plans))
+        shown = [r.evaluation.candidate.plan for r in rep.plans]
+        moe_width = max(len("moe"), *(len(moe_label(p)) for p in shown)) if _shows_moe(shown) else 0
         head = [" #"] + (["  GPUs"] if show_nodes else []) + [
-            "tp", " pp", "  dp", "cp", "ep", "mbs", "schedule"] + (["stages"] if show_stages else []) + [
+            "tp", " pp", "  dp", "cp", "ep"] + ([f"{'moe':<{moe_width}}"] if moe_width else []) + [
+            "mbs", "schedule"] + (["stages"] if show_stages else []) + [
             "sp ", "zero", f"{'recompute':<{rc_width}}", "  step s", "   tokens/s", "   MFU", "mem GiB    ", "free"]
         if obj.name == "cost":
             head.append("cost/1M tok")
@@ -173,7 +199,10 @@ def format_report(rep: Report) -> str:
         lines.append(f"  {title}:")
         lines.append("  " + "  ".join(head) + "  limited by")
         for r in rep.plans:
-            lines.append("  " + _row(r, obj, show_nodes, show_stages, rc_width))
+            lines.append("  " + _row(r, obj, show_nodes, show_stages, rc_width, moe_width))
+        if moe_width:
+            lines.append("  (moe: the token dispatcher, a2a = alltoall, +ovl = shared experts overlapped with it; "
+                         "etpN = expert tensor parallelism)")
         if show_stages:
             lines.append("  (stages: layers on the first/last pipeline stage, or virtual stage when interleaved, "
                          "where they differ from the rest; - even)")

@@ -29,13 +29,21 @@ range**, so `search: {}` or no section at all means "every valid factorisation o
 | sequence_parallel | false, true |
 | zero_stage | 0, 1, 2, 3 |
 | recompute | none, selective, full |
+| expert_tp | the scenario's plan.expert_tp (an MoE knob: searched only when listed) |
+| moe_dispatcher | the scenario's plan.moe_dispatcher (alltoall, deepep; searched only when listed) |
+| moe_shared_expert_overlap | the scenario's plan.moe_shared_expert_overlap (false, true; searched only when listed) |
 
 search.recompute also takes selective recompute of named modules, `selective(moe_act,layernorm)`
 or, inside a [..] list where a comma would split it, `selective(moe_act+layernorm)` (Megatron
 --recompute-modules; the modules of plan.recompute_modules), beside plain `selective`, which
 recomputes the scenario's own plan.recompute_modules (core_attn by default).
 
-Every other plan field (overlap_grad_reduce, overlap_param_gather, tp_comm_overlap, expert_tp)
+The three MoE knobs are opt-in, as zero-bubble is: each changes what Megatron-Core runs (expert
+tensor parallelism, DeepEP's kernels, the shared experts beside the dispatch) in ways a team picks
+deliberately, and leaving them out keeps a dense search and an MoE one of a fixed MoE setup as small
+as they were. Listing them for a dense model is an error, as ep is.
+
+Every other plan field (overlap_grad_reduce, overlap_param_gather, tp_comm_overlap)
 keeps the scenario's value; tp_comm_overlap is applied where it can be (sequence_parallel and
 tp > 1), and so is overlap_param_gather (zero_stage >= 1 and overlap_grad_reduce). Uneven stages
 are derived, not searched: when pp does not divide the layers (and the schedule is not
@@ -53,7 +61,9 @@ sequence_parallel takes its first candidate when tp = 1 (there is nothing to spl
 its first candidate when dp x cp = 1 and, for an MoE model, expert-dp = 1 (nothing to shard over),
 and gpipe and 1f1b are one schedule when pp = 1, 1f1b (gpipe when 1f1b is not listed; see
 `one_stage_schedule`: one stage has no pipeline to schedule, and GPipe's order there only holds more
-activations). interleaved-1f1b and zero-bubble need pp >= 2: with pp = 1 they stay invalid plans.
+activations). With ep = 1 no token leaves its rank, so the dispatcher takes its first candidate, and
+moe_shared_expert_overlap is false wherever it cannot act (ep = 1, no shared experts, or a dispatcher
+other than alltoall, the only one Megatron-Core overlaps shared experts with). interleaved-1f1b and zero-bubble need pp >= 2: with pp = 1 they stay invalid plans.
 
 Validity: the planner's own rules (the derived dp, tp inside a node) and then
 `simulator.feasibility.structural_problems`, the simulator's, on the candidate scenario; both give
@@ -72,17 +82,23 @@ from typing import Any
 
 from paraplan.errors import ConfigError
 from paraplan.loader import FrozenMapping
-from paraplan.specs import RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, ZERO_STAGES, PlanSpec, Scenario, nodes_x_gpus
+from paraplan.specs import (MOE_DISPATCHERS, RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, ZERO_STAGES, PlanSpec, Scenario,
+                            nodes_x_gpus)
 from simulator import layout
 
 # Knobs in the order they are enumerated and shown.
 KNOBS = (
     "num_nodes", "tp", "pp", "dp", "cp", "ep", "micro_batch_size", "schedule",
     "virtual_pipeline_stages", "sequence_parallel", "zero_stage", "recompute",
+    "expert_tp", "moe_dispatcher", "moe_shared_expert_overlap",
 )
-DEGREE_KNOBS = ("num_nodes", "tp", "pp", "dp", "cp", "ep", "micro_batch_size", "virtual_pipeline_stages")
+DEGREE_KNOBS = ("num_nodes", "tp", "pp", "dp", "cp", "ep", "micro_batch_size", "virtual_pipeline_stages",
+                "expert_tp")
 ENUM_KNOBS = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "recompute": RECOMPUTE,
-              "sequence_parallel": (False, True)}
+              "sequence_parallel": (False, True), "moe_dispatcher": MOE_DISPATCHERS,
+              "moe_shared_expert_overlap": (False, True)}
+MOE_KNOBS = ("expert_tp", "moe_dispatcher", "moe_shared_expert_overlap")
+"""Searched only when the search section lists them (their default is the scenario's value)."""
 # zero-bubble is searched only when the scenario lists it: Megatron-LM, whose arguments `plan`
 # writes, has no zero-bubble schedule (torchtitan and `paraplan launch` run it).
 DEFAULT_SCHEDULES = tuple(s for s in SCHEDULES if s != "zero-bubble")
@@ -288,8 +304,12 @@ def parse_search(scenario: Scenario, raw: Any = None) -> SearchSpec:
             raise ConfigError("search.recompute", f"{own} is the scenario's plan.recompute_modules, which "
                                                   f"selective already recomputes: list it once")
         given["recompute"] = tuple(sorted(canonical))
-    if scenario.model.moe is None and any(e != 1 for e in given.get("ep", (1,))):
-        raise ConfigError("search.ep", "expert parallelism needs an MoE model (model.moe); this model is dense")
+    if scenario.model.moe is None:
+        dense = {"ep": 1, "expert_tp": 1, "moe_dispatcher": "alltoall", "moe_shared_expert_overlap": False}
+        for knob, only in dense.items():
+            if any(v != only for v in given.get(knob, (only,))):
+                what = "expert parallelism" if knob == "ep" else knob
+                raise ConfigError(f"search.{knob}", f"{what} needs an MoE model (model.moe); this model is dense")
     allow_tp = settings.get("allow_tp_across_nodes", False)
     cands = _defaults(scenario, given.get("num_nodes", (scenario.cluster.num_nodes,)), allow_tp)
     cands.update({k: v for k, v in given.items() if k != "dp"})
@@ -328,6 +348,9 @@ def _defaults(sc: Scenario, num_nodes: tuple[int, ...], allow_tp_across_nodes: b
         "sequence_parallel": (False, True),
         "zero_stage": ZERO_STAGES,
         "recompute": RECOMPUTE,
+        "expert_tp": (sc.plan.expert_tp,),
+        "moe_dispatcher": (sc.plan.moe_dispatcher,),
+        "moe_shared_expert_overlap": (sc.plan.moe_shared_expert_overlap,),
     }
 
 
@@ -433,7 +456,11 @@ class PlanSpace:
         virtual = schedule in VIRTUAL_SCHEDULES and v["virtual_pipeline_stages"] >= VIRTUAL_SCHEDULES[schedule]
         interleaved = virtual and v["virtual_pipeline_stages"] > 1
         sp = v["sequence_parallel"] if v["tp"] > 1 else self._cands["sequence_parallel"][0]
-        zero = v["zero_stage"] if self._zero_matters(v["tp"], dp, v["cp"], v["ep"]) else self._cands["zero_stage"][0]
+        etp = v["expert_tp"]
+        zero = (v["zero_stage"] if self._zero_matters(v["tp"], dp, v["cp"], v["ep"], etp)
+                else self._cands["zero_stage"][0])
+        dispatcher = v["moe_dispatcher"] if v["ep"] > 1 else self._cands["moe_dispatcher"][0]
+        shared_overlap = v["moe_shared_expert_overlap"] and self._overlap_matters(v["ep"], dispatcher)
         recompute, modules = recompute_choice(v["recompute"])
         layers = self.scenario.model.num_layers
         if interleaved:
@@ -442,6 +469,7 @@ class PlanSpace:
             first, last = uneven_stages(layers, v["pp"])
         plan = dataclasses.replace(
             self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], ep=v["ep"],
+            expert_tp=etp, moe_dispatcher=dispatcher, moe_shared_expert_overlap=shared_overlap,
             first_stage_layers=first, last_stage_layers=last,
             micro_batch_size=v["micro_batch_size"], schedule=schedule,
             virtual_pipeline_stages=v["virtual_pipeline_stages"] if virtual else 1,
@@ -476,7 +504,8 @@ class PlanSpace:
                 "micro_batch_size": p.micro_batch_size, "schedule": p.schedule,
                 "virtual_pipeline_stages": p.virtual_pipeline_stages,
                 "sequence_parallel": p.sequence_parallel, "zero_stage": p.zero_stage,
-                "recompute": self._recompute_value(p)}
+                "recompute": self._recompute_value(p), "expert_tp": p.expert_tp,
+                "moe_dispatcher": p.moe_dispatcher, "moe_shared_expert_overlap": p.moe_shared_expert_overlap}
 
     def _recompute_value(self, p: PlanSpec) -> str:
         """The plan's search.recompute value: selective names its modules unless they are the scenario's."""
@@ -498,12 +527,16 @@ class PlanSpace:
         p = cand.plan
         checks = {"num_nodes": cand.num_nodes, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
                   "micro_batch_size": p.micro_batch_size, "schedule": p.schedule,
-                  "recompute": self._recompute_value(p)}
+                  "recompute": self._recompute_value(p), "expert_tp": p.expert_tp}
+        if p.ep > 1:
+            checks["moe_dispatcher"] = p.moe_dispatcher
+        if self._overlap_matters(p.ep, p.moe_dispatcher):
+            checks["moe_shared_expert_overlap"] = p.moe_shared_expert_overlap
         if p.schedule in VIRTUAL_SCHEDULES and p.virtual_pipeline_stages > 1:
             checks["virtual_pipeline_stages"] = p.virtual_pipeline_stages
         if p.tp > 1:
             checks["sequence_parallel"] = p.sequence_parallel
-        if self._zero_matters(p.tp, p.dp, p.cp, p.ep):
+        if self._zero_matters(p.tp, p.dp, p.cp, p.ep, p.expert_tp):
             checks["zero_stage"] = p.zero_stage
         return all(val in self._cands[k] for k, val in checks.items())
 
@@ -566,24 +599,44 @@ class PlanSpace:
         """Canonical combinations of the knobs below the layout."""
         c = self._cands
         sps = c["sequence_parallel"] if tp > 1 else c["sequence_parallel"][:1]
-        for ep in c["ep"]:
-            zeros = c["zero_stage"] if self._zero_matters(tp, dp, cp, ep) else c["zero_stage"][:1]
+        for ep, etp, dispatcher, overlap in self._expert_settings():
+            zeros = c["zero_stage"] if self._zero_matters(tp, dp, cp, ep, etp) else c["zero_stage"][:1]
             for mbs in c["micro_batch_size"]:
                 for schedule in self._schedules(pp):
                     for vpp in self._vpps(schedule):
                         for sp in sps:
                             for zero in zeros:
                                 for rc in c["recompute"]:
-                                    yield {"ep": ep, "micro_batch_size": mbs, "schedule": schedule,
-                                           "virtual_pipeline_stages": vpp, "sequence_parallel": sp,
-                                           "zero_stage": zero, "recompute": rc}
+                                    yield {"ep": ep, "expert_tp": etp, "moe_dispatcher": dispatcher,
+                                           "moe_shared_expert_overlap": overlap, "micro_batch_size": mbs,
+                                           "schedule": schedule, "virtual_pipeline_stages": vpp,
+                                           "sequence_parallel": sp, "zero_stage": zero, "recompute": rc}
 
-    def _zero_matters(self, tp: int, dp: int | None, cp: int, ep: int) -> bool:
+    def _expert_settings(self) -> Iterator[tuple[int, int, str, bool]]:
+        """Canonical (ep, expert_tp, moe_dispatcher, moe_shared_expert_overlap) combinations: the
+        dispatcher only with ep > 1, the shared-expert overlap only where it acts (_overlap_matters)."""
+        c = self._cands
+        for ep in c["ep"]:
+            for etp in c["expert_tp"]:
+                for dispatcher in c["moe_dispatcher"] if ep > 1 else c["moe_dispatcher"][:1]:
+                    overlaps = c["moe_shared_expert_overlap"] if self._overlap_matters(ep, dispatcher) else (False,)
+                    for overlap in overlaps:
+                        yield ep, etp, dispatcher, overlap
+
+    def _overlap_matters(self, ep: int, dispatcher: str) -> bool:
+        """Whether moe_shared_expert_overlap changes the plan: shared experts to overlap, a dispatch
+        to overlap them with (ep > 1), and the alltoall dispatcher, the only one Megatron-Core
+        overlaps them with (TransformerConfig: "moe_shared_expert_overlap only works with alltoall
+        token dispatcher")."""
+        moe = self.scenario.model.moe
+        return moe is not None and moe.num_shared_experts > 0 and ep > 1 and dispatcher == "alltoall"
+
+    def _zero_matters(self, tp: int, dp: int | None, cp: int, ep: int, expert_tp: int) -> bool:
         """ZeRO shards over dp x cp and, for an MoE model, expert states over expert-dp =
         tp x cp x dp / (ep x expert_tp): with both groups of one every stage is the same plan."""
         if dp is None or dp * cp != 1:
             return True
-        return self.scenario.model.moe is not None and tp * cp * dp > ep * self.scenario.plan.expert_tp
+        return self.scenario.model.moe is not None and tp * cp * dp > ep * expert_tp
 
     def _vpps(self, schedule: str) -> list[int]:
         """The canonical virtual stages per rank of a schedule (zero-bubble's 1 counts once even
@@ -595,7 +648,8 @@ class PlanSpace:
         n_sched = sum(len(self._vpps(s)) for s in self._schedules(pp))
         n_sp = len(c["sequence_parallel"]) if tp > 1 else 1
         per_ep = len(c["micro_batch_size"]) * n_sched * n_sp * len(c["recompute"])
-        return sum(per_ep * (len(c["zero_stage"]) if self._zero_matters(tp, dp, cp, ep) else 1) for ep in c["ep"])
+        return sum(per_ep * (len(c["zero_stage"]) if self._zero_matters(tp, dp, cp, ep, etp) else 1)
+                   for ep, etp, _, _ in self._expert_settings())
 
     def _layouts(self) -> Iterator[tuple[int, int, int, int]]:
         c = self._cands

@@ -25,7 +25,7 @@ from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
-from planner.space import Candidate, PlanSpace
+from planner.space import MOE_KNOBS, Candidate, PlanSpace
 
 PLAN_INDEX_ATTR = "paraplan:plan_index"
 # TPE: trials before its model kicks in (Optuna's default is 10; 20 explored better on the bundled
@@ -324,7 +324,8 @@ def expert_plans(space: PlanSpace, *, limit: int) -> list[Candidate]:
     Sec. 3.3 takeaways 1-2): the largest tensor-parallel degree that fits in a node, sequence
     parallelism, the distributed optimizer (ZeRO-1), selective recompute, micro-batch 1 and no
     context parallelism, over every pipeline depth, each interleaved (fewest virtual stages) and
-    plain 1F1B."""
+    plain 1F1B; the MoE knobs (expert_tp, dispatcher, shared-expert overlap) as the scenario's plan
+    sets them, where they are candidates."""
     out: list[Candidate] = []
 
     def add(c: Candidate) -> None:
@@ -346,6 +347,8 @@ def expert_plans(space: PlanSpace, *, limit: int) -> list[Candidate]:
         "sequence_parallel": pick("sequence_parallel", [True]),
         "zero_stage": pick("zero_stage", [1, 0, 2, 3]),
         "recompute": pick("recompute", ["selective", "none", "full"]),
+        # the MoE knobs as the scenario sets them, where they are among the candidates
+        **{k: pick(k, [getattr(base.plan, k)]) for k in MOE_KNOBS},
     }
     vpps = [v for v in vals["virtual_pipeline_stages"] if v >= 2]
     for tp in tps:

@@ -342,6 +342,12 @@ def test_executor_refusals():
     assert "plan.sequence_parallel: MoE with tp > 1 needs sequence_parallel" in problems(tp=2, model=MOE)
     assert "plan.expert_tp" in problems(expert_tp=2)
     assert "plan.tp_comm_overlap" in problems(tp=2, sequence_parallel=True, tp_comm_overlap=True)
+    # what the executor would run differently from the plan it was given: refused, not mis-measured
+    assert "plan.moe_dispatcher: the executor dispatches tokens with torch's all-to-all, not deepep's" in problems(
+        dp=2, ep=2, model=MOE, moe_dispatcher="deepep")
+    assert problems(dp=2, ep=1, model=MOE, moe_dispatcher="deepep") == ""  # with ep 1 no token is dispatched
+    assert "plan.moe_shared_expert_overlap: the executor runs the shared experts after the combine" in problems(
+        dp=2, ep=2, model=MOE, moe_shared_expert_overlap=True)
     assert "does not recompute layernorm, moe_act" in problems(
         dp=2, model=MOE, recompute="selective", recompute_modules=("layernorm", "moe_act", "moe"))
     assert problems(dp=2, model=MOE, recompute="selective", recompute_modules=("core_attn", "mlp", "shared_experts")) == ""

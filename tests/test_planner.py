@@ -61,6 +61,13 @@ BAD_SEARCH = [
     ("search.gpu_hour_cost=-2", "search.gpu_hour_cost: expected a positive number, got -2"),
     ("search.ep=[1, 2]", "search.ep: expert parallelism needs an MoE model (model.moe); this model is dense"),
     ("search.tp={a: 1}", "search.tp: expected a list of candidates (or one value), got a mapping"),
+    ("search.expert_tp=[1, 2]", "search.expert_tp: expert_tp needs an MoE model (model.moe); this model is dense"),
+    ("search.moe_dispatcher=[deepep]", "search.moe_dispatcher: moe_dispatcher needs an MoE model"),
+    ("search.moe_shared_expert_overlap=[false, true]", "search.moe_shared_expert_overlap: moe_shared_expert_overlap "
+                                                       "needs an MoE model"),
+    ("search.moe_dispatcher=[deep-ep]", "search.moe_dispatcher: 'deep-ep' is not one of alltoall, deepep, did you "
+                                        "mean 'deepep'?"),
+    ("search.expert_tp=[0]", "search.expert_tp: expected positive integers, got 0"),
 ]
 
 
@@ -101,6 +108,67 @@ def test_moe_model_offers_expert_parallelism():
     sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml")
     spec = parse_search(sc, {})
     assert spec.values("ep") == (1, 2, 4, 8)                # divisors of 64 GPUs that divide 8 experts
+
+
+MIXTRAL_FIXED = ["search.tp=[1, 2]", "search.pp=[4]", "search.cp=[1]", "search.micro_batch_size=[1]",
+                 "search.schedule=[1f1b]", "search.sequence_parallel=[true]", "search.zero_stage=[1]",
+                 "search.recompute=[none]"]
+
+
+def test_moe_knobs_keep_the_scenarios_values_unless_listed():
+    sc = load_scenario(ROOT / "scenarios" / "qwen3-235b-256xh100.yaml")
+    spec = parse_search(sc, {})
+    assert (spec.values("expert_tp"), spec.values("moe_dispatcher"), spec.values("moe_shared_expert_overlap")) == \
+        ((1,), ("deepep",), (False,))
+    listed = parse_search(sc, {"expert_tp": [2, 1], "moe_dispatcher": ["deepep", "alltoall"]})
+    assert listed.values("expert_tp") == (1, 2) and listed.values("moe_dispatcher") == ("alltoall", "deepep")
+    assert listed.given == ("expert_tp", "moe_dispatcher")
+
+
+def test_moe_knobs_are_searched_where_they_change_the_plan():
+    """expert_tp, the dispatcher and the shared-expert overlap are knobs: each valid combination is
+    one plan, the dispatcher only where tokens leave their rank (ep > 1), the overlap only where
+    Megatron-Core runs it (shared experts, alltoall); enumerate agrees with the count and every plan
+    maps back to its knob values."""
+    mixtral = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml",
+                            [*MIXTRAL_FIXED, "search.ep=[1, 8]", "search.expert_tp=[1, 2]",
+                             "search.moe_dispatcher=[alltoall, deepep]", "search.moe_shared_expert_overlap=[false, true]"])
+    sp = PlanSpace(mixtral, parse_search(mixtral))
+    found = sp.enumerate()
+    assert sp.count_combinations() == found.combinations
+    plans = {(c.plan.tp, c.plan.ep, c.plan.expert_tp, c.plan.moe_dispatcher, c.plan.moe_shared_expert_overlap)
+             for c in found.valid}
+    # Mixtral has no shared experts: never overlapped; ep 1: one dispatcher (the first listed)
+    assert plans == {(tp, ep, etp, d, False) for tp in (1, 2) for ep in (1, 8) for etp in (1, 2)
+                     for d in (("alltoall",) if ep == 1 else ("alltoall", "deepep")) if ep * etp <= 16 * tp}
+    for c in found.valid:
+        assert sp.candidate(sp.params_of(c)) == c and sp.in_space(c)
+    base = {"tp": 1, "pp": 4, "cp": 1, "micro_batch_size": 1, "schedule": "1f1b", "zero_stage": 1, "recompute": "none"}
+    assert sp.candidate({**base, "ep": 1, "moe_dispatcher": "deepep"}).plan.moe_dispatcher == "alltoall"
+    # a model with shared experts overlaps them with the alltoall dispatch only
+    shared = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml",
+                           [*MIXTRAL_FIXED, "search.tp=[1]", "search.ep=[8]", "model.moe.num_shared_experts=1",
+                            "search.moe_dispatcher=[alltoall, deepep]", "search.moe_shared_expert_overlap=[false, true]"])
+    sp = PlanSpace(shared, parse_search(shared))
+    got = {(c.plan.moe_dispatcher, c.plan.moe_shared_expert_overlap) for c in sp.enumerate().valid}
+    assert got == {("alltoall", False), ("alltoall", True), ("deepep", False)}
+    assert sp.count_combinations() == 3
+
+
+def test_expert_tp_and_the_dispatcher_reach_the_simulation():
+    """The searched MoE settings are what is simulated: expert tensor parallelism changes the expert
+    GEMMs and the memory, and DeepEP across nodes moves fewer bytes than the all-to-all."""
+    sc = load_scenario(ROOT / "scenarios" / "qwen3-235b-256xh100.yaml",
+                       ["search.tp=[2]", "search.pp=[8]", "search.cp=[1]", "search.ep=[16]", "search.expert_tp=[1, 2]",
+                        "search.moe_dispatcher=[alltoall, deepep]", "search.micro_batch_size=[1]",
+                        "search.schedule=[interleaved-1f1b]", "search.virtual_pipeline_stages=[4]",
+                        "search.sequence_parallel=[true]", "search.zero_stage=[1]", "search.recompute=[full]"])
+    sp = PlanSpace(sc, parse_search(sc))
+    ev = Evaluator(sp)
+    got = {(c.plan.expert_tp, c.plan.moe_dispatcher): ev.evaluate(c) for c in sp.enumerate().valid}
+    assert set(got) == {(1, "alltoall"), (1, "deepep"), (2, "alltoall"), (2, "deepep")}
+    assert dict(got[1, "deepep"].breakdown)["ep_comm"] < dict(got[1, "alltoall"].breakdown)["ep_comm"]
+    assert got[2, "deepep"].peak_memory_bytes < got[1, "deepep"].peak_memory_bytes  # experts split 2 ways
 
 
 def test_selective_recompute_of_named_modules_is_a_candidate_of_its_own():

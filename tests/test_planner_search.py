@@ -329,3 +329,29 @@ def test_a_study_whose_creator_stopped_before_the_baseline_is_joined(tmp_path, m
     res = run_search(request(tmp_path, *SMALL, strategy="tpe", trials=5))
     assert res.records and "paraplan_baseline" in optuna.load_study(
         study_name="s", storage=open_storage(str(tmp_path / "study.journal"))).user_attrs
+
+
+def test_the_table_shows_the_moe_settings_when_the_search_varies_them(tmp_path):
+    """Plans that differ in expert_tp or the dispatcher carry them in the table (a moe column) and
+    in their labels; a search that leaves them at Megatron-Core's defaults shows no such column."""
+    fixed = ["search.tp=[1]", "search.pp=[4]", "search.cp=[1]", "search.ep=[8]", "search.micro_batch_size=[1]",
+             "search.schedule=[1f1b]", "search.zero_stage=[1]", "search.recompute=[none]"]
+    mixtral = ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml"
+
+    def search(name, *knobs):
+        sc = load_scenario(mixtral, [*fixed, *knobs])
+        req = SearchRequest(scenario=sc, spec=parse_search(sc), objective=make_objective("throughput"),
+                            storage=str(tmp_path / f"{name}.journal"), study_name=name, strategy="exhaustive")
+        return format_report(build_report("mixtral", run_search(req), make_objective("throughput")))
+
+    text = search("moe", "search.expert_tp=[1, 2]", "search.moe_dispatcher=[alltoall, deepep]")
+    lines = text.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.rstrip().endswith("limited by"))
+    assert " ep  moe          mbs" in lines[head]
+    shown = {" ".join(line.split()[6:8]) if "etp" in line.split()[7] else line.split()[6]
+             for line in lines[head + 1:head + 5]}
+    assert shown == {"a2a", "deepep", "a2a etp2", "deepep etp2"}
+    assert "(moe: the token dispatcher" in text
+    plain = search("plain").splitlines()
+    assert "moe" not in next(line for line in plain if line.rstrip().endswith("limited by"))
+    assert not any("(moe:" in line for line in plain)
