@@ -93,7 +93,8 @@ def build_report(scenario: str, result: SearchResult, objective: Objective, *, t
 
 def plan_label(p: PlanSpec) -> str:
     """`tp8 pp8 dp16 mbs1 interleaved x6 sp zero1 selective` (cp/ep only when > 1; the MoE settings,
-    e.g. `ep8 etp2 deepep`, only where they differ from Megatron-Core's defaults)."""
+    e.g. `ep8 etp2 deepep shared-overlap`, only where they are not expert_tp 1, alltoall and no
+    overlap)."""
     parts = [f"tp{p.tp}", f"pp{p.pp}", f"dp{p.dp}"]
     if p.cp > 1:
         parts.append(f"cp{p.cp}")
@@ -145,7 +146,7 @@ def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool, r
     if show_nodes:
         cols.append(f"{e.world_size:>5}")
     cols += [f"{p.tp:>2}", f"{p.pp:>3}", f"{p.dp:>4}", f"{p.cp:>2}"]
-    cols.append(f"{p.ep:>2}")
+    cols.append(f"{p.ep:>3}")
     if moe_width:
         cols.append(f"{moe_label(p):<{moe_width}}")
     cols += [f"{p.micro_batch_size:>3}", f"{sched:<8}"]
@@ -190,7 +191,7 @@ def format_report(rep: Report) -> str:
         shown = [r.evaluation.candidate.plan for r in rep.plans]
         moe_width = max(len("moe"), *(len(moe_label(p)) for p in shown)) if _shows_moe(shown) else 0
         head = [" #"] + (["  GPUs"] if show_nodes else []) + [
-            "tp", " pp", "  dp", "cp", "ep"] + ([f"{'moe':<{moe_width}}"] if moe_width else []) + [
+            "tp", " pp", "  dp", "cp", " ep"] + ([f"{'moe':<{moe_width}}"] if moe_width else []) + [
             "mbs", "schedule"] + (["stages"] if show_stages else []) + [
             "sp ", "zero", f"{'recompute':<{rc_width}}", "  step s", "   tokens/s", "   MFU", "mem GiB    ", "free"]
         if obj.name == "cost":

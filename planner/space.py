@@ -61,7 +61,8 @@ sequence_parallel takes its first candidate when tp = 1 (there is nothing to spl
 its first candidate when dp x cp = 1 and, for an MoE model, expert-dp = 1 (nothing to shard over),
 and gpipe and 1f1b are one schedule when pp = 1, 1f1b (gpipe when 1f1b is not listed; see
 `one_stage_schedule`: one stage has no pipeline to schedule, and GPipe's order there only holds more
-activations). With ep = 1 no token leaves its rank, so the dispatcher takes its first candidate, and
+activations). With ep = 1 no token leaves its rank, so the dispatcher is alltoall (Megatron-Core's
+flex dispatcher, which runs DeepEP, refuses ep x expert_tp = 1), and
 moe_shared_expert_overlap is false wherever it cannot act (ep = 1, no shared experts, or a dispatcher
 other than alltoall, the only one Megatron-Core overlaps shared experts with). interleaved-1f1b and zero-bubble need pp >= 2: with pp = 1 they stay invalid plans.
 
@@ -310,6 +311,9 @@ def parse_search(scenario: Scenario, raw: Any = None) -> SearchSpec:
             if any(v != only for v in given.get(knob, (only,))):
                 what = "expert parallelism" if knob == "ep" else knob
                 raise ConfigError(f"search.{knob}", f"{what} needs an MoE model (model.moe); this model is dense")
+    elif True in given.get("moe_shared_expert_overlap", ()) and not scenario.model.moe.num_shared_experts:
+        raise ConfigError("search.moe_shared_expert_overlap", "true needs shared experts "
+                                                              "(model.moe.num_shared_experts > 0); this model has none")
     allow_tp = settings.get("allow_tp_across_nodes", False)
     cands = _defaults(scenario, given.get("num_nodes", (scenario.cluster.num_nodes,)), allow_tp)
     cands.update({k: v for k, v in given.items() if k != "dp"})
@@ -459,7 +463,9 @@ class PlanSpace:
         etp = v["expert_tp"]
         zero = (v["zero_stage"] if self._zero_matters(v["tp"], dp, v["cp"], v["ep"], etp)
                 else self._cands["zero_stage"][0])
-        dispatcher = v["moe_dispatcher"] if v["ep"] > 1 else self._cands["moe_dispatcher"][0]
+        # with ep 1 no token leaves its rank: one plan, alltoall (Megatron's flex/DeepEP dispatcher
+        # refuses ep x expert_tp = 1, and with expert_tp > 1 both run alike)
+        dispatcher = v["moe_dispatcher"] if v["ep"] > 1 else "alltoall"
         shared_overlap = v["moe_shared_expert_overlap"] and self._overlap_matters(v["ep"], dispatcher)
         recompute, modules = recompute_choice(v["recompute"])
         layers = self.scenario.model.num_layers
@@ -498,14 +504,20 @@ class PlanSpace:
         return Candidate(num_nodes=self.scenario.cluster.num_nodes, plan=self.scenario.plan)
 
     def params_of(self, cand: Candidate) -> dict[str, Any]:
-        """Every knob value of a candidate except the derived dp (the inverse of `candidate`)."""
+        """Every knob value of a candidate except the derived dp (the inverse of `candidate`). A
+        knob that cannot act on the plan (the dispatcher at ep 1, the shared-expert overlap where
+        _overlap_matters is false) gives its first candidate, which `candidate` maps back to the
+        canonical value: so a sampler's choices, read from these, hold only candidates."""
         p = cand.plan
+        c = self._cands
         return {"num_nodes": cand.num_nodes, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
                 "micro_batch_size": p.micro_batch_size, "schedule": p.schedule,
                 "virtual_pipeline_stages": p.virtual_pipeline_stages,
                 "sequence_parallel": p.sequence_parallel, "zero_stage": p.zero_stage,
                 "recompute": self._recompute_value(p), "expert_tp": p.expert_tp,
-                "moe_dispatcher": p.moe_dispatcher, "moe_shared_expert_overlap": p.moe_shared_expert_overlap}
+                "moe_dispatcher": p.moe_dispatcher if p.ep > 1 else c["moe_dispatcher"][0],
+                "moe_shared_expert_overlap": (p.moe_shared_expert_overlap if self._overlap_matters(p.ep, p.moe_dispatcher)
+                                              else c["moe_shared_expert_overlap"][0])}
 
     def _recompute_value(self, p: PlanSpec) -> str:
         """The plan's search.recompute value: selective names its modules unless they are the scenario's."""
@@ -618,7 +630,7 @@ class PlanSpace:
         c = self._cands
         for ep in c["ep"]:
             for etp in c["expert_tp"]:
-                for dispatcher in c["moe_dispatcher"] if ep > 1 else c["moe_dispatcher"][:1]:
+                for dispatcher in c["moe_dispatcher"] if ep > 1 else ("alltoall",):
                     overlaps = c["moe_shared_expert_overlap"] if self._overlap_matters(ep, dispatcher) else (False,)
                     for overlap in overlaps:
                         yield ep, etp, dispatcher, overlap

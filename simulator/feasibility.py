@@ -162,6 +162,10 @@ def _moe_problems(sc: Scenario) -> list[str]:
         # --moe-shared-expert-overlap."
         out.append("plan.recompute_modules: shared_experts cannot be recomputed with plan.moe_shared_expert_overlap "
                    "(Megatron-Core); drop one of them")
+    if p.moe_dispatcher == "deepep" and p.ep * p.expert_tp == 1:
+        # Megatron-Core MoEFlexTokenDispatcher (DeepEP's): "Flex token dispatcher requires TPxEP > 1"
+        out.append("plan.moe_dispatcher: deepep needs ep x expert_tp > 1 (Megatron-Core's flex dispatcher refuses "
+                   "one rank); with ep 1 no token leaves its rank: use alltoall")
     if e.num_experts % p.ep:
         out.append(f"plan.ep: {p.ep} does not divide model.moe.num_experts ({e.num_experts})")
     block = p.tp * p.cp * p.dp

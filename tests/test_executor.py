@@ -345,7 +345,8 @@ def test_executor_refusals():
     # what the executor would run differently from the plan it was given: refused, not mis-measured
     assert "plan.moe_dispatcher: the executor dispatches tokens with torch's all-to-all, not deepep's" in problems(
         dp=2, ep=2, model=MOE, moe_dispatcher="deepep")
-    assert problems(dp=2, ep=1, model=MOE, moe_dispatcher="deepep") == ""  # with ep 1 no token is dispatched
+    assert "plan.moe_dispatcher: deepep needs ep x expert_tp > 1" in problems(dp=2, ep=1, model=MOE,
+                                                                             moe_dispatcher="deepep")
     assert "plan.moe_shared_expert_overlap: the executor runs the shared experts after the combine" in problems(
         dp=2, ep=2, model=MOE, moe_shared_expert_overlap=True)
     assert "does not recompute layernorm, moe_act" in problems(

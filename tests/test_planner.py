@@ -132,13 +132,13 @@ def test_moe_knobs_are_searched_where_they_change_the_plan():
     maps back to its knob values."""
     mixtral = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml",
                             [*MIXTRAL_FIXED, "search.ep=[1, 8]", "search.expert_tp=[1, 2]",
-                             "search.moe_dispatcher=[alltoall, deepep]", "search.moe_shared_expert_overlap=[false, true]"])
+                             "search.moe_dispatcher=[alltoall, deepep]"])
     sp = PlanSpace(mixtral, parse_search(mixtral))
     found = sp.enumerate()
     assert sp.count_combinations() == found.combinations
     plans = {(c.plan.tp, c.plan.ep, c.plan.expert_tp, c.plan.moe_dispatcher, c.plan.moe_shared_expert_overlap)
              for c in found.valid}
-    # Mixtral has no shared experts: never overlapped; ep 1: one dispatcher (the first listed)
+    # ep 1: one dispatcher, alltoall (no token leaves its rank; DeepEP's dispatcher refuses one rank)
     assert plans == {(tp, ep, etp, d, False) for tp in (1, 2) for ep in (1, 8) for etp in (1, 2)
                      for d in (("alltoall",) if ep == 1 else ("alltoall", "deepep")) if ep * etp <= 16 * tp}
     for c in found.valid:
@@ -153,6 +153,69 @@ def test_moe_knobs_are_searched_where_they_change_the_plan():
     got = {(c.plan.moe_dispatcher, c.plan.moe_shared_expert_overlap) for c in sp.enumerate().valid}
     assert got == {("alltoall", False), ("alltoall", True), ("deepep", False)}
     assert sp.count_combinations() == 3
+
+
+DEEPSEEK_FIXED = ["search.pp=[16]", "search.tp=[1]", "search.cp=[1]", "search.micro_batch_size=[1]",
+                  "search.schedule=[1f1b]", "search.recompute=[full]", "search.zero_stage=[1]"]
+
+
+@pytest.mark.parametrize("overrides", [
+    ["plan.moe_dispatcher=alltoall", "search.ep=[1, 8, 64]", "search.moe_shared_expert_overlap=[true]"],
+    ["plan.moe_dispatcher=alltoall", "plan.moe_shared_expert_overlap=true", "search.ep=[1, 8, 64]"],
+    ["search.ep=[8, 64]", "search.moe_dispatcher=[alltoall, deepep]", "search.moe_shared_expert_overlap=[true]"],
+    ["search.ep=[1, 8, 64]", "search.moe_dispatcher=[deepep]", "search.expert_tp=[1, 2]"],
+    ["search.ep=[1, 8]", "search.moe_dispatcher=[alltoall, deepep]", "search.moe_shared_expert_overlap=[false, true]"],
+], ids=["overlap-true", "plan-overlap", "overlap-true-deepep", "deepep-etp", "all"])
+def test_a_sampler_proposes_only_plans_of_the_space(overrides):
+    """Every combination of the knob values a sampler chooses from is either invalid or a plan of
+    the space: a canonical value (the overlap where it cannot act, the dispatcher at ep 1) is never
+    offered as a choice of its own, so TPE cannot simulate a plan the search section excludes."""
+    from planner.search import _knob_choices
+
+    sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml", [*DEEPSEEK_FIXED, *overrides])
+    sp = PlanSpace(sc, parse_search(sc))
+    found = sp.enumerate()
+    choices, fixed = _knob_choices(sp, found)
+    for k, vals in choices.items():
+        assert set(vals) <= set(sp.spec.values(k)), k
+    reached = set()
+    for combo in itertools.product(*choices.values()):
+        c = sp.candidate({**fixed, **dict(zip(choices, combo))})
+        if c.plan.dp and not sp.problems(c):
+            assert sp.in_space(c), c.plan
+            reached.add(c)
+    assert reached == set(found.valid)
+    assert all(c.plan.moe_dispatcher == "alltoall" for c in found.valid if c.plan.ep == 1)
+
+
+def test_deepep_needs_more_than_one_rank_to_dispatch_to():
+    """Megatron-Core's flex dispatcher (DeepEP's) asserts tp x ep > 1 over the expert groups."""
+    sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml", ["plan.ep=1"])
+    assert any(r.startswith("plan.moe_dispatcher: deepep needs ep x expert_tp > 1") for r in structural_problems(sc))
+    ok = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml", ["plan.ep=1", "plan.moe_dispatcher=alltoall"])
+    assert not [r for r in structural_problems(ok) if r.startswith("plan.moe_dispatcher")]
+
+
+def test_the_overlap_knob_needs_shared_experts():
+    sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml", ["search.moe_shared_expert_overlap=[false, true]"])
+    with pytest.raises(ConfigError, match=r"^search.moe_shared_expert_overlap: true needs shared experts"):
+        parse_search(sc)
+    assert parse_search(sc, {"moe_shared_expert_overlap": [False]}).values("moe_shared_expert_overlap") == (False,)
+
+
+def test_a_study_from_before_the_moe_knobs_keeps_its_fingerprint():
+    """The MoE knobs a search leaves out are the plan's values, which the fingerprint already holds:
+    without them in the key, a study made before they were knobs can be resumed."""
+    from planner.search import fingerprint
+
+    sc = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml")
+    spec = parse_search(sc)
+    older = dataclasses.replace(spec, candidates=tuple((k, v) for k, v in spec.candidates if not k.startswith(
+        ("expert_tp", "moe_"))))
+    obj = make_objective("throughput")
+    assert fingerprint(sc, spec, obj, "tpe", ()) == fingerprint(sc, older, obj, "tpe", ())
+    listed = parse_search(sc, {"expert_tp": [1, 2]})
+    assert fingerprint(sc, listed, obj, "tpe", ()) != fingerprint(sc, spec, obj, "tpe", ())
 
 
 def test_expert_tp_and_the_dispatcher_reach_the_simulation():
