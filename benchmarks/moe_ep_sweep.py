@@ -32,7 +32,8 @@ def main() -> None:
     base = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml")
     rows = []
     for ep in (1, 2, 4, 8, 16, 32, 64):
-        sc = replace(base, plan=replace(base.plan, ep=ep))
+        # at EP 1 no token leaves its rank: the alltoall dispatcher (DeepEP's refuses a single rank)
+        sc = replace(base, plan=replace(base.plan, ep=ep, moe_dispatcher=base.plan.moe_dispatcher if ep > 1 else "alltoall"))
         # step times, the routing draw and the placement: no timeline, no balanced-router reference
         uni = simulate(with_routing(sc, RoutingSpec(distribution="uniform")), imbalance_reference=False,
                        record_spans=False)
