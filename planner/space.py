@@ -48,8 +48,10 @@ keeps the scenario's value; tp_comm_overlap is applied where it can be (sequence
 tp > 1), and so is overlap_param_gather (zero_stage >= 1 and overlap_grad_reduce). Uneven stages
 are derived, not searched: when pp does not divide the layers (and the schedule is not
 interleaved), the middle stages take ceil(layers / pp) each and the first and
-last stages share the rest, the last one the lighter (they also hold the embedding and the LM
-head: Llama 3 405B's 126 layers on 16 stages are 7 + 14 x 8 + 7, Dubey et al. 2024 Sec. 3.3.2);
+last stages share the rest so that the costlier of the two, by forward FLOPs with the LM head and
+any multi-token prediction modules on the last, costs least (Llama 3 405B's 126 layers on 16
+stages are 7 + 14 x 8 + 7, Dubey et al. 2024 Sec. 3.3.2; DeepSeek-V3's 61 with its MTP module, 4 +
+14 x 4 + 1); see uneven_stages;
 interleaved, the embedding and the loss count as a layer each where the pp x vpp virtual stages
 then split the layers evenly (Megatron --account-for-embedding/loss-in-pipeline-split: Qwen3-235B's
 94 layers on 8 x 4 virtual stages are 2 + 30 x 3 + 2, on 32 x 3 the embedding and the loss alone at
@@ -77,7 +79,7 @@ import difflib
 import math
 import re
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +88,7 @@ from paraplan.loader import FrozenMapping
 from paraplan.specs import (MOE_DISPATCHERS, RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, ZERO_STAGES, PlanSpec, Scenario,
                             nodes_x_gpus)
 from simulator import layout
+from simulator.flops import last_stage_extra_flops_per_token, layer_forward_flops_per_token
 
 # Knobs in the order they are enumerated and shown.
 KNOBS = (
@@ -383,19 +386,37 @@ class Enumeration:
     """Most frequent first; a plan with several problems counts under each."""
 
 
-def uneven_stages(num_layers: int, pp: int) -> tuple[int | None, int | None]:
+def uneven_stages(num_layers: int, pp: int, layer_costs: Sequence[float] | None = None,
+                  last_extra: float = 0.0) -> tuple[int | None, int | None]:
     """(first, last) stage layers when pp does not divide num_layers, else (None, None): middle
-    stages ceil(L / pp) each, the rest shared by the first and last, the last the lighter. (None,
-    None) too when no such split exists (the plan is then rejected as uneven)."""
+    stages ceil(L / pp) each, the rest shared by the first and last stages, at least one layer
+    each. Without costs the last takes the smaller half. With `layer_costs` (per layer) and
+    `last_extra` (what the last stage runs besides its layers: the LM head, multi-token prediction)
+    the rest is split so that the costlier of the two edge stages costs least, ties going to the
+    split with more layers first: a pipeline runs at the pace of its slowest stage, which is what
+    Megatron's --decoder-first/last-pipeline-num-layers are set by (the Llama 3 paper, Sec. 3.3.2,
+    takes a layer off the first and last stages for the embedding and the head; Llama 3 405B's
+    126 layers on 16 stages are 7 + 14 x 8 + 7). (None, None) too when no such split exists (the
+    plan is then rejected as uneven)."""
     if pp < 2 or num_layers % pp == 0:
         return None, None
     if pp == 2:
-        return num_layers - num_layers // 2, num_layers // 2
-    middle = -(-num_layers // pp)
-    rest = num_layers - (pp - 2) * middle
-    if rest < 2:
-        return None, None
-    return rest - rest // 2, rest // 2
+        rest, middle = num_layers, 0
+    else:
+        middle = -(-num_layers // pp)
+        rest = num_layers - (pp - 2) * middle
+        if rest < 2:
+            return None, None
+    if layer_costs is None:
+        return rest - rest // 2, rest // 2
+    tail = num_layers - rest  # index of the first layer of the rest that is not the first stage's
+    best = None
+    for first in range(rest - 1, 0, -1):
+        last = rest - first
+        cost = max(sum(layer_costs[:first]), sum(layer_costs[tail + first:]) + last_extra)
+        if best is None or cost < best[0]:
+            best = (cost, first)
+    return best[1], rest - best[1]
 
 
 def interleaved_edges(num_layers: int, virtual_stages: int) -> tuple[int | None, int | None]:
@@ -439,6 +460,11 @@ class PlanSpace:
         self._cands = dict(spec.candidates)
         self._one_stage_schedule = one_stage_schedule(self._cands["schedule"])
         self._valid: dict[Candidate, bool] = {}
+        # what uneven_stages balances the edge stages by: forward FLOPs per token of each layer, and
+        # of the LM head and multi-token prediction modules the last stage adds
+        m, seq = scenario.model, scenario.training.seq_length
+        self._layer_costs = tuple(layer_forward_flops_per_token(m, i, seq) for i in range(m.num_layers))
+        self._last_extra = last_stage_extra_flops_per_token(m, seq)
 
     # -- points ---------------------------------------------------------------------------------
 
@@ -472,7 +498,7 @@ class PlanSpace:
         if interleaved:
             first, last = interleaved_edges(layers, v["pp"] * v["virtual_pipeline_stages"])
         else:
-            first, last = uneven_stages(layers, v["pp"])
+            first, last = uneven_stages(layers, v["pp"], self._layer_costs, self._last_extra)
         plan = dataclasses.replace(
             self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], ep=v["ep"],
             expert_tp=etp, moe_dispatcher=dispatcher, moe_shared_expert_overlap=shared_overlap,

@@ -48,6 +48,21 @@ def _ffn_flops_per_token(model, index: int, *, shared_only: bool = False, kept: 
     return 2 * (router + experts * model.ffn_matrices * h * e.expert_ffn_hidden_size)
 
 
+def layer_forward_flops_per_token(model, index: int, seq_length: int) -> float:
+    """Forward FLOPs per token of layer `index`: its GEMMs (layer_gemm_flops_per_token) and its
+    attention score/value products, 2*s*(q + o) (as forward_flops_per_token counts them)."""
+    return layer_gemm_flops_per_token(model, index) + 2 * seq_length * (model.q_channels + model.o_channels)
+
+
+def last_stage_extra_flops_per_token(model, seq_length: int) -> float:
+    """Forward FLOPs per token the last pipeline stage runs besides its layers: the LM head (2*h*V)
+    and each multi-token prediction module (its 2h -> h projection, a layer like the last, the head
+    again), as forward_flops_per_token counts them."""
+    h, mtp = model.hidden_size, model.mtp_layers
+    module = 2 * 2 * h * h + layer_forward_flops_per_token(model, model.num_layers - 1, seq_length)
+    return (1 + mtp) * 2 * h * model.vocab_size + mtp * module
+
+
 def forward_flops_per_token(model, seq_length: int, kept: float = 1.0) -> tuple[float, float, float]:
     """(GEMMs of all layers, attention score/value products of all layers, LM head) per token;
     `kept` as in layer_gemm_flops_per_token."""

@@ -370,6 +370,23 @@ def test_uneven_stages_are_derived_when_pp_does_not_divide_the_layers():
     assert (inter.plan.first_stage_layers, inter.plan.last_stage_layers) == (3, 3) and sp.problems(inter) == []
 
 
+def test_uneven_edges_balance_the_lm_head_and_the_mtp_modules():
+    """The rest of an uneven split goes so that the costlier edge stage, by forward FLOPs with the
+    LM head and multi-token prediction on the last, costs least: DeepSeek-V3's 61 layers on 16
+    stages with its MTP module are 4 + 14 x 4 + 1, the scenario's own split (so its plan is one of
+    the space's), and simulate faster than the halves 3 / 2."""
+    sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml")
+    sp = PlanSpace(sc, parse_search(sc, {}))
+    assert sp.candidate(sp.params_of(sp.baseline())) == sp.baseline()
+    assert (sc.plan.first_stage_layers, sc.plan.last_stage_layers) == (4, 1)
+    halves = dataclasses.replace(sc, plan=dataclasses.replace(sc.plan, first_stage_layers=3, last_stage_layers=2))
+    assert simulate(sc, imbalance_reference=False).step_time_s < simulate(halves, imbalance_reference=False).step_time_s
+    # by hand: uniform layers and a head of 1.5 layers put the 5 remaining layers 3 + 2 (3 vs 3.5;
+    # 4 + 1 is 4 vs 2.5), a head of 2.5 layers 4 + 1 (4 vs 3.5; 3 + 2 is 3 vs 4.5)
+    assert uneven_stages(61, 16, [1.0] * 61, 1.5) == (3, 2) and uneven_stages(61, 16, [1.0] * 61, 2.5) == (4, 1)
+    assert uneven_stages(61, 16, [1.0] * 61, 0.0) == uneven_stages(61, 16) == (3, 2)  # no head: the halves
+
+
 def test_interleaved_uneven_splits_count_the_embedding_and_the_loss_as_layers():
     assert interleaved_edges(94, 32) == (2, 2)          # Qwen3-235B, pp 8 x vpp 4 (Megatron MoE model zoo)
     assert interleaved_edges(94, 96) == (0, 0)          # pp 32 x vpp 3: embedding alone, loss alone
