@@ -64,9 +64,10 @@ its first candidate when dp x cp = 1 and, for an MoE model, expert-dp = 1 (nothi
 and gpipe and 1f1b are one schedule when pp = 1, 1f1b (gpipe when 1f1b is not listed; see
 `one_stage_schedule`: one stage has no pipeline to schedule, and GPipe's order there only holds more
 activations). With ep = 1 no token leaves its rank, so the dispatcher is alltoall (Megatron-Core's
-flex dispatcher, which runs DeepEP, refuses ep x expert_tp = 1), and
-moe_shared_expert_overlap is false wherever it cannot act (ep = 1, no shared experts, or a dispatcher
-other than alltoall, the only one Megatron-Core overlaps shared experts with). interleaved-1f1b and zero-bubble need pp >= 2: with pp = 1 they stay invalid plans.
+flex dispatcher, which runs DeepEP, refuses ep x expert_tp = 1), and moe_shared_expert_overlap is
+false wherever it cannot act (ep = 1, no shared experts, or a dispatcher other than alltoall, the
+only one Megatron-Core overlaps shared experts with). interleaved-1f1b and zero-bubble need pp >= 2:
+with pp = 1 they stay invalid plans.
 
 Validity: the planner's own rules (the derived dp, tp inside a node) and then
 `simulator.feasibility.structural_problems`, the simulator's, on the candidate scenario; both give
@@ -401,7 +402,7 @@ def uneven_stages(num_layers: int, pp: int, layer_costs: Sequence[float] | None 
     if pp < 2 or num_layers % pp == 0:
         return None, None
     if pp == 2:
-        rest, middle = num_layers, 0
+        rest = num_layers
     else:
         middle = -(-num_layers // pp)
         rest = num_layers - (pp - 2) * middle
@@ -409,7 +410,7 @@ def uneven_stages(num_layers: int, pp: int, layer_costs: Sequence[float] | None 
             return None, None
     if layer_costs is None:
         return rest - rest // 2, rest // 2
-    tail = num_layers - rest  # index of the first layer of the rest that is not the first stage's
+    tail = num_layers - rest  # the middle stages' layers: the last stage's start at tail + first
     best = None
     for first in range(rest - 1, 0, -1):
         last = rest - first
