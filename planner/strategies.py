@@ -324,8 +324,10 @@ def expert_plans(space: PlanSpace, *, limit: int) -> list[Candidate]:
     Sec. 3.3 takeaways 1-2): the largest tensor-parallel degree that fits in a node, sequence
     parallelism, the distributed optimizer (ZeRO-1), selective recompute, micro-batch 1 and no
     context parallelism, over every pipeline depth, each interleaved (fewest virtual stages) and
-    plain 1F1B; the MoE knobs (expert_tp, dispatcher, shared-expert overlap) as the scenario's plan
-    sets them, where they are candidates."""
+    plain 1F1B; for an MoE model the narrowest tensor parallelism instead (rule 1 of the Megatron-Core
+    MoE README's tuning guide), the widest expert parallelism inside a node, and the MoE knobs
+    (expert_tp, dispatcher, shared-expert overlap) as the scenario's plan sets them, where they are
+    candidates."""
     out: list[Candidate] = []
 
     def add(c: Candidate) -> None:
@@ -340,15 +342,25 @@ def expert_plans(space: PlanSpace, *, limit: int) -> list[Candidate]:
         return next((p for p in preferred if p in vals[knob]), vals[knob][0])
 
     gpn = space.scenario.cluster.gpus_per_node
-    tps = [t for t in sorted(vals["tp"], reverse=True) if t <= gpn] or sorted(vals["tp"])
+    moe = space.scenario.model.moe is not None
+    # dense: the widest TP in a node (SC'21); MoE: the narrowest, expert parallelism doing the
+    # splitting (Megatron-Core MoE README: "Keep the model parallism size as small as possible",
+    # "Prefer EP over TP for the expert layer"; its Mixtral 8x7B mapping is TP 1 EP 8)
+    tps = [t for t in sorted(vals["tp"], reverse=not moe) if t <= gpn] or sorted(vals["tp"])
+    moe_knobs = {k: pick(k, [getattr(base.plan, k)]) for k in MOE_KNOBS}
+    # MoE: the widest expert parallelism whose EP x expert-TP group stays in the NVLink domain of a
+    # node (Megatron-Core MoE README, "Tuning Guide of Parallel Mappings": "Ensure the EPxTP
+    # communication within the NVLink domain", "Prefer EP over TP for the expert layer")
+    in_node = [e for e in vals["ep"] if e * moe_knobs["expert_tp"] <= gpn]
     common = {
         "num_nodes": base.num_nodes if base.num_nodes in vals["num_nodes"] else vals["num_nodes"][-1],
-        "cp": vals["cp"][0], "ep": vals["ep"][0], "micro_batch_size": vals["micro_batch_size"][0],
+        "cp": vals["cp"][0], "ep": max(in_node, default=vals["ep"][0]),
+        "micro_batch_size": vals["micro_batch_size"][0],
         "sequence_parallel": pick("sequence_parallel", [True]),
         "zero_stage": pick("zero_stage", [1, 0, 2, 3]),
         "recompute": pick("recompute", ["selective", "none", "full"]),
         # the MoE knobs as the scenario sets them, where they are among the candidates
-        **{k: pick(k, [getattr(base.plan, k)]) for k in MOE_KNOBS},
+        **moe_knobs,
     }
     vpps = [v for v in vals["virtual_pipeline_stages"] if v >= 2]
     for tp in tps:

@@ -593,3 +593,21 @@ def test_local_refinement_moves_to_zero_bubble_with_virtual_stages():
     _, values = sampler._axes()["pipeline"]
     assert sorted(values) == [("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4),
                               ("zero-bubble", 1), ("zero-bubble", 2), ("zero-bubble", 4)]
+
+
+def test_expert_plans_follow_the_dense_and_the_moe_tuning_guides():
+    """The plans TPE starts from: for a dense model the widest TP in a node (SC'21), for an MoE
+    model TP 1 with the widest EP inside a node (Megatron-Core's MoE tuning guide; its Mixtral
+    8x7B mapping is TP 1 EP 8), after the scenario's own plan."""
+    from planner.strategies import expert_plans
+
+    dense = load_scenario(ROOT / "scenarios" / "llama3-70b-512xh100.yaml")
+    sp = PlanSpace(dense, parse_search(dense))
+    assert {c.plan.tp for c in expert_plans(sp, limit=8)[1:]} == {8}
+    moe = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml")
+    sp = PlanSpace(moe, parse_search(moe))
+    plans = expert_plans(sp, limit=8)
+    assert plans[0] == sp.candidate(sp.params_of(sp.baseline()))
+    assert {(c.plan.tp, c.plan.ep) for c in plans[1:]} == {(1, 8)}
+    narrow = PlanSpace(moe, parse_search(moe, {"ep": [1, 2, 4], "expert_tp": [2]}))
+    assert {(c.plan.ep, c.plan.expert_tp) for c in expert_plans(narrow, limit=8)[1:]} == {(4, 2)}  # 4 x 2 <= 8
