@@ -6,7 +6,8 @@ import pytest
 
 from paraplan.placement import GroupLayout, coords_to_rank, group_layout, rank_to_coords
 from paraplan.specs import ModelSpec, PlanSpec
-from simulator.flops import hardware_flops, model_flops
+from simulator.flops import (hardware_flops, last_stage_extra_flops_per_token, layer_forward_flops_per_token,
+                             model_flops)
 from simulator.layout import layers_per_chunk
 from simulator.memory import activation_bytes_per_layer, stage_memory
 
@@ -19,6 +20,19 @@ def test_model_flops_equal_megatron_closed_form():
     B, s, L, h, V = 1536, 2048, 96, 12288, 51200
     closed = 72 * B * s * L * h**2 * (1 + s / (6 * h) + V / (12 * h * L))
     assert model_flops(GPT3, s, B * s) == pytest.approx(closed, rel=1e-12)
+
+
+def test_stage_flops_by_hand():
+    """A GPT layer's forward FLOPs per token are 24h^2 + 4sh (Korthikanti et al. 2022, Appendix A,
+    per token and layer); the last stage adds the LM head, 2hV, and a multi-token prediction module
+    its 2h x h projection, a layer and the head again. Summed, they are the model's FLOPs / 3."""
+    s, h, V = 2048, 12288, 51200
+    assert layer_forward_flops_per_token(GPT3, 5, s) == 24 * h**2 + 4 * s * h
+    assert last_stage_extra_flops_per_token(GPT3, s) == 2 * h * V
+    mtp = replace(GPT3, mtp_layers=1)
+    assert last_stage_extra_flops_per_token(mtp, s) == 2 * (2 * h * V) + 4 * h**2 + 24 * h**2 + 4 * s * h
+    per_token = 96 * layer_forward_flops_per_token(mtp, 0, s) + last_stage_extra_flops_per_token(mtp, s)
+    assert 3 * per_token * 1000 == pytest.approx(model_flops(mtp, s, 1000), rel=1e-12)
 
 
 def test_hfu_counts_the_recompute_forward():
