@@ -2,8 +2,9 @@
 
     python benchmarks/bench_planner.py [--workers 2] [--seeds 1] [--skip-published] [--only NAME]
 
-1. Quality: on three bundled scenarios whose search space can be enumerated (a dense 8B on 64
-   H100, a 70B on 512 H100, GPT-3 175B on 1,024 A100), the exhaustive optimum (every valid plan
+1. Quality: on bundled scenarios whose search space can be enumerated (a dense 8B on 64 H100, a
+   70B on 512 H100, GPT-3 175B on 1,024 A100, and Mixtral 8x7B on 64 H100 with its MoE knobs in a
+   cut-down space), the exhaustive optimum (every valid plan
    simulated, `--workers` processes) against Optuna mode (seeded TPE + refinement, 300 trials,
    seed 0, one worker so the run is reproducible): space size, optimum and best tokens/s, gap,
    wall time, trials/s. `--seeds N` repeats Optuna mode with seeds 0..N-1 and reports how many
@@ -42,9 +43,14 @@ from planner.search import SearchRequest, run_search  # noqa: E402
 from planner.space import parse_search  # noqa: E402
 
 QUALITY = [
-    ("Llama-3 8B, 64 H100", "scenarios/llama3-8b-64xh100.yaml"),
-    ("Llama-3 70B, 512 H100", "scenarios/llama3-70b-512xh100.yaml"),
-    ("GPT-3 175B, 1,024 A100", "scenarios/gpt3-175b-1024xa100.yaml"),
+    ("Llama-3 8B, 64 H100", "scenarios/llama3-8b-64xh100.yaml", None),
+    ("Llama-3 70B, 512 H100", "scenarios/llama3-70b-512xh100.yaml", None),
+    ("GPT-3 175B, 1,024 A100", "scenarios/gpt3-175b-1024xa100.yaml", None),
+    # an MoE space with its own knobs (the dispatcher, expert TP), cut to a size the exhaustive
+    # ground truth can cover in minutes (the full default space has 63,123 valid plans)
+    ("Mixtral 8x7B, 64 H100 (cp 1, mbs 1-2, ZeRO 1/3, dispatcher, expert TP)", "scenarios/mixtral-8x7b-64xh100.yaml",
+     {"cp": [1], "micro_batch_size": [1, 2], "zero_stage": [1, 3], "moe_dispatcher": ["alltoall", "deepep"],
+      "expert_tp": [1, 2]}),
 ]
 SPEED = "scenarios/gpt3-175b-1024xa100.yaml"
 TRIALS = 300
@@ -82,13 +88,13 @@ def quality(args) -> None:
     print("| scenario | valid plans | exhaustive optimum tok/s | exhaustive wall | Optuna best tok/s | gap | "
           "Optuna wall | trials/s | seeds within 1% |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for label, path in QUALITY:
+    for label, path, search in QUALITY:
         if args.only and args.only not in path:
             continue
         sc = load_scenario(ROOT / path)
-        ex = _search(sc, strategy="exhaustive", workers=args.workers)
+        ex = _search(sc, strategy="exhaustive", workers=args.workers, search=search)
         opt = _best(ex)
-        runs = [_search(sc, strategy="tpe", seed=s) for s in range(max(1, args.seeds))]
+        runs = [_search(sc, strategy="tpe", seed=s, search=search) for s in range(max(1, args.seeds))]
         tpe = runs[0]
         best = _best(tpe)
         gap = 100.0 * (1.0 - best.tokens_per_s / opt.tokens_per_s)
