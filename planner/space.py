@@ -413,10 +413,11 @@ def uneven_stages(num_layers: int, pp: int, layer_costs: Sequence[float] | None 
     tail = num_layers - rest  # the middle stages' layers: the last stage's start at tail + first
     best = None
     for first in range(rest - 1, 0, -1):
-        last = rest - first
         cost = max(sum(layer_costs[:first]), sum(layer_costs[tail + first:]) + last_extra)
         if best is None or cost < best[0]:
             best = (cost, first)
+    if best is None:  # one layer on two stages: it goes first, as without costs
+        return rest - rest // 2, rest // 2
     return best[1], rest - best[1]
 
 
@@ -466,6 +467,7 @@ class PlanSpace:
         m, seq = scenario.model, scenario.training.seq_length
         self._layer_costs = tuple(layer_forward_flops_per_token(m, i, seq) for i in range(m.num_layers))
         self._last_extra = last_stage_extra_flops_per_token(m, seq)
+        self._splits: dict[int, tuple[int | None, int | None]] = {}
 
     # -- points ---------------------------------------------------------------------------------
 
@@ -499,7 +501,10 @@ class PlanSpace:
         if interleaved:
             first, last = interleaved_edges(layers, v["pp"] * v["virtual_pipeline_stages"])
         else:
-            first, last = uneven_stages(layers, v["pp"], self._layer_costs, self._last_extra)
+            split = self._splits.get(v["pp"])
+            if split is None:  # depends on pp alone: once per pp, not per candidate
+                split = self._splits[v["pp"]] = uneven_stages(layers, v["pp"], self._layer_costs, self._last_extra)
+            first, last = split
         plan = dataclasses.replace(
             self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], ep=v["ep"],
             expert_tp=etp, moe_dispatcher=dispatcher, moe_shared_expert_overlap=shared_overlap,

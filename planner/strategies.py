@@ -351,10 +351,11 @@ def expert_plans(space: PlanSpace, *, limit: int) -> list[Candidate]:
     # MoE: the widest expert parallelism whose EP x expert-TP group stays in the NVLink domain of a
     # node (Megatron-Core MoE README, "Tuning Guide of Parallel Mappings": "Ensure the EPxTP
     # communication within the NVLink domain", "Prefer EP over TP for the expert layer")
-    in_node = [e for e in vals["ep"] if e * moe_knobs["expert_tp"] <= gpn]
+    in_node = sorted((e for e in vals["ep"] if e * moe_knobs["expert_tp"] <= gpn), reverse=True)
+    ep_order = in_node + [e for e in vals["ep"] if e not in in_node]
     common = {
         "num_nodes": base.num_nodes if base.num_nodes in vals["num_nodes"] else vals["num_nodes"][-1],
-        "cp": vals["cp"][0], "ep": max(in_node, default=vals["ep"][0]),
+        "cp": vals["cp"][0],
         "micro_batch_size": vals["micro_batch_size"][0],
         "sequence_parallel": pick("sequence_parallel", [True]),
         "zero_stage": pick("zero_stage", [1, 0, 2, 3]),
@@ -363,19 +364,28 @@ def expert_plans(space: PlanSpace, *, limit: int) -> list[Candidate]:
         **moe_knobs,
     }
     vpps = [v for v in vals["virtual_pipeline_stages"] if v >= 2]
+    def candidate(params: dict[str, Any]) -> Candidate:
+        """The plan with the first EP of ep_order it is valid with (ep x expert_tp must divide the
+        stage's ranks, which depend on tp and pp), else with the first."""
+        for ep in ep_order:
+            c = space.candidate({**params, "ep": ep})
+            if not space.problems(c):
+                return c
+        return space.candidate({**params, "ep": ep_order[0]})
+
     for tp in tps:
-        ok = [c for c in (space.candidate({**common, "tp": tp, "pp": pp, "schedule": "1f1b"}) for pp in vals["pp"])
+        ok = [c for c in (candidate({**common, "tp": tp, "pp": pp, "schedule": "1f1b"}) for pp in vals["pp"])
               if not space.problems(c)]
         if not ok and tp != tps[-1]:
-            continue  # tp does not divide the heads: try the next smaller one
+            continue  # tp does not divide the heads: try the next one
         for pp in vals["pp"]:
             for v in vpps:
                 before = len(out)
-                add(space.candidate({**common, "tp": tp, "pp": pp, "schedule": "interleaved-1f1b",
-                                     "virtual_pipeline_stages": v}))
+                add(candidate({**common, "tp": tp, "pp": pp, "schedule": "interleaved-1f1b",
+                               "virtual_pipeline_stages": v}))
                 if len(out) > before:
                     break
-            add(space.candidate({**common, "tp": tp, "pp": pp, "schedule": "1f1b"}))
+            add(candidate({**common, "tp": tp, "pp": pp, "schedule": "1f1b"}))
         break
     return out
 

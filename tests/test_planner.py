@@ -385,6 +385,7 @@ def test_uneven_edges_balance_the_lm_head_and_the_mtp_modules():
     # 4 + 1 is 4 vs 2.5), a head of 2.5 layers 4 + 1 (4 vs 3.5; 3 + 2 is 3 vs 4.5)
     assert uneven_stages(61, 16, [1.0] * 61, 1.5) == (3, 2) and uneven_stages(61, 16, [1.0] * 61, 2.5) == (4, 1)
     assert uneven_stages(61, 16, [1.0] * 61, 0.0) == uneven_stages(61, 16) == (3, 2)  # no head: the halves
+    assert uneven_stages(1, 2, [1.0], 0.5) == uneven_stages(1, 2) == (1, 0)              # one layer, two stages
 
 
 def test_interleaved_uneven_splits_count_the_embedding_and_the_loss_as_layers():
@@ -610,4 +611,12 @@ def test_expert_plans_follow_the_dense_and_the_moe_tuning_guides():
     assert plans[0] == sp.candidate(sp.params_of(sp.baseline()))
     assert {(c.plan.tp, c.plan.ep) for c in plans[1:]} == {(1, 8)}
     narrow = PlanSpace(moe, parse_search(moe, {"ep": [1, 2, 4], "expert_tp": [2]}))
-    assert {(c.plan.ep, c.plan.expert_tp) for c in expert_plans(narrow, limit=8)[1:]} == {(4, 2)}  # 4 x 2 <= 8
+    got = {c.plan.pp: (c.plan.ep, c.plan.expert_tp) for c in expert_plans(narrow, limit=8)[1:]}
+    assert got[min(got)] == (4, 2) and all(ep * etp <= 64 // pp for pp, (ep, etp) in got.items())  # 4 x 2 <= 8
+    # where the widest EP does not divide a stage's ranks (8 GPUs, pp 2 and 4: 4 and 2 ranks), the
+    # next narrower one that does
+    one_node = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml", ["cluster.num_nodes=1"])
+    sp = PlanSpace(one_node, parse_search(one_node, {"pp": [2, 4, 8]}))
+    plans = expert_plans(sp, limit=8)[1:]
+    assert plans and all(c.plan.ep * c.plan.expert_tp <= c.plan.tp * c.plan.dp for c in plans)
+    assert {c.plan.pp: c.plan.ep for c in plans if c.plan.tp == 1} == {2: 4, 4: 2, 8: 1}
