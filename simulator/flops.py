@@ -48,35 +48,48 @@ def _ffn_flops_per_token(model, index: int, *, shared_only: bool = False, kept: 
     return 2 * (router + experts * model.ffn_matrices * h * e.expert_ffn_hidden_size)
 
 
+def _attention_products_per_token(model, seq_length: int) -> float:
+    """One layer's QK^T over q_channels and AV over o_channels: 4*s*q when they are equal (MLA: 192
+    vs 128 per head)."""
+    return 2 * seq_length * (model.q_channels + model.o_channels)
+
+
+def _mtp_module_gemm_per_token(model, kept: float = 1.0) -> float:
+    """A multi-token prediction module's GEMMs: its 2h -> h projection and a layer like the last
+    (the LM head it runs again is counted with the head)."""
+    h = model.hidden_size
+    return 2 * 2 * h * h + layer_gemm_flops_per_token(model, model.num_layers - 1, kept)
+
+
+def _heads_per_token(model) -> float:
+    """The LM head, 2*h*V, once for the model and once per multi-token prediction module."""
+    return (1 + model.mtp_layers) * 2 * model.hidden_size * model.vocab_size
+
+
 def layer_forward_flops_per_token(model, index: int, seq_length: int) -> float:
     """Forward FLOPs per token of layer `index`: its GEMMs (layer_gemm_flops_per_token) and its
-    attention score/value products, 2*s*(q + o) (as forward_flops_per_token counts them)."""
-    return layer_gemm_flops_per_token(model, index) + 2 * seq_length * (model.q_channels + model.o_channels)
+    attention score/value products, as forward_flops_per_token counts them."""
+    return layer_gemm_flops_per_token(model, index) + _attention_products_per_token(model, seq_length)
 
 
 def last_stage_extra_flops_per_token(model, seq_length: int) -> float:
     """Forward FLOPs per token the last pipeline stage runs besides its layers: the LM head (2*h*V)
     and each multi-token prediction module (its 2h -> h projection, a layer like the last, the head
     again), as forward_flops_per_token counts them."""
-    h, mtp = model.hidden_size, model.mtp_layers
-    module = 2 * 2 * h * h + layer_forward_flops_per_token(model, model.num_layers - 1, seq_length)
-    return (1 + mtp) * 2 * h * model.vocab_size + mtp * module
+    per_module = _mtp_module_gemm_per_token(model) + _attention_products_per_token(model, seq_length)
+    return _heads_per_token(model) + model.mtp_layers * per_module
 
 
 def forward_flops_per_token(model, seq_length: int, kept: float = 1.0) -> tuple[float, float, float]:
     """(GEMMs of all layers, attention score/value products of all layers, LM head) per token;
     `kept` as in layer_gemm_flops_per_token."""
-    h, mtp = model.hidden_size, model.mtp_layers
+    mtp = model.mtp_layers
     # a layer's count depends on its index only through its kind (dense or MoE): one per kind
     moe = [model.is_moe_layer(i) for i in range(model.num_layers)]
     per_kind = {kind: layer_gemm_flops_per_token(model, moe.index(kind), kept) for kind in set(moe)}
-    gemm = sum(per_kind[kind] for kind in moe)
-    # a multi-token prediction module: its 2h -> h projection, a layer like the last, the LM head
-    gemm += mtp * (2 * 2 * h * h + layer_gemm_flops_per_token(model, model.num_layers - 1, kept))
-    # QK^T over q_channels and AV over o_channels: 4*s*q when they are equal (MLA: 192 vs 128 per head)
-    attention = (model.num_layers + mtp) * 2 * seq_length * (model.q_channels + model.o_channels)
-    head = (1 + mtp) * 2 * h * model.vocab_size
-    return gemm, attention, head
+    gemm = sum(per_kind[kind] for kind in moe) + mtp * _mtp_module_gemm_per_token(model, kept)
+    attention = (model.num_layers + mtp) * _attention_products_per_token(model, seq_length)
+    return gemm, attention, _heads_per_token(model)
 
 
 def model_flops(model, seq_length: int, tokens: int, kept: float = 1.0) -> float:
