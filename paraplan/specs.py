@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 ACTIVATIONS = ("gelu", "swiglu")
 PRECISIONS = ("fp32", "fp16", "bf16", "fp8")
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble")
+SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zero-bubble", "zbv")
 RECOMPUTE = ("none", "selective", "full")
 # What selective recompute re-runs, by Megatron-Core's --recompute-modules names
 RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "shared_experts")
@@ -378,9 +378,9 @@ class PlanSpec:
         blocking; PyTorch's Schedule1F1B waits on its steady-state sends, batched with the next
         receive, but on a warm-up forward's send only after the next forward); forward under
         interleaved 1F1B unless wait_forward_sends is false (Megatron-Core's pp_post_forward waits
-        for send_next before deallocating the output); none under GPipe and zero-bubble, which
-        PyTorch's schedules run with their forward sends waited before the backward (GPipe) or at
-        the end of the step."""
+        for send_next before deallocating the output); none under GPipe, zero-bubble and zbv,
+        which PyTorch's schedules run with their forward sends waited before the backward (GPipe)
+        or at the end of the step."""
         if self.schedule == "1f1b":
             return "all"
         if self.schedule == "interleaved-1f1b" and self.wait_forward_sends is not False:

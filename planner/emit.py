@@ -358,11 +358,13 @@ def megatron_notes(sc: Scenario) -> list[str]:
                      f"entries to {-(-m.vocab_size // p.tp) * p.tp}.")
     if p.schedule == "gpipe" and p.pp > 1:
         notes.append("Megatron-LM has no GPipe schedule; it runs 1F1B (same bubble, less activation memory).")
-    if p.schedule == "zero-bubble" and p.pp > 1:
-        notes.append("Megatron-LM has no zero-bubble schedule; these arguments run (interleaved) 1F1B, which "
-                     "keeps the weight gradients in the backward (a larger bubble than predicted): simulate the "
-                     "plan with --set plan.schedule=1f1b for its step time, or launch it with paraplan launch / "
-                     "torchtitan.")
+    if p.schedule in ("zero-bubble", "zbv") and p.pp > 1:
+        runs = "1f1b" if p.virtual_pipeline_stages == 1 else "interleaved-1f1b"
+        looped = " with its chunks in a loop, not a V" if p.schedule == "zbv" else ""
+        notes.append(f"Megatron-LM has no {p.schedule} schedule; these arguments run (interleaved) 1F1B{looped}, "
+                     "which keeps the weight gradients in the backward (a larger bubble than predicted): simulate "
+                     f"the plan with --set plan.schedule={runs} for its step time, or launch it with paraplan "
+                     "launch / torchtitan.")
     if p.tp > 1 and not p.tp_backward_overlap and not p.tp_comm_overlap:
         notes.append("Megatron-LM always runs its backward tensor-parallel collectives beside the GEMMs (no flag "
                      "turns that off), so it is faster than this plan's tp_backward_overlap: false predicts.")
@@ -540,7 +542,7 @@ def _torchtitan_schedule(p) -> tuple[str, list[str]]:
                 "keeps the weight gradients in the backward (a larger bubble than predicted)")
         return "1F1B", [note] if p.pp > 1 else []
     return {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
-            "zero-bubble": "InterleavedZeroBubble"}[p.schedule], []
+            "zero-bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}[p.schedule], []
 
 
 def _torchtitan_experts(sc: Scenario) -> tuple[list[str], list[str]]:

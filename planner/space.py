@@ -24,8 +24,8 @@ range**, so `search: {}` or no section at all means "every valid factorisation o
 | dp | derived: world / (tp x pp x cp); a list filters the derived value |
 | ep | 1 for a dense model; for MoE, divisors of the world size that divide num_experts |
 | micro_batch_size | divisors of training.global_batch_size up to 16 |
-| schedule | gpipe, 1f1b, interleaved-1f1b (zero-bubble only when listed: Megatron-LM cannot run it) |
-| virtual_pipeline_stages | divisors of model.num_layers or of model.num_layers + 2 (interleaved-1f1b takes those >= 2, zero-bubble 1 and those >= 2; the others run 1) |
+| schedule | gpipe, 1f1b, interleaved-1f1b (zero-bubble and zbv only when listed: Megatron-LM cannot run them) |
+| virtual_pipeline_stages | divisors of model.num_layers or of model.num_layers + 2 (interleaved-1f1b takes those >= 2, zero-bubble 1 and those >= 2, zbv exactly 2; the others run 1) |
 | sequence_parallel | false, true |
 | zero_stage | 0, 1, 2, 3 |
 | recompute | none, selective, full |
@@ -66,7 +66,7 @@ and gpipe and 1f1b are one schedule when pp = 1, 1f1b (gpipe when 1f1b is not li
 activations). With ep = 1 no token leaves its rank, so the dispatcher is alltoall (Megatron-Core's
 flex dispatcher, which runs DeepEP, refuses ep x expert_tp = 1), and moe_shared_expert_overlap is
 false wherever it cannot act (ep = 1, no shared experts, or a dispatcher other than alltoall, the
-only one Megatron-Core overlaps shared experts with). interleaved-1f1b and zero-bubble need pp >= 2:
+only one Megatron-Core overlaps shared experts with). interleaved-1f1b, zero-bubble and zbv need pp >= 2:
 with pp = 1 they stay invalid plans.
 
 Validity: the planner's own rules (the derived dp, tp inside a node) and then
@@ -104,25 +104,30 @@ ENUM_KNOBS = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "recompute": REC
               "moe_shared_expert_overlap": (False, True)}
 MOE_KNOBS = ("expert_tp", "moe_dispatcher", "moe_shared_expert_overlap")
 """Searched only when the search section lists them (their default is the scenario's value)."""
-# zero-bubble is searched only when the scenario lists it: Megatron-LM, whose arguments `plan`
-# writes, has no zero-bubble schedule (torchtitan and `paraplan launch` run it).
-DEFAULT_SCHEDULES = tuple(s for s in SCHEDULES if s != "zero-bubble")
+# zero-bubble and zbv are searched only when the scenario lists them: Megatron-LM, whose arguments
+# `plan` writes, has neither schedule (torchtitan and `paraplan launch` run both).
+DEFAULT_SCHEDULES = tuple(s for s in SCHEDULES if s not in ("zero-bubble", "zbv"))
 SETTINGS = ("allow_tp_across_nodes", "trials", "exhaustive_threshold", "gpu_hour_cost")
 # The schedules that run on one stage: with pp = 1 they are one, the first the search lists (one_stage_schedule).
 ONE_STAGE_SCHEDULES = ("1f1b", "gpipe")
-VIRTUAL_SCHEDULES = {"interleaved-1f1b": 2, "zero-bubble": 1}
+VIRTUAL_SCHEDULES = {"interleaved-1f1b": 2, "zero-bubble": 1, "zbv": 2}
 """Schedules that run virtual stages, with the fewest per rank each takes: interleaved 1F1B needs
 two (one is plain 1F1B); zero-bubble runs one (ZB-H1) or more, its B/W split walking the chunks as
-the interleaved order does (Qi et al. 2024; torchtitan's InterleavedZeroBubble)."""
+the interleaved order does (Qi et al. 2024; torchtitan's InterleavedZeroBubble); zbv exactly two,
+its V (EXACT_VIRTUAL)."""
+EXACT_VIRTUAL = {"zbv": 2}
+"""Schedules that run one number of virtual stages per rank and no other."""
 
 
 def vpp_options(schedule: str, candidates, *, one: int = 1) -> list[int]:
     """The virtual stages per rank a schedule is searched at: `one` unless it takes virtual
     stages; interleaved-1f1b the candidates >= 2; zero-bubble `one` (a stage per rank) and the
-    candidates >= 2. `one` is how one stage per rank is spelled: 1 for a plan, the smallest
+    candidates >= 2; zbv 2 where it is a candidate. `one` is how one stage per rank is spelled: 1 for a plan, the smallest
     candidate where a sampler must pick among the candidates."""
     if schedule not in VIRTUAL_SCHEDULES:
         return [one]
+    if schedule in EXACT_VIRTUAL:
+        return [v for v in candidates if v == EXACT_VIRTUAL[schedule]]
     least = VIRTUAL_SCHEDULES[schedule]
     more = [v for v in candidates if v >= max(least, 2)]
     return list(dict.fromkeys(([one] if least == 1 else []) + more))
@@ -324,7 +329,8 @@ def parse_search(scenario: Scenario, raw: Any = None) -> SearchSpec:
     for schedule in given.get("schedule", ()):  # one the search section lists but could never search
         if schedule in VIRTUAL_SCHEDULES and not vpp_options(schedule, cands["virtual_pipeline_stages"]):
             raise ConfigError("search.virtual_pipeline_stages",
-                              f"schedule {schedule} takes 2 or more virtual stages per rank, and the candidates "
+                              f"schedule {schedule} takes {'exactly 2' if schedule in EXACT_VIRTUAL else '2 or more'} "
+                              f"virtual stages per rank, and the candidates "
                               f"{list(cands['virtual_pipeline_stages'])} have none; add one or drop {schedule} "
                               f"from search.schedule")
     return SearchSpec(

@@ -43,7 +43,7 @@ from itertools import accumulate
 import simpy
 
 from hwmodels.network import COMM_SM_SHARE
-from simulator.schedules import Op, splits_backward
+from simulator.schedules import Op, holder, splits_backward, virtual_stage
 
 
 SPAN_CATEGORY = {"F": "forward", "B": "backward", "W": "weight_grad"}
@@ -172,23 +172,28 @@ def _link(stage: int, to: int, pp: int) -> int:
 
 
 def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: dict, launch_after: dict,
-             gates: dict) -> tuple[list[tuple], dict]:
+             gates: dict, v_shaped: bool = False) -> tuple[list[tuple], dict]:
     """Per op of `stage`, what its stream needs besides the op's cost: the key of the input it
-    waits for, its slot in the cost table, the output it sends (key, receiving stage, link), for
+    waits for, its slot in the cost table, the output it sends (key, receiving stage, link; link
+    None where the next virtual stage is on the same rank, the turn of a V), for
     the few ops that do more (else None) the chunk whose gradient flow it starts, the chunks whose
     reduction starts when it ends and the chunk whose gathered weights gate it, and the op itself;
     and how many ops of each (kind, chunk) the stage runs. It follows from the schedule alone, so
     an immutable schedule's is kept (the planner and the balanced-router reference replay the same
     schedules again and again)."""
-    key = (id(ops), stage, pp, num_chunks, tuple(final_b.items()),
+    key = (id(ops), stage, pp, num_chunks, v_shaped, tuple(final_b.items()),
            tuple((i, tuple(chunks)) for i, chunks in launch_after.items()), tuple(gates.items()))
     hit = _PLAN_CACHE.get(key)
     if hit is not None and hit[0] is ops:
         return hit[1], hit[2]
     vstages = pp * num_chunks
     last_vstage = vstages - 1
-    up, down = (stage + 1) % pp, (stage - 1) % pp
-    up_link, down_link = _link(stage, up, pp), _link(stage, down, pp)
+
+    def neighbour(vstage: int) -> tuple[int, int | None]:
+        """The rank holding `vstage` and the link to it (None: this rank)."""
+        to = holder(vstage, pp, v_shaped)[0]
+        return to, None if to == stage else _link(stage, to, pp)
+
     slot_of = {(kind, chunk): _op_slot(kind, chunk) for kind in KINDS for chunk in range(num_chunks)}
     special = final_b.keys() | launch_after.keys() | gates.keys()
     plan = []
@@ -201,19 +206,19 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
         if slot is None:
             raise ValueError(f"stage {stage}: op {op} is not an F, B or W of a chunk below {num_chunks}")
         counts[kind_chunk] = counts.get(kind_chunk, 0) + 1
-        vstage = chunk * pp + stage
+        vstage = virtual_stage(stage, chunk, pp, v_shaped)
         unit = mb * vstages + vstage  # output keys: unit x 2 for an F, + 1 for a B
         dep = out = None  # a W waits only for its own stage's B, which the op order puts first
         if kind == "F":
             if vstage > 0:
                 dep = (unit - 1) * 2
             if vstage < last_vstage:
-                out = (unit * 2, up, up_link)
+                out = (unit * 2, *neighbour(vstage + 1))
         elif kind == "B":
             if vstage < last_vstage:
                 dep = (unit + 1) * 2 + 1
             if vstage > 0:
-                out = (unit * 2 + 1, down, down_link)
+                out = (unit * 2 + 1, *neighbour(vstage - 1))
         append((dep, slot, out, (final_b.get(i), launch_after.get(i, ()), gates.get(i)) if i in special else None,
                 op))
     if isinstance(ops, tuple) and len(ops) <= _PLAN_CACHE_OPS:  # a list may change after the call
@@ -242,6 +247,7 @@ def run_iteration(
     align_grad_reduce: bool = False,
     record_spans: bool = True,
     blocking_sends: str = "none",
+    v_shaped: bool = False,
 ) -> EngineResult:
     """Simulate one iteration; returns per-stage breakdowns summing to each stage's end time.
     `p2p_time`: seconds of a pipeline send, one for every link or per link (entry s joins stage s
@@ -258,6 +264,9 @@ def run_iteration(
     the weight gradients, are the ones counted.
     `blocking_sends` (PlanSpec.blocking_sends): which sends the sending stage waits for before its
     next op: none, forward (each forward activation's) or all.
+    `v_shaped`: the two chunks of each stage sit in a V (schedules.virtual_stage), so sends run
+    up the ranks in chunk 0 and down them in chunk 1, and the last rank hands each microbatch from
+    one chunk to the other in place.
     `record_spans` False leaves the timeline out (EngineResult.spans empty): the planner needs only
     the figures. Recorded, the spans of ops and receives are bare records until the timeline is
     read; built as they ran, they had cost a fifth to a third of the engine's time."""
@@ -431,7 +440,7 @@ def run_iteration(
         ready_events = grad_ready[stage]
         gathered_events = gathered[stage]
         final_b, launch_after, _ = launches[stage]
-        ops, counts = _op_plan(work.ops, stage, pp, num_chunks, final_b, launch_after, gate_ops[stage])
+        ops, counts = _op_plan(work.ops, stage, pp, num_chunks, final_b, launch_after, gate_ops[stage], v_shaped)
         costs, nic_shares = op_costs(work)
         contended = [0.0] * len(costs)  # per slot, the delays its ops' traffic took from sharing the NIC
         prev_slot = None
@@ -515,9 +524,12 @@ def run_iteration(
                                       start + a * (end - start), start + b * (end - start)))
             if produces is not None:
                 key, to, hop = produces
-                hop_nic = link_nic[hop]
-                arrival = arrives_at[key] = send(stage, to, end, link_time[hop], hop_nic) if hop_nic \
-                    else end + link_time[hop]
+                if hop is None:  # the next virtual stage is on this rank: nothing is sent
+                    arrival = arrives_at[key] = end
+                else:
+                    hop_nic = link_nic[hop]
+                    arrival = arrives_at[key] = send(stage, to, end, link_time[hop], hop_nic) if hop_nic \
+                        else end + link_time[hop]
                 ev = waiting.pop(key, None)
                 if ev is not None:
                     ev.succeed(arrival)

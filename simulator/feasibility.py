@@ -80,9 +80,14 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
     vpp = p.virtual_pipeline_stages
     if p.schedule == "interleaved-1f1b" and vpp < 2:
         out.append("plan.virtual_pipeline_stages: interleaved-1f1b needs at least 2 virtual stages per rank")
-    if p.schedule not in ("interleaved-1f1b", "zero-bubble") and vpp > 1:
-        out.append(f"plan.virtual_pipeline_stages: {vpp} virtual stages need schedule interleaved-1f1b or zero-bubble")
-    if p.schedule in ("interleaved-1f1b", "zero-bubble") and p.pp < 2:
+    if p.schedule == "zbv" and vpp != 2:
+        # ZB-V places exactly two chunks per rank in a V (PyTorch ScheduleZBVZeroBubble: "ZBV
+        # requires exactly 2 stages per rank")
+        out.append(f"plan.virtual_pipeline_stages: zbv runs exactly 2 virtual stages per rank (its V), got {vpp}")
+    if p.schedule not in ("interleaved-1f1b", "zero-bubble", "zbv") and vpp > 1:
+        out.append(f"plan.virtual_pipeline_stages: {vpp} virtual stages need schedule interleaved-1f1b, "
+                   "zero-bubble or zbv")
+    if p.schedule in ("interleaved-1f1b", "zero-bubble", "zbv") and p.pp < 2:
         out.append(f"plan.schedule: {p.schedule} needs pp >= 2 (one stage has no pipeline bubble to fill)")
     uneven = p.first_stage_layers is not None or p.last_stage_layers is not None
     virtual = p.pp * vpp
@@ -115,7 +120,7 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
                 f"= {p.dp} x {p.micro_batch_size}) = {mbs} microbatches per iteration; the simulator plays at most "
                 f"{MAX_MICROBATCHES:,} (raise plan.micro_batch_size or plan.dp)"
             )
-        elif vpp > 1 and p.pp > 1 and mbs % p.pp:
+        elif vpp > 1 and p.pp > 1 and mbs % p.pp and p.schedule != "zbv":
             # Megatron: "number of microbatches must be divisible by pipeline-model-parallel-size
             # when using interleaved schedule" (the zero-bubble order walks the chunks the same way)
             out.append(
@@ -125,7 +130,8 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
         # plain 1F1B runs any number of microbatches: Megatron caps its warm-up at the microbatch
         # count (forward_backward_pipelining_without_interleaving: min(pp - rank - 1, M)), as
         # schedules.build_schedule does; the interleaved and zero-bubble orders need a full round
-        if p.schedule in ("interleaved-1f1b", "zero-bubble") and mbs < p.pp:
+        # (ZB-V any count from pp on: PyTorch's schedules refuse fewer microbatches than ranks)
+        if p.schedule in ("interleaved-1f1b", "zero-bubble", "zbv") and mbs < p.pp:
             out.append(f"plan.schedule: {p.schedule} needs at least pp = {p.pp} microbatches, got {mbs}")
     return out
 

@@ -1,6 +1,8 @@
 """Which layers each pipeline stage and virtual chunk holds."""
 from __future__ import annotations
 
+from simulator.schedules import virtual_stage
+
 
 def layers_per_virtual_stage(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> list[int]:
     """Layers of each virtual stage g = chunk x pp + stage, in that order; each holds a contiguous
@@ -24,10 +26,12 @@ def layers_per_virtual_stage(num_layers: int, pp: int, vpp: int, first: int | No
     return [fixed.get(g, per) for g in range(v)]
 
 
-def layers_per_chunk(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None) -> list[list[int]]:
-    """layers[stage][chunk]: layers_per_virtual_stage by pipeline rank."""
+def layers_per_chunk(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None,
+                     v_shaped: bool = False) -> list[list[int]]:
+    """layers[stage][chunk]: layers_per_virtual_stage by pipeline rank, the chunks in a loop or in
+    a V (schedules.virtual_stage)."""
     sizes = layers_per_virtual_stage(num_layers, pp, vpp, first, last)
-    return [[sizes[c * pp + s] for c in range(vpp)] for s in range(pp)]
+    return [[sizes[virtual_stage(s, c, pp, v_shaped)] for c in range(vpp)] for s in range(pp)]
 
 
 def embedding_and_loss_edge(num_layers: int, stages: int) -> int | None:

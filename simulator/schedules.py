@@ -1,8 +1,9 @@
 """Pipeline schedules as pure functions: the op order each stage executes in one iteration.
 
 An op is (kind, microbatch, chunk): kind 'F' (forward), 'B' (backward) or, in the zero-bubble
-schedule, 'B' for the input gradient only and 'W' for the weight gradient; chunk is the
-virtual-pipeline model chunk held by that stage (0 when not interleaved). The engine replays these
+schedules, 'B' for the input gradient only and 'W' for the weight gradient; chunk is the
+virtual-pipeline model chunk held by that stage (0 when not interleaved; `virtual_stage` says
+which part of the model it is). The engine replays these
 lists; it never invents order.
 """
 from __future__ import annotations
@@ -120,12 +121,75 @@ def zero_bubble(num_stages: int, num_microbatches: int, stage: int, num_chunks: 
     return ops + pending
 
 
+def zbv(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
+    """ZB-V (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024, Sec. 6; PyTorch
+    ScheduleZBVZeroBubble). Each rank holds two chunks placed in a V (`virtual_stage`): chunk 0 is
+    virtual stage r and chunk 1 is 2p - 1 - r, so the last rank turns each microbatch around in
+    place and rank 0 holds both ends of the model. The backward is split into B and W as in ZB-H1.
+
+    Rank r runs, in order: 2(p - r) - 1 chunk-0 forwards; r pairs (chunk-1 forward, chunk-0
+    forward); p - r rounds of a chunk-1 forward, B and W; then rounds of a chunk-0 forward (while
+    any remain), B and W, and a chunk-1 forward, B and W, until every forward has run; then r
+    pairs of B (chunk 0, chunk 1), p - r rounds of a chunk-0 B and the oldest chunk-0 W still
+    owed, and last the W passes still owed, chunk 1's before chunk 0's. With equal F, B and W
+    times per chunk and free sends the steady state has no bubble. The order is built for at
+    least 2p - 1 microbatches and the ops of microbatches beyond the real count are dropped, as
+    PyTorch does."""
+    p, r = num_stages, stage
+    total = max(2 * p - 1, num_microbatches)
+    done = {(kind, chunk): 0 for kind in "FBW" for chunk in (0, 1)}
+    ops: list[Op] = []
+
+    def run(*steps: str) -> None:  # each step: kind then chunk, e.g. "F1"
+        for kind, chunk in ((s[0], int(s[1])) for s in steps):
+            ops.append(Op(kind, done[kind, chunk], chunk))
+            done[kind, chunk] += 1
+
+    for _ in range(2 * (p - r) - 1):
+        run("F0")
+    for _ in range(r):
+        run("F1", "F0")
+    for _ in range(p - r):
+        run("F1", "B1", "W1")
+    while done["F", 1] < done["F", 0] or done["F", 0] < total:
+        if done["F", 0] < total:
+            run("F0")
+        run("B0", "W0", "F1", "B1", "W1")
+    for _ in range(r):
+        run("B0", "B1")
+    for _ in range(p - r):
+        run("B0", "W0")
+    for chunk in ("1", "0"):
+        while done["W", int(chunk)] < done["B", int(chunk)]:
+            run("W" + chunk)
+    return [op for op in ops if op.microbatch < num_microbatches]
+
+
+V_SHAPED_SCHEDULES = ("zbv",)
+"""Schedules whose two chunks per rank sit in a V (`virtual_stage`) instead of in a loop."""
+
+
+def virtual_stage(stage: int, chunk: int, num_stages: int, v_shaped: bool) -> int:
+    """The model's virtual stage that `chunk` of pipeline rank `stage` holds: chunk x p + stage
+    in Megatron's looped layout; stage, then 2p - 1 - stage in a V (ZB-V, DualPipeV)."""
+    if v_shaped:
+        return stage if chunk == 0 else 2 * num_stages - 1 - stage
+    return chunk * num_stages + stage
+
+
+def holder(vstage: int, num_stages: int, v_shaped: bool) -> tuple[int, int]:
+    """(pipeline rank, chunk) holding virtual stage `vstage`: the inverse of `virtual_stage`."""
+    if v_shaped:
+        return (vstage, 0) if vstage < num_stages else (2 * num_stages - 1 - vstage, 1)
+    return vstage % num_stages, vstage // num_stages
+
+
 def splits_backward(ops: Sequence[Op]) -> bool:
     """Whether an op order splits the backward into B and W (it has a W op)."""
     return "W" in map(itemgetter(0), ops)
 
 
-SPLIT_BACKWARD_SCHEDULES = ("zero-bubble",)
+SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv")
 """Schedules whose ops split the backward into B (input gradient) and W (weight gradient)."""
 
 
@@ -138,9 +202,11 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks
 
 def _build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int) -> list[list[Op]]:
     per_stage = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b,
-                 "zero-bubble": zero_bubble}.get(name)
+                 "zero-bubble": zero_bubble, "zbv": zbv}.get(name)
     if per_stage is None:
         raise ValueError(f"unknown schedule {name!r}")
+    if name == "zbv":
+        return [zbv(num_stages, num_microbatches, s) for s in range(num_stages)]
     if name in ("gpipe", "1f1b"):
         units = _forwards_and_backwards(num_microbatches)
         return [per_stage(num_stages, num_microbatches, s, units) for s in range(num_stages)]

@@ -24,7 +24,8 @@ from simulator.moe import (
     dispatch_buffer_bytes, draw_routing, moe_activation_bytes, moe_block, routed_tokens_per_rank,
 )
 from simulator.result import BREAKDOWN_KEYS, MoEReport, SimResult, StageResult
-from simulator.schedules import SPLIT_BACKWARD_SCHEDULES, build_schedule, peak_in_flight
+from simulator.schedules import (SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES, build_schedule, holder, peak_in_flight,
+                                 virtual_stage)
 from simulator.workload import (
     MAIN_GRAD_BYTES, LayerContext, embedding_cost, head_cost, head_weight_grad, layer_backward, layer_forward,
     layer_weight_grad, mtp_projection, mtp_weight_grad,
@@ -61,6 +62,11 @@ def optimizer_time(gpu, shard_params: float, buffer_params: float, precision: st
 
 MFU_PEAK_DTYPE = {"fp8": "bf16"}
 """The peak MFU is quoted against, by GEMM dtype where it differs from that dtype's own."""
+
+
+def v_shaped(plan) -> bool:
+    """Whether the plan's chunks sit in a V on the pipeline ranks (schedules.virtual_stage)."""
+    return plan.pp > 1 and plan.schedule in V_SHAPED_SCHEDULES
 
 
 def compute_dtype(precision: str) -> str:
@@ -182,7 +188,7 @@ def _setup(sc: Scenario) -> _Setup:
         expert_layouts=expert_group_layouts(p, gpn, nodes_per_leaf=leaf),
         hops=pp_hop_layouts(p, gpn, nodes_per_leaf=leaf),
         layers=layers_per_chunk(m.num_layers, p.pp, p.virtual_pipeline_stages, p.first_stage_layers,
-                                p.last_stage_layers),
+                                p.last_stage_layers, v_shaped(p)),
         schedule=build_schedule(p.schedule, p.pp, sc.num_microbatches, p.virtual_pipeline_stages),
         buckets={},
     )
@@ -218,11 +224,16 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
     gathered_of = {kind: dense * (shard > 1) + expert * (edp_layout.size > 1)
                    for kind, (dense, expert) in kinds.params.items()}
 
-    # a tied LM head on the embedding's stage (pp 1) uses the embedding's weights: no copy of its own
-    own_head = not (m.tied_embeddings and p.pp == 1)
+    # the ranks holding the first virtual stage (the embedding) and the last (the LM head): the
+    # same rank when pp is 1 or the chunks sit in a V
+    v = v_shaped(p)
+    last_rank, last_chunk = holder(p.pp * vpp - 1, p.pp, v)
+    apart = last_rank != 0
+    # a tied LM head on the embedding's rank uses the embedding's weights: no copy of its own
+    own_head = not (m.tied_embeddings and not apart)
     # multi-token prediction embeds tokens on the last stage: an untied pipelined model keeps a copy
     # of the input embedding there (Megatron-Core GPTModel builds it on the MTP stage)
-    mtp_embedding = m.mtp_layers > 0 and p.pp > 1 and not m.tied_embeddings
+    mtp_embedding = m.mtp_layers > 0 and apart and not m.tied_embeddings
     works, mems = [], []
     # the loss's fp32 softmax: an activation of the last chunk's microbatches in flight, which the
     # B pass frees (memory.logits_bytes)
@@ -235,11 +246,11 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
         op_cost, buckets, gathers, chunk_acts = {}, {}, {}, []
         dense_params = expert_params = 0.0
         for c in range(len(layers[s])):
-            start = first_layer[c * p.pp + s]
+            start = first_layer[virtual_stage(s, c, p.pp, v)]
             kinds_in_chunk = ["moe" if m.is_moe_layer(i) else "dense" for i in range(start, start + layers[s][c])]
             stage_kinds.update(kinds_in_chunk)
             chunk = _chunk_work(ctx, kinds, kinds_in_chunk, per_unit, first=s == 0 and c == 0,
-                                last=s == p.pp - 1 and c == len(layers[s]) - 1, emb_params=emb_params,
+                                last=(s, c) == (last_rank, last_chunk), emb_params=emb_params,
                                 own_head=own_head, mtp_embedding=mtp_embedding)
             f, b, w, c_dense, c_expert, acts = chunk
             op_cost[("F", c)], op_cost[("B", c)] = f, b
@@ -280,12 +291,12 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
             continue
         working = max(kinds.working[k] for k in stage_kinds) if stage_kinds else 0.0
         freed_by_b = [0.0] * len(layers[s])
-        if s == p.pp - 1:
+        if s == last_rank:
             # the LM head's 16-bit logits live in the forward, a recomputed layer's tensors (and the
             # dispatch buffers) in the layers' passes: never both at once
             working = max(working, logits_bytes(m, p, tr.seq_length, ctx.act_bytes))
-            freed_by_b[-1] = softmax
-        holds_embedding = s == 0 or (s == p.pp - 1 and own_head)
+            freed_by_b[last_chunk] = softmax
+        holds_embedding = s == 0 or (s == last_rank and own_head)
         gathered_layer = max((gathered_of[k] for k in stage_kinds), default=0.0)
         gathered = max(gathered_layer, emb_params * (shard > 1) if holds_embedding else 0.0)
         mems.append(stage_memory(
@@ -293,16 +304,16 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
             max_layer_params=gathered, working_set=working,
             activations=peak_in_flight(schedule[s], chunk_acts, freed_by_b=freed_by_b),
             prefetched_params=gathered_layer,
-            embedding_params=emb_params * ((s == 0) + (s == p.pp - 1) * (own_head + mtp_embedding)),
+            embedding_params=emb_params * ((s == 0) + (s == last_rank) * (own_head + mtp_embedding)),
         ))
 
     hops = setup.hops
     p2p = [_p2p_time(ctx, hop) if p.pp > 1 else 0.0 for hop in hops]
-    sync = _sync_time(sc, net, emb_params, hops[-1])
+    sync = _sync_time(sc, net, emb_params, hops[-1] if apart else None)
     eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce,
                         sync_time=sync, p2p_nic=[t if hop.num_nodes > 1 else 0.0 for t, hop in zip(p2p, hops)],
                         align_grad_reduce=p.schedule in ("1f1b", "interleaved-1f1b"), record_spans=record_spans,
-                        blocking_sends=p.blocking_sends)
+                        blocking_sends=p.blocking_sends, v_shaped=v)
     return _Iteration(kinds=kinds, draw=draw, mems=mems, eng=eng)
 
 
@@ -553,17 +564,17 @@ def _zero3_chain(pieces: list[tuple[Cost, float, float, float]], gather_name: st
     return total.add("dp_comm", span - sum(cost.total for cost, _, _, _ in pieces))
 
 
-def _sync_time(sc: Scenario, net, emb_params: float, first_last: GroupLayout) -> float:
+def _sync_time(sc: Scenario, net, emb_params: float, first_last: GroupLayout | None) -> float:
     """End-of-iteration syncs every rank waits for: the gradient-norm all-reduce over the
     model-parallel group (Megatron clip_grad_norm_fp32, a few bytes) and, when the embedding is
     tied (or multi-token prediction embeds tokens on the last stage) and pipelined, the all-reduce
     of its gradient between the first and last stage (Megatron _allreduce_word_embedding_grads),
-    whose pair of ranks is `first_last`; that gradient is the main_grad, in the grad buffer's dtype
-    (training.grad_reduce_dtype)."""
+    whose pair of ranks is `first_last` (None: one rank holds both ends, as in a V); that gradient
+    is the main_grad, in the grad buffer's dtype (training.grad_reduce_dtype)."""
     p = sc.plan
     t = collective_time(net, "all_reduce", 4, group_layout(("tp", "pp"), p, sc.cluster.gpus_per_node,
                                                           nodes_per_leaf=net.nodes_per_leaf))
-    if (sc.model.tied_embeddings or sc.model.mtp_layers) and p.pp > 1:
+    if (sc.model.tied_embeddings or sc.model.mtp_layers) and first_last is not None:
         t += collective_time(net, "all_reduce", emb_params * DTYPE_BYTES[sc.training.grad_reduce_dtype], first_last)
     return t
 

@@ -93,6 +93,7 @@ def test_absent_knobs_take_their_full_valid_range():
     # zero-bubble only when listed: the Megatron-LM arguments the planner writes cannot run it
     assert spec.values("schedule") == ("gpipe", "1f1b", "interleaved-1f1b")
     assert parse_search(tiny("search.schedule=[1f1b, zero-bubble]")).values("schedule") == ("1f1b", "zero-bubble")
+    assert parse_search(tiny("search.schedule=[zbv]")).values("schedule") == ("zbv",)
     assert spec.trials == DEFAULT_TRIALS and spec.exhaustive_threshold == DEFAULT_EXHAUSTIVE_THRESHOLD
     assert spec.allow_tp_across_nodes is False and spec.gpu_hour_cost is None
 
@@ -276,6 +277,20 @@ def test_zero_bubble_is_searched_with_one_and_with_several_stages_per_rank():
     two = sp.candidate({"tp": 1, "pp": 2, "cp": 1, "micro_batch_size": 1, "schedule": "zero-bubble",
                         "virtual_pipeline_stages": 2, "sequence_parallel": False, "zero_stage": 1, "recompute": "none"})
     assert two.plan.virtual_pipeline_stages == 2 and sp.in_space(two)
+
+
+def test_zbv_is_searched_at_exactly_two_stages_per_rank():
+    """ZB-V places two chunks per rank in a V and no other number: among the listed virtual stages
+    it takes 2 only, enumerate agrees with the count, and a list without 2 is a one-line error."""
+    sp = space("model.num_layers=8", "search.schedule=[zbv, interleaved-1f1b]",
+               "search.virtual_pipeline_stages=[2, 4]", "search.pp=[2]", "search.tp=[1]", "search.cp=[1]")
+    found = sp.enumerate()
+    plans = [c.plan for c in found.valid]
+    assert sorted({p.virtual_pipeline_stages for p in plans if p.schedule == "zbv"}) == [2]
+    assert sorted({p.virtual_pipeline_stages for p in plans if p.schedule == "interleaved-1f1b"}) == [2, 4]
+    assert sp.count_combinations() == found.combinations
+    with pytest.raises(ConfigError, match="schedule zbv takes exactly 2 virtual stages per rank"):
+        space("search.schedule=[zbv]", "search.virtual_pipeline_stages=[4]")
 
 
 def test_candidates_are_canonical():
@@ -546,8 +561,14 @@ def test_zero_bubble_exports_say_what_each_framework_runs():
     assert simulate(sc).step_time_s > 0
     assert 'pipeline_parallel_schedule = "InterleavedZeroBubble"' in torchtitan_toml(sc)
     assert "Megatron-LM has no zero-bubble schedule" in megatron_args_text(sc)
+    assert "--set plan.schedule=interleaved-1f1b for its step time" in megatron_args_text(sc)
     one_stage = tiny("plan.pp=2", "plan.tp=1", "plan.dp=4", "plan.schedule=zero-bubble")
     assert 'pipeline_parallel_schedule = "1F1B"' in torchtitan_toml(one_stage)
+    assert "--set plan.schedule=1f1b for its step time" in megatron_args_text(one_stage)
+    zbv = tiny("plan.pp=2", "plan.tp=1", "plan.dp=4", "plan.schedule=zbv", "plan.virtual_pipeline_stages=2")
+    assert 'pipeline_parallel_schedule = "ZBVZeroBubble"' in torchtitan_toml(zbv)
+    assert "Megatron-LM has no zbv schedule; these arguments run (interleaved) 1F1B with its chunks in a loop" \
+        in megatron_args_text(zbv)
 
 
 def test_zero_stages_stay_distinct_while_expert_states_shard():
@@ -594,6 +615,9 @@ def test_local_refinement_moves_to_zero_bubble_with_virtual_stages():
     _, values = sampler._axes()["pipeline"]
     assert sorted(values) == [("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4),
                               ("zero-bubble", 1), ("zero-bubble", 2), ("zero-bubble", 4)]
+    with_zbv = RefiningSampler(optuna.samplers.RandomSampler(seed=0), sp, fixed={}, refine_from=0, seed=0,
+                               choices={**choices, "schedule": ("1f1b", "zbv")})
+    assert sorted(with_zbv._axes()["pipeline"][1]) == [("1f1b", 1), ("zbv", 2)]
 
 
 def test_expert_plans_follow_the_dense_and_the_moe_tuning_guides():

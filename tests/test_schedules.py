@@ -3,7 +3,9 @@ import pytest
 
 from simulator.cost import Cost
 from simulator.engine import StageWork, run_iteration
-from simulator.schedules import Op, build_schedule, interleaved_1f1b, one_f_one_b, peak_in_flight, zero_bubble
+from simulator.schedules import (
+    Op, build_schedule, holder, interleaved_1f1b, one_f_one_b, peak_in_flight, virtual_stage, zbv, zero_bubble,
+)
 
 
 def names(ops):
@@ -46,10 +48,10 @@ def test_interleaved_order_needs_whole_groups_of_pp_microbatches():
 
 
 @pytest.mark.parametrize("name,v", [("gpipe", 1), ("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 3),
-                                    ("zero-bubble", 1), ("zero-bubble", 2)])
+                                    ("zero-bubble", 1), ("zero-bubble", 2), ("zbv", 2)])
 def test_every_op_once(name, v):
     p, m = 3, 6
-    kinds = "FBW" if name == "zero-bubble" else "FB"
+    kinds = "FBW" if name in ("zero-bubble", "zbv") else "FB"
     for ops in build_schedule(name, p, m, v):
         assert sorted(ops) == sorted(Op(k, mb, c) for k in kinds for mb in range(m) for c in range(v))
 
@@ -72,6 +74,63 @@ def test_zero_bubble_never_deadlocks_and_ends_after_every_op(p, m, v):
     works = split_works(build_schedule("zero-bubble", p, m, v))
     res = run_iteration(works, num_chunks=v, p2p_time=0.1, overlap_grad_reduce=True, sync_time=0.0)
     assert all(t.ops_done == 3 * m * v for t in res.stages)
+
+
+def test_zbv_order_and_v_placement():
+    # rank r: 2(p - r) - 1 chunk-0 forwards, r pairs (F chunk 1, F chunk 0), p - r rounds of a
+    # chunk-1 F, B, W; the steady state alternates the chunks (Qi et al. 2024, Sec. 6)
+    assert names(zbv(2, 3, 0)) == "F0 F1 F2 F0.1 B0.1 W0.1 F1.1 B1.1 W1.1 B0 W0 F2.1 B2.1 W2.1 B1 W1 B2 W2"
+    assert names(zbv(2, 3, 1)) == "F0 F0.1 F1 F1.1 B0.1 W0.1 F2 B0 W0 F2.1 B1.1 W1.1 B1 B2.1 B2 W1 W2.1 W2"
+    # the V: rank r holds virtual stages r and 2p - 1 - r; holder inverts it
+    assert [virtual_stage(r, c, 4, True) for r in range(4) for c in (0, 1)] == [0, 7, 1, 6, 2, 5, 3, 4]
+    assert all(holder(virtual_stage(r, c, 4, v), 4, v) == (r, c) for r in range(4) for c in (0, 1)
+               for v in (True, False))
+    # fewer microbatches than the 2p - 1 the order is built for: the extra ones' ops are dropped
+    for ops in build_schedule("zbv", 4, 5, 2):
+        assert sorted(ops) == sorted(Op(k, mb, c) for k in "FBW" for mb in range(5) for c in (0, 1))
+
+
+def _zbv_run(p, m, f=1.0, b=1.0, w=1.0, p2p=0.0):
+    return run_iteration(split_works(build_schedule("zbv", p, m, 2), f, b, w), num_chunks=2, p2p_time=p2p,
+                         overlap_grad_reduce=True, sync_time=0.0, v_shaped=True)
+
+
+def test_exact_zbv_timeline_two_stages():
+    # F = B = W = 1 s per chunk, no p2p. Rank 1 runs chunk 0 (virtual stage 1) and, in place, chunk
+    # 1 (virtual stage 2) of microbatch 0 back to back; rank 0's chunk 1 (virtual stage 3, the LM
+    # head's) follows at 3 s. Rank 1 waits at the start for its first input only.
+    res = _zbv_run(2, 2)
+    assert compute_log(res, 0) == [(0.0, "F0.0"), (1.0, "F1.0"), (3.0, "F0.1"), (4.0, "B0.1"), (5.0, "W0.1"),
+                                   (6.0, "F1.1"), (7.0, "B1.1"), (8.0, "W1.1"), (9.0, "B0.0"), (10.0, "W0.0"),
+                                   (12.0, "B1.0"), (13.0, "W1.0"), (14.0, "optimizer")]
+    assert compute_log(res, 1) == [(1.0, "F0.0"), (2.0, "F0.1"), (3.0, "F1.0"), (4.0, "F1.1"), (5.0, "B0.1"),
+                                   (6.0, "W0.1"), (7.0, "B0.0"), (8.0, "W0.0"), (9.0, "B1.1"), (10.0, "W1.1"),
+                                   (11.0, "B1.0"), (12.0, "W1.0"), (14.0, "optimizer")]
+
+
+def test_the_turn_of_the_v_sends_nothing():
+    # with a 0.5 s link, the last rank's chunk-0 -> chunk-1 hand-off stays free: its F0.1 starts the
+    # moment its F0.0 ends (a looped placement would send it to rank 0)
+    res = _zbv_run(2, 2, p2p=0.5)
+    log = dict((name, t) for t, name in compute_log(res, 1))
+    assert log["F0.1"] == pytest.approx(log["F0.0"] + 1.0)
+
+
+@pytest.mark.parametrize("p,m", [(2, 3), (2, 4), (3, 5), (4, 7), (4, 8), (8, 16)])
+def test_zbv_with_equal_passes_idles_only_while_the_first_input_travels(p, m):
+    # every rank does 2m chunks of F + B + W; the last rank cannot start before p - 1 chunk-0
+    # forwards reach it, so m x 6 + (p - 1) is the least a step can take, and with m >= 2p - 1
+    # ZB-V takes exactly that: half of ZB-H1's (p - 1)(F + B - W) on the same per-stage work
+    assert _zbv_run(p, m).step_time == pytest.approx(6 * m + (p - 1))
+    zb_h1 = run_iteration(split_works(build_schedule("zero-bubble", p, m), 2.0, 2.0, 2.0), num_chunks=1,
+                          p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0)
+    assert zb_h1.step_time - 6 * m == pytest.approx(2 * (_zbv_run(p, m).step_time - 6 * m))
+
+
+@pytest.mark.parametrize("p,m", [(2, 2), (2, 5), (3, 3), (4, 4), (4, 9), (8, 8)])
+def test_zbv_never_deadlocks_and_ends_after_every_op(p, m):
+    res = _zbv_run(p, m, f=1.0, b=2.0, w=0.5, p2p=0.3)
+    assert all(t.ops_done == 6 * m for t in res.stages)
 
 
 def test_in_flight_activations_read_off_the_schedule():
@@ -279,17 +338,22 @@ class _StageStub:
     ("interleaved-1f1b", "ScheduleInterleaved1F1B", 2, 4, 2), ("interleaved-1f1b", "ScheduleInterleaved1F1B", 4, 8, 2),
     ("interleaved-1f1b", "ScheduleInterleaved1F1B", 4, 12, 3), ("interleaved-1f1b", "ScheduleInterleaved1F1B", 2, 2, 2),
     ("interleaved-1f1b", "ScheduleInterleaved1F1B", 4, 4, 2), ("zero-bubble", "ScheduleInterleavedZeroBubble", 4, 4, 2),
+    ("zbv", "ScheduleZBVZeroBubble", 2, 2, 2), ("zbv", "ScheduleZBVZeroBubble", 2, 5, 2),
+    ("zbv", "ScheduleZBVZeroBubble", 4, 4, 2), ("zbv", "ScheduleZBVZeroBubble", 4, 9, 2),
+    ("zbv", "ScheduleZBVZeroBubble", 8, 16, 2),
 ])
 def test_schedule_is_the_order_the_executor_runs(name, torch_class, p, m, v):
     # the simulator replays exactly what PyTorch's schedule class (the one paraplan launch runs for
     # this name) executes on each rank; torch names the input-gradient backward I (our B under
     # zero-bubble, the whole backward otherwise) and the weight gradient W
     schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
-    torch_order = getattr(schedules, torch_class)([_StageStub(c * p, p, v) for c in range(v)], m).pipeline_order
+    v_shaped = name == "zbv"
+    stubs = [_StageStub(virtual_stage(0, c, p, v_shaped), p, v) for c in range(v)]
+    torch_order = getattr(schedules, torch_class)(stubs, m).pipeline_order
     kind = {"F": "F", "I": "B", "W": "W", "B": "B"}
     for stage, ops in enumerate(build_schedule(name, p, m, v)):
         theirs = [str(a) for a in torch_order[stage] if a is not None]
-        ours = [f"{o.chunk * p + stage}{o.kind}{o.microbatch}" for o in ops]
+        ours = [f"{virtual_stage(stage, o.chunk, p, v_shaped)}{o.kind}{o.microbatch}" for o in ops]
         assert ours == [_normalise(t, kind) for t in theirs]
 
 
