@@ -57,7 +57,7 @@ SCHEDULES = {
     "zero-bubble": ScheduleInfo(torch_class="ScheduleInterleavedZeroBubble", style="loop", stages_per_rank=(1, 0),
                                 min_microbatches_per_pp=1, splits_weight_grad=True),
     "zbv": ScheduleInfo(torch_class="ScheduleZBVZeroBubble", style="v", stages_per_rank=(2, 2),
-                        min_microbatches_per_pp=1, splits_weight_grad=True),
+                        min_microbatches_per_pp=0, splits_weight_grad=True),
     "dualpipev": ScheduleInfo(torch_class="ScheduleDualPipeV", style="v", stages_per_rank=(2, 2),
                               min_microbatches_per_pp=2, splits_weight_grad=True),
 }

@@ -361,10 +361,18 @@ def megatron_notes(sc: Scenario) -> list[str]:
     if p.schedule in ("zero-bubble", "zbv") and p.pp > 1:
         runs = "1f1b" if p.virtual_pipeline_stages == 1 else "interleaved-1f1b"
         looped = " with its chunks in a loop, not a V" if p.schedule == "zbv" else ""
-        notes.append(f"Megatron-LM has no {p.schedule} schedule; these arguments run (interleaved) 1F1B{looped}, "
-                     "which keeps the weight gradients in the backward (a larger bubble than predicted): simulate "
-                     f"the plan with --set plan.schedule={runs} for its step time, or launch it with paraplan "
-                     "launch / torchtitan.")
+        n = sc.num_microbatches
+        if runs == "interleaved-1f1b" and n % p.pp:
+            # megatron/core/pipeline_parallel/schedules.py: "number of microbatches must be
+            # divisible by pipeline-model-parallel-size when using interleaved schedule"
+            notes.append(f"Megatron-LM has no {p.schedule} schedule, and the interleaved 1F1B these arguments ask "
+                         f"for refuses {n} microbatches on pp {p.pp} (it needs a multiple of pp): launch the plan "
+                         "with paraplan launch / torchtitan.")
+        else:
+            notes.append(f"Megatron-LM has no {p.schedule} schedule; these arguments run (interleaved) 1F1B{looped}, "
+                         "which keeps the weight gradients in the backward (a larger bubble than predicted): "
+                         f"simulate the plan with --set plan.schedule={runs} for its step time, or launch it with "
+                         "paraplan launch / torchtitan.")
     if p.tp > 1 and not p.tp_backward_overlap and not p.tp_comm_overlap:
         notes.append("Megatron-LM always runs its backward tensor-parallel collectives beside the GEMMs (no flag "
                      "turns that off), so it is faster than this plan's tp_backward_overlap: false predicts.")

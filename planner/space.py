@@ -59,6 +59,7 @@ the ends); the scenario's own plan, as written, is evaluated as the baseline.
 
 Candidates are canonicalised so that plans that run identically are one plan (and one
 simulation): virtual_pipeline_stages is 1 unless the schedule takes virtual stages (VIRTUAL_SCHEDULES),
+and 2 under zbv whatever the candidate says (EXACT_VIRTUAL),
 sequence_parallel takes its first candidate when tp = 1 (there is nothing to split), zero_stage
 its first candidate when dp x cp = 1 and, for an MoE model, expert-dp = 1 (nothing to shard over),
 and gpipe and 1f1b are one schedule when pp = 1, 1f1b (gpipe when 1f1b is not listed; see
@@ -492,8 +493,9 @@ class PlanSpace:
 
     def _make(self, v: Mapping[str, Any], dp: int) -> Candidate:
         schedule = self._schedule(v["pp"], v["schedule"])
-        virtual = schedule in VIRTUAL_SCHEDULES and v["virtual_pipeline_stages"] >= VIRTUAL_SCHEDULES[schedule]
-        interleaved = virtual and v["virtual_pipeline_stages"] > 1
+        vpp = EXACT_VIRTUAL.get(schedule, v["virtual_pipeline_stages"])  # zbv: 2, whatever was sampled
+        virtual = schedule in VIRTUAL_SCHEDULES and vpp >= VIRTUAL_SCHEDULES[schedule]
+        interleaved = virtual and vpp > 1
         sp = v["sequence_parallel"] if v["tp"] > 1 else self._cands["sequence_parallel"][0]
         etp = v["expert_tp"]
         zero = (v["zero_stage"] if self._zero_matters(v["tp"], dp, v["cp"], v["ep"], etp)
@@ -505,7 +507,7 @@ class PlanSpace:
         recompute, modules = recompute_choice(v["recompute"])
         layers = self.scenario.model.num_layers
         if interleaved:
-            first, last = interleaved_edges(layers, v["pp"] * v["virtual_pipeline_stages"])
+            first, last = interleaved_edges(layers, v["pp"] * vpp)
         else:
             split = self._splits.get(v["pp"])
             if split is None:  # depends on pp alone: once per pp, not per candidate
@@ -516,7 +518,7 @@ class PlanSpace:
             expert_tp=etp, moe_dispatcher=dispatcher, moe_shared_expert_overlap=shared_overlap,
             first_stage_layers=first, last_stage_layers=last,
             micro_batch_size=v["micro_batch_size"], schedule=schedule,
-            virtual_pipeline_stages=v["virtual_pipeline_stages"] if virtual else 1,
+            virtual_pipeline_stages=vpp if virtual else 1,
             sequence_parallel=sp, zero_stage=zero, recompute=recompute,
             recompute_modules=self._template.recompute_modules if modules is None else modules,
             tp_comm_overlap=self._template.tp_comm_overlap and sp and v["tp"] > 1,

@@ -224,16 +224,18 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
     gathered_of = {kind: dense * (shard > 1) + expert * (edp_layout.size > 1)
                    for kind, (dense, expert) in kinds.params.items()}
 
-    # the ranks holding the first virtual stage (the embedding) and the last (the LM head): the
-    # same rank when pp is 1 or the chunks sit in a V
+    # the rank and chunk holding the last virtual stage (the LM head): the embedding's rank, 0,
+    # when pp is 1 or the chunks sit in a V
     v = v_shaped(p)
     last_rank, last_chunk = holder(p.pp * vpp - 1, p.pp, v)
-    apart = last_rank != 0
-    # a tied LM head on the embedding's rank uses the embedding's weights: no copy of its own
-    own_head = not (m.tied_embeddings and not apart)
+    # a tied LM head on the embedding's stage (pp 1) uses the embedding's weights: no copy of its
+    # own. Pipelined, the last stage is a model chunk of its own with its own copy, also where a V
+    # puts it on the embedding's rank (PyTorch pipelining builds a module per stage; paraplan
+    # launch sums the two copies' gradients there, without an all-reduce between ranks)
+    own_head = not (m.tied_embeddings and p.pp == 1)
     # multi-token prediction embeds tokens on the last stage: an untied pipelined model keeps a copy
     # of the input embedding there (Megatron-Core GPTModel builds it on the MTP stage)
-    mtp_embedding = m.mtp_layers > 0 and apart and not m.tied_embeddings
+    mtp_embedding = m.mtp_layers > 0 and p.pp > 1 and not m.tied_embeddings
     works, mems = [], []
     # the loss's fp32 softmax: an activation of the last chunk's microbatches in flight, which the
     # B pass frees (memory.logits_bytes)
@@ -309,7 +311,7 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
 
     hops = setup.hops
     p2p = [_p2p_time(ctx, hop) if p.pp > 1 else 0.0 for hop in hops]
-    sync = _sync_time(sc, net, emb_params, hops[-1] if apart else None)
+    sync = _sync_time(sc, net, emb_params, hops[-1] if last_rank != 0 else None)
     eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce,
                         sync_time=sync, p2p_nic=[t if hop.num_nodes > 1 else 0.0 for t, hop in zip(p2p, hops)],
                         align_grad_reduce=p.schedule in ("1f1b", "interleaved-1f1b"), record_spans=record_spans,

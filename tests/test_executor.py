@@ -73,6 +73,8 @@ PLANS = {
         scenario("pp2-interleaved", pp=2, micro_batch_size=2, schedule="interleaved-1f1b", virtual_pipeline_stages=2),
         scenario("pp2-zero-bubble", pp=2, micro_batch_size=2, schedule="zero-bubble"),
         scenario("pp2-zbv", pp=2, micro_batch_size=2, schedule="zbv", virtual_pipeline_stages=2),
+        # one microbatch, fewer than pp: PyTorch drops the ops of the 2p - 2 it builds the order for
+        scenario("pp2-zbv-one-microbatch", pp=2, micro_batch_size=8, schedule="zbv", virtual_pipeline_stages=2),
         scenario("pp2-dualpipev", pp=2, micro_batch_size=2, schedule="dualpipev", virtual_pipeline_stages=2),
         scenario("cp2", cp=2, micro_batch_size=4),
         scenario("moe-dp2-ddp", "moe", dp=2, micro_batch_size=2),

@@ -289,6 +289,12 @@ def test_zbv_is_searched_at_exactly_two_stages_per_rank():
     assert sorted({p.virtual_pipeline_stages for p in plans if p.schedule == "zbv"}) == [2]
     assert sorted({p.virtual_pipeline_stages for p in plans if p.schedule == "interleaved-1f1b"}) == [2, 4]
     assert sp.count_combinations() == found.combinations
+    # a sampler that draws schedule and virtual stages apart proposes zbv x1 or x4: both are zbv x2
+    base = {"tp": 1, "pp": 2, "cp": 1, "micro_batch_size": 1, "schedule": "zbv", "sequence_parallel": False,
+            "zero_stage": 1, "recompute": "none"}
+    for vpp in (1, 2, 4):
+        cand = sp.candidate({**base, "virtual_pipeline_stages": vpp})
+        assert cand.plan.virtual_pipeline_stages == 2 and sp.valid(cand)
     with pytest.raises(ConfigError, match="schedule zbv takes exactly 2 virtual stages per rank"):
         space("search.schedule=[zbv]", "search.virtual_pipeline_stages=[4]")
 
@@ -569,6 +575,11 @@ def test_zero_bubble_exports_say_what_each_framework_runs():
     assert 'pipeline_parallel_schedule = "ZBVZeroBubble"' in torchtitan_toml(zbv)
     assert "Megatron-LM has no zbv schedule; these arguments run (interleaved) 1F1B with its chunks in a loop" \
         in megatron_args_text(zbv)
+    # zbv runs any number of microbatches, Megatron's interleaved 1F1B only multiples of pp
+    odd = tiny("plan.pp=2", "plan.tp=1", "plan.dp=4", "plan.schedule=zbv", "plan.virtual_pipeline_stages=2",
+               "plan.micro_batch_size=1", "training.global_batch_size=12")
+    assert odd.num_microbatches == 3 and simulate(odd).step_time_s > 0
+    assert "refuses 3 microbatches on pp 2 (it needs a multiple of pp)" in megatron_args_text(odd)
 
 
 def test_zero_stages_stay_distinct_while_expert_states_shard():
