@@ -34,6 +34,7 @@ from executor.model import Stage, init_parameters
 from executor.moe import MoE
 from paraplan.placement import ORDER, rank_to_coords
 from paraplan.specs import ModelSpec, Scenario
+from simulator.schedules import holder, virtual_stage
 
 
 # ----------------------------------------------------------------------------------------------
@@ -112,20 +113,21 @@ def num_stages(sc: Scenario) -> int:
     return sc.plan.pp * (sc.plan.virtual_pipeline_stages if sc.plan.pp > 1 else 1)
 
 
+def _v_shaped(sc: Scenario) -> bool:
+    return sc.plan.pp > 1 and SCHEDULES[sc.plan.schedule].style == "v"
+
+
 def stages_of_rank(pp_rank: int, sc: Scenario) -> list[int]:
+    """The pipeline stages (virtual stages, in the simulator's words) this pipeline rank holds, in a
+    loop or in a V: the simulator's placement (simulator.schedules.virtual_stage)."""
     p = sc.plan
     if p.pp == 1:
         return [0]
-    if SCHEDULES[p.schedule].style == "v":
-        return [pp_rank, 2 * p.pp - 1 - pp_rank]
-    return [pp_rank + i * p.pp for i in range(p.virtual_pipeline_stages)]
+    return [virtual_stage(pp_rank, c, p.pp, _v_shaped(sc)) for c in range(p.virtual_pipeline_stages)]
 
 
 def _stage_rank(stage: int, sc: Scenario) -> int:
-    p = sc.plan
-    if p.pp > 1 and SCHEDULES[p.schedule].style == "v":
-        return stage if stage < p.pp else 2 * p.pp - 1 - stage
-    return stage % p.pp
+    return holder(stage, sc.plan.pp, _v_shaped(sc))[0]
 
 
 def stage_layers(sc: Scenario) -> list[range]:
