@@ -4,7 +4,9 @@
 structural rules) and only then simulates it; the result is memoised on the candidate, a frozen
 (cluster size, PlanSpec) pair, so a plan suggested twice is simulated once. A plan that does not
 fit is *not* dropped: it is an `Evaluation` with status "oom" and its overflow
-(peak - capacity) / capacity, which the search tells Optuna as a constraint violation.
+(peak - capacity) / capacity, which the search tells Optuna as a constraint violation. A plan whose
+derived uneven split (PlanSpace.edge_layers) leaves one edge stage out of memory is first moved to
+the nearest split that fits, if one does, and evaluated so (`Evaluator._fitting_edges`).
 
 Objectives are small strategy objects (`name`, `directions`, `values(evaluation)`):
 
@@ -36,6 +38,8 @@ class Evaluation:
     """What the planner knows about one candidate: valid or not, and its simulated metrics."""
 
     candidate: Candidate
+    """The plan evaluated: the one asked for, or where its derived uneven split left an edge stage
+    out of memory, that plan with the split that fits (Evaluator._fitting_edges)."""
     status: str
     """ok (simulated, fits), oom (simulated, does not fit) or invalid (not simulated)."""
     reasons: tuple[str, ...] = ()
@@ -127,8 +131,11 @@ class Evaluator:
         """simulate() calls this evaluator made (memo hits and invalid plans cost none)."""
 
     def remember(self, ev: Evaluation) -> None:
-        """Seed the memo with an evaluation made elsewhere (another worker, an earlier run)."""
+        """Seed the memo with an evaluation made elsewhere (another worker, an earlier run), under its
+        plan and the candidate a sampler's knob values give (they differ where the evaluation moved
+        an uneven split to fit: `_fitting_edges`)."""
         self._memo.setdefault(ev.candidate, ev)
+        self._memo.setdefault(self.space.candidate(self.space.params_of(ev.candidate)), ev)
 
     def known(self, cand: Candidate) -> bool:
         return cand in self._memo
@@ -150,6 +157,8 @@ class Evaluator:
         problems = self.space.problems(cand, planner_rules=planner_rules)
         if problems:
             return Evaluation(candidate=cand, status="invalid", reasons=tuple(problems), world_size=world)
+        if planner_rules:
+            cand = self._fitting_edges(cand)
         self.simulations += 1
         try:
             r = simulate(self.space.scenario_for(cand), imbalance_reference=False, record_spans=False)
@@ -161,6 +170,52 @@ class Evaluator:
             peak_memory_bytes=r.peak_memory_bytes, memory_capacity_bytes=r.memory_capacity_bytes,
             num_microbatches=r.num_microbatches, breakdown=tuple(r.breakdown.items()),
         )
+
+
+    def _fitting_edges(self, cand: Candidate) -> Candidate:
+        """The candidate, or where its derived uneven split leaves one edge stage over the GPU's
+        memory, the same plan with the split nearest to it under which both edge stages fit (when
+        one does). The derived split balances the edge stages' FLOPs, but a 1F1B first stage holds
+        pp microbatches' activations and the last one the LM head's logits: the split fastest on
+        paper can be one that does not fit while a lighter first (or last) stage would, as a
+        Megatron user would then set --decoder-first/last-pipeline-num-layers. Nearest, because
+        the costlier edge stage only gets costlier as the split moves away from the balance. A
+        stage's memory only grows with its layers, so the edge stage over capacity has a largest
+        layer count that fits, found by bisection on the memory model alone (no simulation);
+        a middle stage over capacity, or both edges, no split can help."""
+        from simulator.simulate import stage_peak_memory
+
+        rest = self.space.edge_layers(cand)
+        if rest is None:
+            return cand
+        cap = self.space.memory_capacity
+
+        def over(c: Candidate) -> list[bool]:
+            return [m > cap for m in stage_peak_memory(self.space.scenario_for(c))]
+
+        try:
+            now = over(cand)
+            first = cand.plan.first_stage_layers
+            if not (now[0] ^ now[-1]) or any(now[1:-1]):
+                return cand
+            # lighten the edge over capacity: the first stage over -> fewer layers first (search
+            # 1..first-1 for the most that fit); the last over -> more first (first+1..rest-1)
+            lo, hi = (1, first - 1) if now[0] else (first + 1, rest - 1)
+            edge = 0 if now[0] else -1
+            found = None
+            while lo <= hi:
+                mid = (lo + hi) // 2
+                if over(self.space.with_first_layers(cand, mid))[edge]:
+                    lo, hi = (lo, mid - 1) if now[0] else (mid + 1, hi)
+                else:
+                    found = mid
+                    lo, hi = (mid + 1, hi) if now[0] else (lo, mid - 1)
+            if found is None:
+                return cand
+            moved = self.space.with_first_layers(cand, found)
+            return cand if any(over(moved)) else moved
+        except InfeasiblePlanError:  # the simulate() below says why
+            return cand
 
 
 # ----------------------------------------------------------------------------------------------

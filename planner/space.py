@@ -51,7 +51,9 @@ interleaved), the middle stages take ceil(layers / pp) each and the first and
 last stages share the rest so that the costlier of the two, by forward FLOPs with the LM head and
 any multi-token prediction modules on the last, costs least (Llama 3 405B's 126 layers on 16
 stages are 7 + 14 x 8 + 7, Dubey et al. 2024 Sec. 3.3.2; DeepSeek-V3's 61 with its MTP module, 4 +
-14 x 4 + 1); see uneven_stages;
+14 x 4 + 1); see uneven_stages; where that split leaves the first or last stage out of memory
+(a 1F1B first stage holds pp microbatches), the evaluator moves it to the nearest split that fits,
+if one does (planner.objective.Evaluator._fitting_edges);
 interleaved, the embedding and the loss count as a layer each where the pp x vpp virtual stages
 then split the layers evenly (Megatron --account-for-embedding/loss-in-pipeline-split: Qwen3-235B's
 94 layers on 8 x 4 virtual stages are 2 + 30 x 3 + 2, on 32 x 3 the embedding and the loss alone at
@@ -463,7 +465,10 @@ class PlanSpace:
 
         self.scenario = scenario
         self.spec = spec
-        self._arch = load_profile(scenario.cluster.gpu).arch
+        gpu = load_profile(scenario.cluster.gpu)
+        self._arch = gpu.arch
+        self.memory_capacity = gpu.hbm_capacity
+        """Bytes a GPU of the scenario's cluster holds (what a plan's peak memory must fit in)."""
         # every plan field the search does not set keeps the scenario's (stages are derived in _make)
         self._template = scenario.plan
         self._cands = dict(spec.candidates)
@@ -509,10 +514,7 @@ class PlanSpace:
         if interleaved:
             first, last = interleaved_edges(layers, v["pp"] * vpp)
         else:
-            split = self._splits.get(v["pp"])
-            if split is None:  # depends on pp alone: once per pp, not per candidate
-                split = self._splits[v["pp"]] = uneven_stages(layers, v["pp"], self._layer_costs, self._last_extra)
-            first, last = split
+            first, last = self._split(v["pp"])
         plan = dataclasses.replace(
             self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], ep=v["ep"],
             expert_tp=etp, moe_dispatcher=dispatcher, moe_shared_expert_overlap=shared_overlap,
@@ -528,6 +530,33 @@ class PlanSpace:
                                           else self._template.gradient_accumulation_fusion),
         )
         return Candidate(num_nodes=v["num_nodes"], plan=plan)
+
+    def _split(self, pp: int) -> tuple[int | None, int | None]:
+        """The derived (first, last) stage layers of a non-interleaved plan with `pp` stages."""
+        split = self._splits.get(pp)
+        if split is None:  # depends on pp alone: once per pp, not per candidate
+            split = self._splits[pp] = uneven_stages(self.scenario.model.num_layers, pp, self._layer_costs,
+                                                      self._last_extra)
+        return split
+
+    def edge_layers(self, cand: Candidate) -> int | None:
+        """The layers the first and last stages share when the candidate's uneven split is the one
+        the space derives (uneven_stages, by the stages' FLOPs), else None (an even or interleaved
+        split, or one a scenario set by hand): the plans whose split `with_first_layers` may move."""
+        p = cand.plan
+        if p.virtual_pipeline_stages > 1 or p.first_stage_layers is None:
+            return None
+        if (p.first_stage_layers, p.last_stage_layers) != self._split(p.pp):
+            return None
+        return p.first_stage_layers + p.last_stage_layers
+
+    def with_first_layers(self, cand: Candidate, first: int) -> Candidate:
+        """The candidate with `first` layers on its first stage and the rest of `edge_layers` on its last."""
+        rest = self.edge_layers(cand)
+        if rest is None or not 1 <= first < rest:
+            raise ValueError(f"first stage layers {first}: the split of this plan cannot move there")
+        plan = dataclasses.replace(cand.plan, first_stage_layers=first, last_stage_layers=rest - first)
+        return Candidate(num_nodes=cand.num_nodes, plan=plan)
 
     def _schedule(self, pp: int, schedule: str) -> str:
         """The canonical schedule: with pp = 1, gpipe and 1f1b are the one-stage schedule."""

@@ -194,10 +194,36 @@ def _setup(sc: Scenario) -> _Setup:
     )
 
 
+def stage_peak_memory(sc: Scenario) -> list[float]:
+    """Each pipeline stage's peak memory in bytes under `sc`'s plan, as simulate() reports it
+    (StageMemory.total), without playing the iteration: what the planner checks a plan's fit by
+    before it simulates one. Refuses a plan that breaks a structural rule, as simulate() does."""
+    _, _, _, mems = _stage_work(sc, _setup(sc), balanced=False, memory=True)
+    return [mm.total for mm in mems]
+
+
 def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool, memory: bool) -> _Iteration:
     """Build every stage's work and run the engine; `balanced`: a perfectly balanced router in
     place of the scenario's routing draw; `memory`: also each stage's memory (the balanced
     reference needs only the step time)."""
+    kinds, draw, works, mems = _stage_work(sc, setup, balanced=balanced, memory=memory)
+    p = sc.plan
+    v = v_shaped(p)
+    last_rank, _ = holder(p.pp * p.virtual_pipeline_stages - 1, p.pp, v)
+    net, ctx, hops = setup.net, setup.ctx, setup.hops
+    p2p = [_p2p_time(ctx, hop) if p.pp > 1 else 0.0 for hop in hops]
+    sync = _sync_time(sc, net, sc.model.embedding_params() / p.tp, hops[-1] if last_rank != 0 else None)
+    eng = run_iteration(works, num_chunks=p.virtual_pipeline_stages, p2p_time=p2p,
+                        overlap_grad_reduce=p.overlap_grad_reduce, sync_time=sync,
+                        p2p_nic=[t if hop.num_nodes > 1 else 0.0 for t, hop in zip(p2p, hops)],
+                        align_grad_reduce=p.schedule in ("1f1b", "interleaved-1f1b"), record_spans=record_spans,
+                        blocking_sends=p.blocking_sends, v_shaped=v)
+    return _Iteration(kinds=kinds, draw=draw, mems=mems, eng=eng)
+
+
+def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
+    """(layer kinds, routing draw, each stage's StageWork, each stage's StageMemory: empty unless
+    `memory`): everything the engine plays and the memory report reads."""
     gpu, net, ctx, dp_layout, layers, schedule = \
         setup.gpu, setup.net, setup.ctx, setup.dp_layout, setup.layers, setup.schedule
     etp_layout, ep_layout, edp_layout = setup.expert_layouts
@@ -309,14 +335,7 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
             embedding_params=emb_params * ((s == 0) + (s == last_rank) * (own_head + mtp_embedding)),
         ))
 
-    hops = setup.hops
-    p2p = [_p2p_time(ctx, hop) if p.pp > 1 else 0.0 for hop in hops]
-    sync = _sync_time(sc, net, emb_params, hops[-1] if last_rank != 0 else None)
-    eng = run_iteration(works, num_chunks=vpp, p2p_time=p2p, overlap_grad_reduce=p.overlap_grad_reduce,
-                        sync_time=sync, p2p_nic=[t if hop.num_nodes > 1 else 0.0 for t, hop in zip(p2p, hops)],
-                        align_grad_reduce=p.schedule in ("1f1b", "interleaved-1f1b"), record_spans=record_spans,
-                        blocking_sends=p.blocking_sends, v_shaped=v)
-    return _Iteration(kinds=kinds, draw=draw, mems=mems, eng=eng)
+    return kinds, draw, works, mems
 
 
 def _p2p_time(ctx, hop) -> float:

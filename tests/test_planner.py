@@ -524,6 +524,53 @@ def test_out_of_memory_is_a_constraint_violation_by_its_overflow():
     assert e.limiter().startswith("memory (+")
 
 
+def test_an_uneven_split_out_of_memory_moves_to_the_nearest_split_that_fits():
+    """Llama-3 8B's 32 layers on 3 stages of one H100 each: the FLOP balance gives 11 + 11 + 10,
+    but a 1F1B first stage holds 3 microbatches and does not fit there; with 10 first it still does
+    not, with 9 (and 12 on the last stage) it does: the planner evaluates that plan. The stage
+    memory is the simulator's own (simulate() agrees on every plan), and only a derived split moves."""
+    from simulator.simulate import stage_peak_memory
+
+    sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml",
+                       ["cluster.num_nodes=3", "plan.pp=3", "plan.tp=1", "plan.dp=8"])
+    sp = PlanSpace(sc, parse_search(sc, {"pp": [3], "tp": [1], "cp": [1], "micro_batch_size": [1],
+                                         "zero_stage": [0], "recompute": ["none"], "schedule": ["1f1b"]}))
+    c = sp.candidate({})
+    assert (c.plan.first_stage_layers, c.plan.last_stage_layers) == (11, 10) and sp.edge_layers(c) == 21
+    cap = sp.memory_capacity
+    for first, fits in ((11, False), (10, False), (9, True)):
+        moved = sp.with_first_layers(c, first)
+        mem = stage_peak_memory(sp.scenario_for(moved))
+        r = simulate(sp.scenario_for(moved), record_spans=False)
+        assert mem == [s.memory["total"] for s in r.stages] and r.fits == fits
+        assert (mem[0] <= cap) == fits and mem[1] <= cap and mem[2] <= cap
+    ev = Evaluator(sp)
+    e = ev.evaluate(c)
+    assert e.status == "ok" and e.candidate == sp.with_first_layers(c, 9) and ev.simulations == 1
+    assert (e.candidate.plan.first_stage_layers, e.candidate.plan.last_stage_layers) == (9, 12)
+    assert ev.evaluate(c) is e and ev.simulations == 1
+    # a journal's evaluation seeds the memo under the sampled candidate too
+    again = Evaluator(sp)
+    again.remember(Evaluation.from_json(e.to_json()))
+    assert again.evaluate(c) == e and again.simulations == 0
+    # a split set by hand, or the scenario's own plan, is evaluated as written
+    hand = sp.with_first_layers(c, 10)
+    assert sp.edge_layers(hand) is None and ev.evaluate(hand).status == "oom"
+    assert Evaluator(sp).evaluate_baseline(c).status == "oom"
+    with pytest.raises(ValueError, match="first stage layers 21"):
+        sp.with_first_layers(c, 21)
+
+
+def test_no_split_is_tried_when_a_middle_stage_is_out_of_memory():
+    sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml",
+                       ["cluster.num_nodes=3", "plan.pp=3", "plan.tp=1", "plan.dp=8"])
+    sp = PlanSpace(sc, parse_search(sc, {"pp": [3], "tp": [1], "cp": [1], "micro_batch_size": [4],
+                                         "zero_stage": [0], "recompute": ["none"], "schedule": ["1f1b"]}))
+    c = sp.candidate({})
+    e = Evaluator(sp).evaluate(c)
+    assert e.status == "oom" and e.candidate == c
+
+
 def test_evaluation_json_round_trip():
     sp = space(*SMALL)
     e = Evaluator(sp).evaluate(sp.enumerate().valid[3])
