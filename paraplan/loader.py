@@ -320,6 +320,7 @@ PLAN = _schema(
     wait_forward_sends=Key(_optional(_boolean)),
     expert_tp=Key(POSITIVE),
     moe_shared_expert_overlap=Key(_boolean),
+    overlap_moe_expert_parallel_comm=Key(_boolean),
     moe_dispatcher=Key(_one_of(MOE_DISPATCHERS)),
     first_stage_layers=Key(_optional(_integer(minimum=0))),
     last_stage_layers=Key(_optional(_integer(minimum=0))),

@@ -304,6 +304,12 @@ class PlanSpec:
     """Tensor parallelism inside each expert (Megatron --expert-tensor-parallel-size)."""
     moe_shared_expert_overlap: bool = False
     """Run the shared experts while the tokens are dispatched (Megatron --moe-shared-expert-overlap)."""
+    overlap_moe_expert_parallel_comm: bool = False
+    """Combined 1F1B (Megatron-Core --overlap-moe-expert-parallel-comm): each steady-state forward
+    runs merged with the backward of an earlier microbatch, layer by layer on two CUDA streams, so
+    one's dispatch/combine all-to-alls hide behind the other's attention and expert compute; one
+    more microbatch is in flight (the interleaved warm-up takes one forward more; with pp 1 the
+    forward of microbatch i + 1 runs with the backward of i)."""
     moe_dispatcher: str = "alltoall"
     """alltoall: NCCL all-to-all-v of every token copy (Megatron --moe-token-dispatcher-type alltoall);
     deepep: DeepEP's kernels, which send a token over the network once per destination node and fan

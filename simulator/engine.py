@@ -47,6 +47,8 @@ from simulator.schedules import Op, holder, splits_backward, virtual_stage
 
 
 SPAN_CATEGORY = {"F": "forward", "B": "backward", "W": "weight_grad"}
+PAIR_CATEGORY = "forward_backward"
+"""The span category of a combined-1F1B op (a forward merged with a backward)."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +61,12 @@ class StageWork:
     optimizer_time: float
     param_gather_time: float  # ZeRO-1/2 all-gather after the step, exposed (not overlapped)
     grad_bucket_nic: dict = field(default_factory=dict)  # chunk -> seconds of each bucket on the NIC
+    pairs: tuple[int, ...] = ()
+    """Combined 1F1B (schedules.combined_pairs): indices of the forwards in `ops` that run merged
+    with the backward right after them, as one op that starts once both inputs are there, lasts
+    `pair_cost` and sends both outputs when it ends."""
+    pair_cost: dict = field(default_factory=dict)
+    """(forward's chunk, backward's chunk) -> workload.Cost of a combined-1F1B op."""
     param_gather_buckets: dict = field(default_factory=dict)
     """chunk -> [(seconds, seconds on the NIC, needed_from)] per bucket of the ZeRO-1/2 weight
     all-gather overlapped with the forward (Megatron --overlap-param-gather), launched when the step
@@ -76,8 +84,11 @@ class Span:
     end: float
 
 
-def _op_name(op: Op, num_chunks: int) -> str:
-    """An op's span name: F3, or F3.1 for chunk 1 when the schedule is interleaved."""
+def _op_name(op, num_chunks: int) -> str:
+    """An op's span name: F3, or F3.1 for chunk 1 when the schedule is interleaved; a combined
+    pair (forward, backward) F4+B3."""
+    if not isinstance(op, Op):
+        return "+".join(_op_name(o, num_chunks) for o in op)
     return f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "")
 
 
@@ -101,7 +112,7 @@ class Timeline(Sequence):
             key = key if key >= 0 else ~key
             return Span(stage, "pp-comm", f"{what} {'FB'[key & 1]}{(key >> 1) // self._num_vstages}", "pp_comm",
                         start, end)
-        stage, op, category, start, end = rec  # an op
+        stage, op, category, start, end = rec  # an op, or a combined pair of them
         return Span(stage, "compute", _op_name(op, self._num_chunks), category, start, end)
 
     def _built(self) -> list[Span]:
@@ -155,6 +166,11 @@ def _op_slot(kind: str, chunk: int) -> int:
     return chunk * len(KINDS) + _KIND_INDEX[kind]
 
 
+def _pair_slot(f_chunk: int, b_chunk: int, num_chunks: int) -> int:
+    """The slot of a combined pair's cost: after every (kind, chunk) slot."""
+    return len(KINDS) * num_chunks + f_chunk * num_chunks + b_chunk
+
+
 # An op's output is named by an int (cheaper to hash than a tuple, on every op), its output key:
 # (microbatch x number of virtual stages + virtual stage) x 2, plus 1 for a B's (_op_plan).
 
@@ -172,7 +188,7 @@ def _link(stage: int, to: int, pp: int) -> int:
 
 
 def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: dict, launch_after: dict,
-             gates: dict, v_shaped: bool = False) -> tuple[list[tuple], dict]:
+             gates: dict, v_shaped: bool = False, pairs: tuple[int, ...] = ()) -> tuple[list[tuple], dict]:
     """Per op of `stage`, what its stream needs besides the op's cost: the key of the input it
     waits for, its slot in the cost table, the output it sends (key, receiving stage, link; link
     None where the next virtual stage is on the same rank, the turn of a V), for
@@ -180,8 +196,15 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
     reduction starts when it ends and the chunk whose gathered weights gate it, and the op itself;
     and how many ops of each (kind, chunk) the stage runs. It follows from the schedule alone, so
     an immutable schedule's is kept (the planner and the balanced-router reference replay the same
-    schedules again and again)."""
-    key = (id(ops), stage, pp, num_chunks, v_shaped, tuple(final_b.items()),
+    schedules again and again).
+
+    `pairs` (combined 1F1B, StageWork.pairs): each forward at those indices and the backward after it
+    become one entry, which waits for both inputs and sends both outputs; its slot is the pair's
+    (`_pair_slot`), its count keyed ('FB', forward's chunk, backward's chunk), and its last field
+    (None for a single op) is (the backward's input key, the backward's output, the backward op).
+    Where the pair has specials, the backward's (gradient flow, launches) and the forward's gate
+    are the entry's."""
+    key = (id(ops), stage, pp, num_chunks, v_shaped, pairs, tuple(final_b.items()),
            tuple((i, tuple(chunks)) for i, chunks in launch_after.items()), tuple(gates.items()))
     hit = _PLAN_CACHE.get(key)
     if hit is not None and hit[0] is ops:
@@ -219,8 +242,12 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
                 dep = (unit + 1) * 2 + 1
             if vstage > 0:
                 out = (unit * 2 + 1, *neighbour(vstage - 1))
-        append((dep, slot, out, (final_b.get(i), launch_after.get(i, ()), gates.get(i)) if i in special else None,
-                op))
+        append([dep, slot, out, (final_b.get(i), launch_after.get(i, ()), gates.get(i)) if i in special else None,
+                op, None])
+    if pairs:
+        plan = _merge_pairs(plan, counts, pairs, num_chunks)
+    else:
+        plan = [tuple(entry) for entry in plan]
     if isinstance(ops, tuple) and len(ops) <= _PLAN_CACHE_OPS:  # a list may change after the call
         with _PLAN_CACHE_LOCK:  # simulate() may run in several threads
             kept = sum(len(entry[0]) for entry in _PLAN_CACHE.values())
@@ -228,6 +255,37 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
                 kept -= len(_PLAN_CACHE.pop(next(iter(_PLAN_CACHE)))[0])
             _PLAN_CACHE[key] = (ops, plan, counts)
     return plan, counts
+
+
+def _merge_pairs(plan: list[list], counts: dict, pairs: tuple[int, ...], num_chunks: int) -> list[tuple]:
+    """The op plan with each combined pair (forward at i, backward at i + 1) as one entry (_op_plan)."""
+    pairs = set(pairs)
+    merged = []
+    i = 0
+    while i < len(plan):
+        entry = plan[i]
+        if i not in pairs:
+            merged.append(tuple(entry))
+            i += 1
+            continue
+        f, b = entry, plan[i + 1]
+        f_op, b_op = f[4], b[4]
+        if f_op.kind != "F" or b_op.kind != "B":
+            raise ValueError(f"combined pair at op {i}: {f_op} and {b_op} are not a forward then a backward")
+        for key in (("F", f_op.chunk), ("B", b_op.chunk)):
+            counts[key] -= 1
+            if not counts[key]:
+                del counts[key]
+        pair = ("FB", f_op.chunk, b_op.chunk)
+        counts[pair] = counts.get(pair, 0) + 1
+        special = None
+        if f[3] is not None or b[3] is not None:
+            grads_of, launched, _ = b[3] or (None, (), None)
+            special = (grads_of, launched, f[3][2] if f[3] is not None else None)
+        merged.append((f[0], _pair_slot(f_op.chunk, b_op.chunk, num_chunks), f[2], special, (f_op, b_op),
+                       (b[0], b[2], b_op)))
+        i += 2
+    return merged
 
 
 def clear_caches() -> None:
@@ -267,6 +325,8 @@ def run_iteration(
     `v_shaped`: the two chunks of each stage sit in a V (schedules.virtual_stage), so sends run
     up the ranks in chunk 0 and down them in chunk 1, and the last rank hands each microbatch from
     one chunk to the other in place.
+    A stage's `pairs` (combined 1F1B, Megatron-Core --overlap-moe-expert-parallel-comm) merge
+    forwards with the backwards after them (StageWork.pairs).
     `record_spans` False leaves the timeline out (EngineResult.spans empty): the planner needs only
     the figures. Recorded, the spans of ops and receives are bare records until the timeline is
     read; built as they ran, they had cost a fifth to a third of the engine's time."""
@@ -357,6 +417,21 @@ def run_iteration(
             link_nic_until[to] = until
         return t + seconds + delay
 
+    def deliver(stage: int, out: tuple, end: float) -> float:
+        """Send an op's output (key, receiving stage, link; link None: the next virtual stage is on
+        this rank, nothing is sent) at `end`; its arrival, which wakes a consumer already waiting."""
+        key, to, hop = out
+        if hop is None:
+            arrival = arrives_at[key] = end
+        else:
+            hop_nic = link_nic[hop]
+            arrival = arrives_at[key] = send(stage, to, end, link_time[hop], hop_nic) if hop_nic \
+                else end + link_time[hop]
+        ev = waiting.pop(key, None)
+        if ev is not None:
+            ev.succeed(arrival)
+        return arrival
+
     blocking = {"none": (), "forward": ("F",), "all": ("F", "B")}[blocking_sends]
     grad_kinds = [_grad_kind(w.ops) for w in works]
 
@@ -421,16 +496,22 @@ def run_iteration(
         fraction), ...), under which the delays it suffers from sharing the NIC are booked. The NIC
         is held at most for the whole op (traffic of several kinds inside one op, e.g. a ZeRO-3
         gather and a cross-node CP ring, can add up to more than its duration)."""
-        table = [None] * (len(KINDS) * num_chunks)
+        table = [None] * (len(KINDS) * num_chunks + (num_chunks * num_chunks if work.pairs else 0))
         shares = [()] * len(table)
-        for (kind, chunk), cost in work.op_cost.items():
-            if kind in _KIND_INDEX and 0 <= chunk < num_chunks:
-                slot = _op_slot(kind, chunk)
-                nic = cost.nic
-                table[slot] = (cost.total, min(nic, cost.total), SPAN_CATEGORY[kind], cost.dp_spans)
-                if nic:
-                    shares[slot] = tuple((k, v / nic) for k, v in cost.nic_parts.items() if v)
+        slots = [(_op_slot(kind, chunk), SPAN_CATEGORY[kind], cost) for (kind, chunk), cost in work.op_cost.items()
+                 if kind in _KIND_INDEX and 0 <= chunk < num_chunks]
+        if work.pairs:
+            slots += [(_pair_slot(fc, bc, num_chunks), PAIR_CATEGORY, cost) for (fc, bc), cost in work.pair_cost.items()]
+        for slot, category, cost in slots:
+            nic = cost.nic
+            table[slot] = (cost.total, min(nic, cost.total), category, cost.dp_spans)
+            if nic:
+                shares[slot] = tuple((k, v / nic) for k, v in cost.nic_parts.items() if v)
         return table, shares
+
+    def cost_of(work: StageWork, key: tuple):
+        """The cost of an op plan's count key: (kind, chunk), or ('FB', forward's chunk, backward's chunk)."""
+        return work.pair_cost.get(key[1:]) if key[0] == "FB" else work.op_cost.get(key)
 
     def compute_stream(stage: int):
         work = works[stage]
@@ -440,32 +521,53 @@ def run_iteration(
         ready_events = grad_ready[stage]
         gathered_events = gathered[stage]
         final_b, launch_after, _ = launches[stage]
-        ops, counts = _op_plan(work.ops, stage, pp, num_chunks, final_b, launch_after, gate_ops[stage], v_shaped)
+        ops, counts = _op_plan(work.ops, stage, pp, num_chunks, final_b, launch_after, gate_ops[stage], v_shaped,
+                               work.pairs)
         costs, nic_shares = op_costs(work)
         contended = [0.0] * len(costs)  # per slot, the delays its ops' traffic took from sharing the NIC
         prev_slot = None
-        missing = sorted(key for key in counts if key not in work.op_cost)
+        missing = sorted(key for key in counts if cost_of(work, key) is None)
         if missing:
             raise KeyError(f"stage {stage}: no op cost for (kind, chunk) {missing}")
         sm_share = COMM_SM_SHARE
         gate = launched_after = None
-        for dep, slot, produces, special, op in ops:
+        for dep, slot, produces, special, op, pair in ops:
             duration, nic, category, dp_spans = costs[slot]
             start = env.now
             recv = 0.0  # waiting for the input to arrive, folded into the op's timeout (one event)
-            if dep is not None:
-                arrival = arrives_at.get(dep)
-                if arrival is None:  # not sent yet: wait (its producer triggers the event)
-                    t0 = start
-                    waiting[dep] = ev = env.event()  # each output has one consumer
-                    arrival = yield ev
-                    start = env.now
-                    bubble += start - t0
-                if arrival > start:
-                    recv = arrival - start
+            if pair is None:
+                if dep is not None:
+                    arrival = arrives_at.get(dep)
+                    if arrival is None:  # not sent yet: wait (its producer triggers the event)
+                        t0 = start
+                        waiting[dep] = ev = env.event()  # each output has one consumer
+                        arrival = yield ev
+                        start = env.now
+                        bubble += start - t0
+                    if arrival > start:
+                        recv = arrival - start
+                        comm += recv
+                        if record_spans:  # named when the timeline is read (Timeline)
+                            spans.append((stage, dep, start, arrival))
+                        start += recv
+            else:  # a combined pair: both inputs; waiting for a producer is bubble, then for a transfer comm
+                t0 = start
+                arrivals = []
+                for d in (dep, pair[0]):
+                    if d is not None:
+                        arrival = arrives_at.get(d)
+                        if arrival is None:
+                            waiting[d] = ev = env.event()
+                            arrival = yield ev
+                        arrivals.append((d, arrival))
+                start = env.now
+                bubble += start - t0
+                ready = max((a for _, a in arrivals), default=start)
+                if ready > start:
+                    recv = ready - start
                     comm += recv
-                    if record_spans:  # named when the timeline is read (Timeline)
-                        spans.append((stage, dep, start, arrival))
+                    if record_spans:
+                        spans.extend((stage, d, start, a) for d, a in arrivals if a > start)
                     start += recv
             if special is not None:
                 grads_of, launched_after, gate = special
@@ -522,27 +624,26 @@ def run_iteration(
                     name = _op_name(op, num_chunks)
                     spans.append(Span(stage, "dp-comm", f"{what} {name}", "dp_comm",
                                       start + a * (end - start), start + b * (end - start)))
+            waits = ()  # the sends this stage waits for before its next op: (arrival, key)
             if produces is not None:
-                key, to, hop = produces
-                if hop is None:  # the next virtual stage is on this rank: nothing is sent
-                    arrival = arrives_at[key] = end
-                else:
-                    hop_nic = link_nic[hop]
-                    arrival = arrives_at[key] = send(stage, to, end, link_time[hop], hop_nic) if hop_nic \
-                        else end + link_time[hop]
-                ev = waiting.pop(key, None)
-                if ev is not None:
-                    ev.succeed(arrival)
+                arrival = deliver(stage, produces, end)
+                if arrival > end and (op if pair is None else op[0])[0] in blocking:
+                    waits = [(arrival, produces[0])]
+            if pair is not None and pair[1] is not None:  # a combined pair's backward output
+                arrival = deliver(stage, pair[1], end)
+                if arrival > end and "B" in blocking:
+                    waits = [*waits, (arrival, pair[1][0])]
             if special is not None:
                 for c in launched_after:  # whole chunks whose reduction is launched now
                     ready_events[c].succeed((end, end))
                 gate = launched_after = None
-            if produces is not None and arrival > end and op[0] in blocking:  # it waits for its send
+            if waits:  # it waits for its sends
+                arrival = max(a for a, _ in waits)
                 yield timeout(arrival - end)
                 comm += arrival - end
                 if record_spans:
-                    spans.append((stage, ~key, end, arrival))  # named when the timeline is read
-        traces[stage].ops_done = len(ops)
+                    spans.extend((stage, ~key, end, a) for a, key in waits)  # named when the timeline is read
+        traces[stage].ops_done = len(work.ops)
         if owed_next[stage]:  # a send landed during the last op
             contended[prev_slot] += owed_next[stage]
             yield timeout(owed_next[stage])
@@ -550,7 +651,7 @@ def run_iteration(
             ready_events[c].succeed((env.now, env.now))
         # the op costs are fixed per (kind, chunk): book their components by count
         for key, n in counts.items():
-            for k, v in work.op_cost[key].parts.items():
+            for k, v in cost_of(work, key).parts.items():
                 if v:
                     _add(bd, k, n * v)
         for slot, v in enumerate(contended):

@@ -60,6 +60,7 @@ def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
         out.append("plan.gradient_accumulation_fusion: zero_stage 2 and 3 (Megatron-FSDP) accumulate "
                    "gradients outside the GEMMs; set it false or leave it out")
     out += _moe_problems(sc)
+    out += _ep_overlap_problems(sc)
     native = _gradient_dtype(t.precision)
     if t.grad_reduce_dtype not in ("fp32", native):
         allowed = "fp32" if native == "fp32" else f"fp32 or {native}"
@@ -134,6 +135,37 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
         # the ops of microbatches that are not there)
         if p.schedule in ("interleaved-1f1b", "zero-bubble") and mbs < p.pp:
             out.append(f"plan.schedule: {p.schedule} needs at least pp = {p.pp} microbatches, got {mbs}")
+    return out
+
+
+def _ep_overlap_problems(sc: Scenario) -> list[str]:
+    """Megatron-Core's rules for combined 1F1B (TransformerConfig.__post_init__, the
+    overlap_moe_expert_parallel_comm block), and the one paraplan adds: it models the schedule
+    with ZeRO 0/1 (Megatron's distributed optimizer) only."""
+    p, t = sc.plan, sc.training
+    if not p.overlap_moe_expert_parallel_comm:
+        return []
+    key = "plan.overlap_moe_expert_parallel_comm"
+    if sc.model.moe is None:
+        return [f"{key}: needs an MoE model (model.moe); this model is dense"]
+    out = []
+    if p.ep < 2:
+        out.append(f"{key}: needs expert parallelism, ep > 1 (Megatron-Core); got ep {p.ep}")
+    if p.pp > 1 and p.schedule != "interleaved-1f1b":
+        out.append(f"{key}: with pp > 1 needs schedule interleaved-1f1b (Megatron-Core requires virtual "
+                   f"pipeline stages), not {p.schedule}")
+    if p.recompute == "full":
+        out.append(f"{key}: does not run with recompute full (Megatron-Core); use none or selective")
+    if "moe" in p.recomputed_modules:
+        out.append(f"{key}: does not run with the moe recompute module, whose recompute re-runs the dispatch "
+                   "(Megatron-Core); recompute moe_act, layernorm or core_attn instead")
+    if p.moe_shared_expert_overlap:
+        out.append(f"{key}: does not run with moe_shared_expert_overlap (Megatron-Core); set one of them false")
+    if t.precision not in ("bf16", "fp16", "fp8"):
+        out.append(f"{key}: needs 16-bit training (training.precision bf16, fp16 or fp8), not {t.precision}")
+    if p.zero_stage > 1:
+        out.append(f"{key}: modelled with zero_stage 0 or 1 (Megatron's distributed optimizer); "
+                   f"got {p.zero_stage}")
     return out
 
 

@@ -158,6 +158,13 @@ class MoEBlock:
     shared_forward: Cost = field(default_factory=Cost)
     """The shared experts' forward, compute and TP collectives (what shared_experts recompute
     re-runs)."""
+    forward_phases: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    backward_phases: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)
+    """(dispatch, experts, combine, after the combine) seconds of the module's forward and of its
+    backward, as combined 1F1B schedules a layer's parts (simulator.combined): the dispatch and
+    combine exchanges (all-to-all, expert-TP gather and scatter), the expert and shared-expert
+    compute between them with the sorts by local expert, and the unpermutation after; the rest of
+    the block (the norm, router and permutation before the dispatch) runs with the attention."""
 
     def __call__(self, ctx, backward: bool) -> Cost:
         return (self.backward if backward else self.forward).scaled(1.0)
@@ -166,11 +173,12 @@ class MoEBlock:
 def moe_block(ctx, draw: RoutingDraw, ep_layout, etp_layout, *, overlap_shared: bool) -> MoEBlock:
     """The MoE module's costs, plus the post-attention norm and residual around it for the FFN
     sublayer's forward and backward."""
-    module = _moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=False)
+    module, fwd_phases = _moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=False)
+    backward, bwd_phases = _moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=True)
     return MoEBlock(
         forward=module.scaled(1.0).add("compute", ffn_norm_residual(ctx, False)),
-        backward=_moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=True)
-        .add("compute", ffn_norm_residual(ctx, True)),
+        backward=backward.add("compute", ffn_norm_residual(ctx, True)),
+        forward_phases=fwd_phases, backward_phases=bwd_phases,
         module_forward=module,
         weight_grad=_moe_weight_grad(ctx, draw),
         # one kernel over all local experts' tokens, as the forward runs it (expert_compute_time)
@@ -352,7 +360,10 @@ def _shared_forward(ctx) -> Cost:
     return Cost().add("compute", compute).add("tp_comm", tp)
 
 
-def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: bool, backward: bool) -> Cost:
+def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: bool,
+              backward: bool) -> tuple[Cost, tuple[float, float, float, float]]:
+    """The MoE module's cost (router to unpermutation) and its (dispatch, experts, combine, after
+    the combine) phases (MoEBlock.forward_phases)."""
     m, b = ctx.model, ctx.act_bytes
     h, experts = m.hidden_size, m.moe.num_experts
     routed = routed_tokens_per_rank(ctx)
@@ -365,14 +376,13 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     # Permute copies by expert before dispatch; unpermute (sum the copies per token) after combine.
     permute = memory_bound_time(ctx.gpu, factor * 2 * copies * h * b)
     unpermute = memory_bound_time(ctx.gpu, factor * (2 * copies * h * b + routed * h * b))
+    sort = 0.0
     if ctx.plan.moe_dispatcher == "alltoall" and ctx.plan.ep > 1 and experts // ctx.plan.ep > 1:
         # the received tokens arrive grouped by source rank: Megatron-Core's alltoall dispatcher sorts
         # them by local expert after the exchange and back before the combine (token_dispatcher.py
         # dispatch_postprocess "Permutation 2: Sort tokens by local expert", combine_preprocess
         # "Unpermutation 2", sort_chunks_by_idxs), each a read and a write of the received tokens
         sort = memory_bound_time(ctx.gpu, factor * 2 * load * h * b)
-        permute += sort
-        unpermute += sort
     experts_t = expert_compute_time(ctx, busiest, backward)
     # All-to-all-v: every rank sends copies x h; the busiest receives load x h. The exchange ends
     # when the largest of those has moved (dispatch and combine move the same bytes; backward the
@@ -396,11 +406,13 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
         # Megatron --moe-shared-expert-overlap: the shared experts run while tokens are dispatched,
         # on the SMs the all-to-all leaves them
         dispatch = overlapped(shared, a2a) - shared
-    cost = Cost().add("compute", router + permute + unpermute + experts_t + shared)
+    cost = Cost().add("compute", router + permute + unpermute + experts_t + shared + 2 * sort)
     cost.add("ep_comm", dispatch + a2a + etp_comm).add("tp_comm", shared_tp)
     if ep_layout.num_nodes > 1:
         cost.add_nic("ep_comm", 2 * a2a)  # network-bound: the NIC is busy for both exchanges
-    return cost
+    # the expert-TP gather goes with the dispatch, its reduce-scatter with the combine
+    phases = (dispatch + etp_comm / 2, experts_t + shared + shared_tp + 2 * sort, a2a + etp_comm / 2, unpermute)
+    return cost, phases
 
 
 def moe_activation_bytes(ctx, draw: RoutingDraw, *, recomputed: tuple[str, ...] | None = None) -> float:

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import io
 
-COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "weight_grad": "#CCB974", "optimizer": "#55A868",
-          "dp_comm": "#C44E52", "pp_comm": "#8172B3"}
+COLORS = {"forward": "#4C72B0", "backward": "#DD8452", "forward_backward": "#937860", "weight_grad": "#CCB974",
+          "optimizer": "#55A868", "dp_comm": "#C44E52", "pp_comm": "#8172B3"}
 
 
 def timeline_png(result) -> bytes:

@@ -194,10 +194,51 @@ SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv")
 
 
 @functools.lru_cache(maxsize=64)
-def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> tuple[tuple[Op, ...], ...]:
+def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1,
+                   combined: bool = False) -> tuple[tuple[Op, ...], ...]:
     """Op sequences for every stage (immutable and cached: the planner and the balanced-router
-    reference run ask for the same schedules again and again)."""
+    reference run ask for the same schedules again and again). `combined`: the order of combined
+    1F1B (`combined_1f1b`), whose merged pairs `combined_pairs` names."""
+    if combined:
+        return tuple(tuple(ops) for ops in _combined(name, num_stages, num_microbatches, num_chunks))
     return tuple(tuple(ops) for ops in _build_schedule(name, num_stages, num_microbatches, num_chunks))
+
+
+def _combined(name: str, num_stages: int, num_microbatches: int, num_chunks: int) -> list[list[Op]]:
+    """Combined 1F1B (Megatron-Core --overlap-moe-expert-parallel-comm). With one stage
+    (pipeline_parallel/combined_1f1b.py, combined_1f1b_schedule_for_no_pipelining): microbatch 0's
+    forward alone, then the forward of i + 1 merged with the backward of i, then the last backward
+    alone: 1F1B's alternation after one warm-up forward. Pipelined it needs the interleaved
+    schedule (schedules.py forward_backward_pipelining_with_interleaving), whose warm-up takes one
+    forward more than interleaved 1F1B's (num_warmup_microbatches += 1) so that each steady-state
+    forward and the backward merged with it belong to different microbatches."""
+    warmups = _combined_warmups(name, num_stages, num_microbatches, num_chunks)
+    if num_stages == 1:
+        fwd, bwd = _forwards_and_backwards(num_microbatches)
+        return [_alternate(fwd, bwd, warmups[0])]
+    units = _interleaved_units(num_stages, num_microbatches, num_chunks)
+    return [_interleaved_order(num_stages, num_microbatches, s, num_chunks, w, units) for s, w in enumerate(warmups)]
+
+
+def _combined_warmups(name: str, num_stages: int, num_microbatches: int, num_chunks: int) -> list[int]:
+    """Per stage, the forwards combined 1F1B runs before its first merged pair (at most all)."""
+    if num_stages == 1 and name in ("gpipe", "1f1b"):
+        return [min(1, num_microbatches)]
+    if name != "interleaved-1f1b":
+        raise ValueError(f"combined 1F1B runs on one stage or under interleaved-1f1b, not {name}")
+    total = num_microbatches * num_chunks
+    return [min(total, (num_stages - s - 1) * 2 + (num_chunks - 1) * num_stages + 1) for s in range(num_stages)]
+
+
+@functools.lru_cache(maxsize=64)
+def combined_pairs(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> tuple[tuple[int, ...], ...]:
+    """Per stage, the indices in its combined-1F1B order (`build_schedule(..., combined=True)`) of
+    the forwards that run merged with the backward right after them: the steady state's, after the
+    warm-up. A stage whose warm-up takes every forward has none (Megatron then runs all forwards
+    and all backwards alone), though its last forward is followed by a backward."""
+    total = num_microbatches * (num_chunks if num_stages > 1 else 1)
+    return tuple(tuple(w + 2 * j for j in range(total - w))
+                 for w in _combined_warmups(name, num_stages, num_microbatches, num_chunks))
 
 
 def _build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int) -> list[list[Op]]:

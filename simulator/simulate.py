@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import accumulate
 
 from hwmodels.compute import memory_bound_time
@@ -11,6 +11,7 @@ from hwmodels.profile import load_profile
 from paraplan.errors import InfeasiblePlanError
 from paraplan.placement import GroupLayout, expert_group_layouts, group_layout, pp_hop_layouts
 from paraplan.specs import DTYPE_BYTES, Scenario
+from simulator.combined import LayerPhases, merged_cost, merged_layers_time
 from simulator.cost import Cost
 from simulator.engine import StageWork, run_iteration
 from simulator.feasibility import structural_problems
@@ -24,8 +25,8 @@ from simulator.moe import (
     dispatch_buffer_bytes, draw_routing, moe_activation_bytes, moe_block, routed_tokens_per_rank,
 )
 from simulator.result import BREAKDOWN_KEYS, MoEReport, SimResult, StageResult
-from simulator.schedules import (SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES, build_schedule, holder, peak_in_flight,
-                                 virtual_stage)
+from simulator.schedules import (SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES, build_schedule, combined_pairs, holder,
+                                 peak_in_flight, virtual_stage)
 from simulator.workload import (
     MAIN_GRAD_BYTES, LayerContext, embedding_cost, head_cost, head_weight_grad, layer_backward, layer_forward,
     layer_weight_grad, mtp_projection, mtp_weight_grad,
@@ -84,6 +85,8 @@ class _Layers:
     params: dict  # kind -> (params sharded over dp x cp, expert params sharded over edp)
     acts: dict  # kind -> stored activation bytes per microbatch
     working: dict  # kind -> transient bytes while one layer of the kind runs (recompute, dispatch buffers)
+    phases: dict = field(default_factory=dict)
+    """kind -> (forward, backward) combined.LayerPhases, under combined 1F1B only."""
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,8 @@ class _Setup:
     layers: list
     schedule: tuple
     buckets: dict
+    pairs: tuple = ()
+    """Per stage, the combined-1F1B pairs of its schedule (schedules.combined_pairs); () each without."""
 
 
 def _setup(sc: Scenario) -> _Setup:
@@ -189,8 +194,11 @@ def _setup(sc: Scenario) -> _Setup:
         hops=pp_hop_layouts(p, gpn, nodes_per_leaf=leaf),
         layers=layers_per_chunk(m.num_layers, p.pp, p.virtual_pipeline_stages, p.first_stage_layers,
                                 p.last_stage_layers, v_shaped(p)),
-        schedule=build_schedule(p.schedule, p.pp, sc.num_microbatches, p.virtual_pipeline_stages),
+        schedule=build_schedule(p.schedule, p.pp, sc.num_microbatches, p.virtual_pipeline_stages,
+                                p.overlap_moe_expert_parallel_comm),
         buckets={},
+        pairs=(combined_pairs(p.schedule, p.pp, sc.num_microbatches, p.virtual_pipeline_stages)
+               if p.overlap_moe_expert_parallel_comm else ((),) * p.pp),
     )
 
 
@@ -219,6 +227,24 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
                         align_grad_reduce=p.schedule in ("1f1b", "interleaved-1f1b"), record_spans=record_spans,
                         blocking_sends=p.blocking_sends, v_shaped=v)
     return _Iteration(kinds=kinds, draw=draw, mems=mems, eng=eng)
+
+
+def _pair_costs(kinds: _Layers, chunk_kinds: list[list[str]], op_cost: dict, ops, pairs: tuple[int, ...]) -> dict:
+    """(forward's chunk, backward's chunk) -> Cost of each combined-1F1B pair the stage runs
+    (simulator.combined): the two chunks' layers merged node by node, plus what is not a layer
+    (embedding, LM head, multi-token prediction: each chunk's pass minus its layers) alone."""
+    out = {}
+    for i in pairs:
+        fc, bc = ops[i].chunk, ops[i + 1].chunk
+        if (fc, bc) in out:
+            continue
+        f, b = op_cost[("F", fc)], op_cost[("B", bc)]
+        f_layers = [kinds.phases[k][0] for k in chunk_kinds[fc]]
+        b_layers = [kinds.phases[k][1] for k in chunk_kinds[bc]]
+        alone = (f.total - sum(kinds.fwd[k].total for k in chunk_kinds[fc])
+                 + b.total - sum(kinds.bwd[k].total for k in chunk_kinds[bc]))
+        out[(fc, bc)] = merged_cost(f, b, alone + merged_layers_time(f_layers, b_layers))
+    return out
 
 
 def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
@@ -272,10 +298,12 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
     for s in range(p.pp):
         stage_kinds: set[str] = set()
         op_cost, buckets, gathers, chunk_acts = {}, {}, {}, []
+        chunk_kinds = []
         dense_params = expert_params = 0.0
         for c in range(len(layers[s])):
             start = first_layer[virtual_stage(s, c, p.pp, v)]
             kinds_in_chunk = ["moe" if m.is_moe_layer(i) else "dense" for i in range(start, start + layers[s][c])]
+            chunk_kinds.append(kinds_in_chunk)
             stage_kinds.update(kinds_in_chunk)
             chunk = _chunk_work(ctx, kinds, kinds_in_chunk, per_unit, first=s == 0 and c == 0,
                                 last=(s, c) == (last_rank, last_chunk), emb_params=emb_params,
@@ -309,6 +337,7 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
                             + collective_time(net, "all_gather", expert_params * w_bytes, edp_layout))
         works.append(StageWork(
             ops=schedule[s], op_cost=op_cost,
+            pairs=setup.pairs[s], pair_cost=_pair_costs(kinds, chunk_kinds, op_cost, schedule[s], setup.pairs[s]),
             grad_buckets={c: [t for t, _ in bl] for c, bl in buckets.items() if bl},
             grad_bucket_nic={c: [nic for _, nic in bl] for c, bl in buckets.items() if bl},
             optimizer_time=optimizer_time(gpu, local_opt, buffer, tr.precision, ctx.grad_bytes),
@@ -406,6 +435,11 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     kinds.working["moe"] = dispatch_buffer_bytes(ctx, draw) + recompute_working_bytes(
         m, p, ctx.seq_length, ctx.attention_kernel, ctx.act_bytes,
         moe_ffn_bytes=moe_activation_bytes(ctx, draw, recomputed=()) if recomputed_ffn else 0.0)
+    if p.overlap_moe_expert_parallel_comm:
+        kinds.phases.update({
+            "dense": (LayerPhases.of(kinds.fwd["dense"].total, None), LayerPhases.of(kinds.bwd["dense"].total, None)),
+            "moe": (LayerPhases.of(kinds.fwd["moe"].total, block.forward_phases),
+                    LayerPhases.of(kinds.bwd["moe"].total, block.backward_phases))})
     return kinds, draw
 
 
