@@ -198,6 +198,10 @@ def executor_problems(sc: Scenario) -> list[str]:
     if p.moe_shared_expert_overlap:
         out.append("plan.moe_shared_expert_overlap: the executor runs the shared experts after the combine, not beside "
                    "the dispatch, so its step time would not measure this plan; use moe_shared_expert_overlap: false")
+    if p.overlap_moe_expert_parallel_comm:
+        out.append("plan.overlap_moe_expert_parallel_comm: the executor runs each forward and backward whole, one "
+                   "after the other, not merged layer by layer on two streams (combined 1F1B), so its step time would "
+                   "not measure this plan; use overlap_moe_expert_parallel_comm: false")
     if p.cp > 1 and (t.seq_length // p.cp) % 2:
         out.append(f"plan.cp: seq_length / cp = {t.seq_length // p.cp} must be even (two load-balanced chunks per rank)")
     if r.steps < 1:

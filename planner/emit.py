@@ -275,6 +275,8 @@ def _megatron_moe(sc: Scenario) -> list[str]:
         a += ["--moe-shared-expert-intermediate-size", str(e.num_shared_experts * e.expert_ffn_hidden_size)]
         if _shared_expert_overlap_runs(sc):
             a.append("--moe-shared-expert-overlap")
+    if p.overlap_moe_expert_parallel_comm:
+        a.append("--overlap-moe-expert-parallel-comm")
     # the loader checked num_experts % groups == 0, as transformer_config.py does
     if e.groups_per_token < e.expert_groups:
         a += ["--moe-router-num-groups", str(e.expert_groups), "--moe-router-group-topk", str(e.groups_per_token)]
@@ -334,10 +336,16 @@ def megatron_launch_command(sc: Scenario) -> str:
     and "|" included.
     The environment: arguments.py asserts CUDA_DEVICE_MAX_CONNECTIONS == 1 under tensor or context
     parallelism (before Blackwell), and != 1 under Megatron-FSDP ("FSDP always requires
-    CUDA_DEVICE_MAX_CONNECTIONS value large than one")."""
+    CUDA_DEVICE_MAX_CONNECTIONS value large than one"). Combined 1F1B (--overlap-moe-expert-parallel-comm)
+    runs its all-to-alls on a stream of their own beside the compute, which needs more than one
+    hardware queue: its guide and arguments.py ask for 32, and with tensor or context parallelism
+    arguments.py only warns ("you can set CUDA_DEVICE_MAX_CONNECTIONS to 1 or 32, which depends on
+    which parallelization you want to prioritize"); the simulation overlapped both, so 32."""
     c, p = sc.cluster, sc.plan
     env = ""
-    if p.zero_stage >= 2:
+    if p.overlap_moe_expert_parallel_comm:
+        env = "CUDA_DEVICE_MAX_CONNECTIONS=32 "
+    elif p.zero_stage >= 2:
         env = "env -u CUDA_DEVICE_MAX_CONNECTIONS "
     elif p.tp > 1 or p.cp > 1:
         env = "CUDA_DEVICE_MAX_CONNECTIONS=1 "
@@ -396,6 +404,12 @@ def megatron_notes(sc: Scenario) -> list[str]:
             # older transformer_config.py: "moe_expert_capacity_factor only works with alltoall token dispatcher"
             notes.append("older Megatron-Core versions accept --moe-expert-capacity-factor only with the alltoall "
                          "dispatcher, not the flex (DeepEP) one.")
+    if p.overlap_moe_expert_parallel_comm and (p.tp > 1 or p.cp > 1):
+        notes.append(f"Megatron-LM wants CUDA_DEVICE_MAX_CONNECTIONS=1 for its tensor/context-parallel overlap and "
+                     f"more for --overlap-moe-expert-parallel-comm; the command sets 32, so with tp {p.tp} cp {p.cp} "
+                     "the tensor-parallel collectives may hide less than simulated.")
+    if p.overlap_moe_expert_parallel_comm:
+        notes.append("--overlap-moe-expert-parallel-comm needs Megatron-Core 0.14 or later and PyTorch 2.6 or later.")
     if m.moe is not None and p.moe_shared_expert_overlap and m.moe.num_shared_experts \
             and not _shared_expert_overlap_runs(sc):
         notes.append(f"Megatron-LM overlaps the shared experts with the dispatch only under the alltoall "
@@ -564,11 +578,16 @@ def _torchtitan_experts(sc: Scenario) -> tuple[list[str], list[str]]:
     lines.append(f"expert_tensor_parallel_degree = {p.expert_tp}")
     if p.moe_dispatcher == "deepep":
         lines.append('expert_parallel_comm_backend = "deepep"')
+    notes = []
+    if p.overlap_moe_expert_parallel_comm:
+        notes.append("torchtitan has no combined 1F1B (Megatron-Core --overlap-moe-expert-parallel-comm): its "
+                     "all-to-alls run in line with the compute, slower than simulated; simulate the plan with "
+                     "--set plan.overlap_moe_expert_parallel_comm=false for its step time")
     if not _torchtitan_accepts_experts(p):
         return lines, [f"torchtitan cannot build ep {p.ep} with expert tp {p.expert_tp}, tp {p.tp}, cp {p.cp}, "
                        f"dp {p.dp}: it needs expert tp = tp with ep a multiple of cp dividing dp x cp, or "
-                       "expert tp = 1 with ep a multiple of cp x tp dividing dp x cp x tp"]
-    return lines, []
+                       "expert tp = 1 with ep a multiple of cp x tp dividing dp x cp x tp", *notes]
+    return lines, notes
 
 
 def _torchtitan_accepts_experts(p) -> bool:

@@ -93,8 +93,8 @@ def build_report(scenario: str, result: SearchResult, objective: Objective, *, t
 
 def plan_label(p: PlanSpec) -> str:
     """`tp8 pp8 dp16 mbs1 interleaved x6 sp zero1 selective` (cp/ep only when > 1; the MoE settings,
-    e.g. `ep8 etp2 deepep shared-overlap`, only where they are not expert_tp 1, alltoall and no
-    overlap)."""
+    e.g. `ep8 etp2 deepep shared-overlap ep-overlap`, only where they are not expert_tp 1, alltoall
+    and no overlap)."""
     parts = [f"tp{p.tp}", f"pp{p.pp}", f"dp{p.dp}"]
     if p.cp > 1:
         parts.append(f"cp{p.cp}")
@@ -106,6 +106,8 @@ def plan_label(p: PlanSpec) -> str:
         parts.append(p.moe_dispatcher)
     if p.moe_shared_expert_overlap:
         parts.append("shared-overlap")
+    if p.overlap_moe_expert_parallel_comm:
+        parts.append("ep-overlap")
     parts.append(f"mbs{p.micro_batch_size}")
     sched = p.schedule + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
     parts += [sched, "sp" if p.sequence_parallel else "no-sp", f"zero{p.zero_stage}", p.recompute_label]
@@ -125,14 +127,17 @@ def stage_layers(p: PlanSpec) -> str:
 
 def moe_label(p: PlanSpec) -> str:
     """The report's `moe` column: the dispatcher (a2a or deepep, +ovl with the shared experts
-    overlapped), then the expert-TP degree when above 1, e.g. `a2a+ovl etp2`."""
+    overlapped), 1f1b-ovl under combined 1F1B, then the expert-TP degree when above 1, e.g.
+    `a2a+ovl etp2`, `deepep 1f1b-ovl`."""
     text = ("a2a" if p.moe_dispatcher == "alltoall" else p.moe_dispatcher) + ("+ovl" if p.moe_shared_expert_overlap else "")
+    text += " 1f1b-ovl" if p.overlap_moe_expert_parallel_comm else ""
     return text + (f" etp{p.expert_tp}" if p.expert_tp > 1 else "")
 
 
 def _shows_moe(plans: list[PlanSpec]) -> bool:
     """A `moe` column only where a plan of the table sets one of the MoE knobs off its default."""
-    return any(p.expert_tp > 1 or p.moe_dispatcher != "alltoall" or p.moe_shared_expert_overlap for p in plans)
+    return any(p.expert_tp > 1 or p.moe_dispatcher != "alltoall" or p.moe_shared_expert_overlap
+               or p.overlap_moe_expert_parallel_comm for p in plans)
 
 
 def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool, recompute_width: int = 9,
@@ -203,6 +208,7 @@ def format_report(rep: Report) -> str:
             lines.append("  " + _row(r, obj, show_nodes, show_stages, rc_width, moe_width))
         if moe_width:
             lines.append("  (moe: the token dispatcher, a2a = alltoall, +ovl = shared experts overlapped with it; "
+                         "1f1b-ovl = combined 1F1B, forward and backward all-to-alls overlapped; "
                          "etpN = expert tensor parallelism)")
         if show_stages:
             lines.append("  (stages: layers on the first/last pipeline stage, or virtual stage when interleaved, "

@@ -32,15 +32,16 @@ range**, so `search: {}` or no section at all means "every valid factorisation o
 | expert_tp | the scenario's plan.expert_tp (an MoE knob: searched only when listed) |
 | moe_dispatcher | the scenario's plan.moe_dispatcher (alltoall, deepep; searched only when listed) |
 | moe_shared_expert_overlap | the scenario's plan.moe_shared_expert_overlap (false, true; searched only when listed) |
+| overlap_moe_expert_parallel_comm | the scenario's plan.overlap_moe_expert_parallel_comm (false, true; searched only when listed) |
 
 search.recompute also takes selective recompute of named modules, `selective(moe_act,layernorm)`
 or, inside a [..] list where a comma would split it, `selective(moe_act+layernorm)` (Megatron
 --recompute-modules; the modules of plan.recompute_modules), beside plain `selective`, which
 recomputes the scenario's own plan.recompute_modules (core_attn by default).
 
-The three MoE knobs are opt-in, as zero-bubble is: each changes what Megatron-Core runs (expert
-tensor parallelism, DeepEP's kernels, the shared experts beside the dispatch) in ways a team picks
-deliberately, and leaving them out keeps a dense search and an MoE one of a fixed MoE setup as small
+The four MoE knobs are opt-in, as zero-bubble is: each changes what Megatron-Core runs (expert
+tensor parallelism, DeepEP's kernels, the shared experts beside the dispatch, combined 1F1B) in ways
+a team picks deliberately, and leaving them out keeps a dense search and an MoE one of a fixed MoE setup as small
 as they were. Listing them for a dense model is an error, as ep is.
 
 Every other plan field (overlap_grad_reduce, overlap_param_gather, tp_comm_overlap)
@@ -69,7 +70,10 @@ and gpipe and 1f1b are one schedule when pp = 1, 1f1b (gpipe when 1f1b is not li
 activations). With ep = 1 no token leaves its rank, so the dispatcher is alltoall (Megatron-Core's
 flex dispatcher, which runs DeepEP, refuses ep x expert_tp = 1), and moe_shared_expert_overlap is
 false wherever it cannot act (ep = 1, no shared experts, or a dispatcher other than alltoall, the
-only one Megatron-Core overlaps shared experts with). interleaved-1f1b, zero-bubble and zbv need pp >= 2:
+only one Megatron-Core overlaps shared experts with); overlap_moe_expert_parallel_comm is false
+wherever Megatron-Core cannot run combined 1F1B (ep = 1, pp > 1 without interleaved-1f1b, full or
+moe recompute, the shared-expert overlap, ZeRO-2/3: `_ep_overlap_matters`), so a scenario that sets
+it keeps it on the plans it fits. interleaved-1f1b, zero-bubble and zbv need pp >= 2:
 with pp = 1 they stay invalid plans.
 
 Validity: the planner's own rules (the derived dp, tp inside a node) and then
@@ -98,14 +102,14 @@ from simulator.flops import last_stage_extra_flops_per_token, layer_forward_flop
 KNOBS = (
     "num_nodes", "tp", "pp", "dp", "cp", "ep", "micro_batch_size", "schedule",
     "virtual_pipeline_stages", "sequence_parallel", "zero_stage", "recompute",
-    "expert_tp", "moe_dispatcher", "moe_shared_expert_overlap",
+    "expert_tp", "moe_dispatcher", "moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm",
 )
 DEGREE_KNOBS = ("num_nodes", "tp", "pp", "dp", "cp", "ep", "micro_batch_size", "virtual_pipeline_stages",
                 "expert_tp")
 ENUM_KNOBS = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "recompute": RECOMPUTE,
               "sequence_parallel": (False, True), "moe_dispatcher": MOE_DISPATCHERS,
-              "moe_shared_expert_overlap": (False, True)}
-MOE_KNOBS = ("expert_tp", "moe_dispatcher", "moe_shared_expert_overlap")
+              "moe_shared_expert_overlap": (False, True), "overlap_moe_expert_parallel_comm": (False, True)}
+MOE_KNOBS = ("expert_tp", "moe_dispatcher", "moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm")
 """Searched only when the search section lists them (their default is the scenario's value)."""
 # zero-bubble and zbv are searched only when the scenario lists them: Megatron-LM, whose arguments
 # `plan` writes, has neither schedule (torchtitan and `paraplan launch` run both).
@@ -318,7 +322,8 @@ def parse_search(scenario: Scenario, raw: Any = None) -> SearchSpec:
                                                   f"selective already recomputes: list it once")
         given["recompute"] = tuple(sorted(canonical))
     if scenario.model.moe is None:
-        dense = {"ep": 1, "expert_tp": 1, "moe_dispatcher": "alltoall", "moe_shared_expert_overlap": False}
+        dense = {"ep": 1, "expert_tp": 1, "moe_dispatcher": "alltoall", "moe_shared_expert_overlap": False,
+                 "overlap_moe_expert_parallel_comm": False}
         for knob, only in dense.items():
             if any(v != only for v in given.get(knob, (only,))):
                 what = "expert parallelism" if knob == "ep" else knob
@@ -368,6 +373,7 @@ def _defaults(sc: Scenario, num_nodes: tuple[int, ...], allow_tp_across_nodes: b
         "expert_tp": (sc.plan.expert_tp,),
         "moe_dispatcher": (sc.plan.moe_dispatcher,),
         "moe_shared_expert_overlap": (sc.plan.moe_shared_expert_overlap,),
+        "overlap_moe_expert_parallel_comm": (sc.plan.overlap_moe_expert_parallel_comm,),
     }
 
 
@@ -510,6 +516,9 @@ class PlanSpace:
         dispatcher = v["moe_dispatcher"] if v["ep"] > 1 else "alltoall"
         shared_overlap = v["moe_shared_expert_overlap"] and self._overlap_matters(v["ep"], dispatcher)
         recompute, modules = recompute_choice(v["recompute"])
+        modules_run = self._template.recompute_modules if modules is None else modules
+        ep_overlap = v["overlap_moe_expert_parallel_comm"] and self._ep_overlap_matters(
+            v["ep"], shared_overlap, v["pp"], schedule, vpp, zero, recompute, modules_run)
         layers = self.scenario.model.num_layers
         if interleaved:
             first, last = interleaved_edges(layers, v["pp"] * vpp)
@@ -518,11 +527,12 @@ class PlanSpace:
         plan = dataclasses.replace(
             self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], ep=v["ep"],
             expert_tp=etp, moe_dispatcher=dispatcher, moe_shared_expert_overlap=shared_overlap,
+            overlap_moe_expert_parallel_comm=ep_overlap,
             first_stage_layers=first, last_stage_layers=last,
             micro_batch_size=v["micro_batch_size"], schedule=schedule,
             virtual_pipeline_stages=vpp if virtual else 1,
             sequence_parallel=sp, zero_stage=zero, recompute=recompute,
-            recompute_modules=self._template.recompute_modules if modules is None else modules,
+            recompute_modules=modules_run,
             tp_comm_overlap=self._template.tp_comm_overlap and sp and v["tp"] > 1,
             overlap_param_gather=self._template.overlap_param_gather and zero >= 1 and self._template.overlap_grad_reduce,
             # ZeRO-2/3 accumulate outside the GEMMs (Megatron-FSDP): a template's fusion applies to the other stages
@@ -586,7 +596,9 @@ class PlanSpace:
                 "recompute": self._recompute_value(p), "expert_tp": p.expert_tp,
                 "moe_dispatcher": p.moe_dispatcher if p.ep > 1 else c["moe_dispatcher"][0],
                 "moe_shared_expert_overlap": (p.moe_shared_expert_overlap if self._overlap_matters(p.ep, p.moe_dispatcher)
-                                              else c["moe_shared_expert_overlap"][0])}
+                                              else c["moe_shared_expert_overlap"][0]),
+                "overlap_moe_expert_parallel_comm": (p.overlap_moe_expert_parallel_comm if self._plan_ep_overlap_matters(p)
+                                                     else c["overlap_moe_expert_parallel_comm"][0])}
 
     def _recompute_value(self, p: PlanSpec) -> str:
         """The plan's search.recompute value: selective names its modules unless they are the scenario's."""
@@ -613,6 +625,8 @@ class PlanSpace:
             checks["moe_dispatcher"] = p.moe_dispatcher
         if self._overlap_matters(p.ep, p.moe_dispatcher):
             checks["moe_shared_expert_overlap"] = p.moe_shared_expert_overlap
+        if self._plan_ep_overlap_matters(p):
+            checks["overlap_moe_expert_parallel_comm"] = p.overlap_moe_expert_parallel_comm
         if p.schedule in VIRTUAL_SCHEDULES and p.virtual_pipeline_stages > 1:
             checks["virtual_pipeline_stages"] = p.virtual_pipeline_stages
         if p.tp > 1:
@@ -688,10 +702,16 @@ class PlanSpace:
                         for sp in sps:
                             for zero in zeros:
                                 for rc in c["recompute"]:
-                                    yield {"ep": ep, "expert_tp": etp, "moe_dispatcher": dispatcher,
-                                           "moe_shared_expert_overlap": overlap, "micro_batch_size": mbs,
-                                           "schedule": schedule, "virtual_pipeline_stages": vpp,
-                                           "sequence_parallel": sp, "zero_stage": zero, "recompute": rc}
+                                    recompute, modules = recompute_choice(rc)
+                                    acts = self._ep_overlap_matters(
+                                        ep, overlap, pp, schedule, vpp, zero, recompute,
+                                        self._template.recompute_modules if modules is None else modules)
+                                    for ep_overlap in c["overlap_moe_expert_parallel_comm"] if acts else (False,):
+                                        yield {"ep": ep, "expert_tp": etp, "moe_dispatcher": dispatcher,
+                                               "moe_shared_expert_overlap": overlap, "micro_batch_size": mbs,
+                                               "schedule": schedule, "virtual_pipeline_stages": vpp,
+                                               "sequence_parallel": sp, "zero_stage": zero, "recompute": rc,
+                                               "overlap_moe_expert_parallel_comm": ep_overlap}
 
     def _expert_settings(self) -> Iterator[tuple[int, int, str, bool]]:
         """Canonical (ep, expert_tp, moe_dispatcher, moe_shared_expert_overlap) combinations: the
@@ -712,6 +732,22 @@ class PlanSpace:
         moe = self.scenario.model.moe
         return moe is not None and moe.num_shared_experts > 0 and ep > 1 and dispatcher == "alltoall"
 
+    def _ep_overlap_matters(self, ep: int, shared_overlap: bool, pp: int, schedule: str, vpp: int, zero: int,
+                            recompute: str, modules: tuple[str, ...]) -> bool:
+        """Whether overlap_moe_expert_parallel_comm can act on the plan: Megatron-Core runs combined
+        1F1B only with expert parallelism, on one stage or under interleaved 1F1B, without full
+        recompute, moe recompute or the shared-expert overlap, in 16-bit training, and paraplan
+        models it with ZeRO 0/1 (simulator.feasibility). Elsewhere the plan runs without it (one
+        plan, as tp_comm_overlap where sequence parallelism is off)."""
+        return (self.scenario.model.moe is not None and ep > 1 and not shared_overlap and zero <= 1
+                and recompute != "full" and not (recompute == "selective" and "moe" in modules)
+                and (pp == 1 or (schedule == "interleaved-1f1b" and vpp > 1))
+                and self.scenario.training.precision in ("bf16", "fp16", "fp8"))
+
+    def _plan_ep_overlap_matters(self, p: PlanSpec) -> bool:
+        return self._ep_overlap_matters(p.ep, p.moe_shared_expert_overlap, p.pp, p.schedule,
+                                        p.virtual_pipeline_stages, p.zero_stage, p.recompute, p.recompute_modules)
+
     def _zero_matters(self, tp: int, dp: int | None, cp: int, ep: int, expert_tp: int) -> bool:
         """ZeRO shards over dp x cp and, for an MoE model, expert states over expert-dp =
         tp x cp x dp / (ep x expert_tp): with both groups of one every stage is the same plan."""
@@ -725,12 +761,26 @@ class PlanSpace:
         return vpp_options(schedule, self._cands["virtual_pipeline_stages"])
 
     def _inner_count(self, tp: int, pp: int, dp: int | None, cp: int) -> int:
+        """len(list(self._inner(...))), counted without building them: every combination once, and
+        the EP-overlap candidates again where that knob acts (it acts on a product of conditions,
+        _ep_overlap_matters, so the combinations where it does multiply out)."""
         c = self._cands
-        n_sched = sum(len(self._vpps(s)) for s in self._schedules(pp))
+        scheds = [(s, v) for s in self._schedules(pp) for v in self._vpps(s)]
         n_sp = len(c["sequence_parallel"]) if tp > 1 else 1
-        per_ep = len(c["micro_batch_size"]) * n_sched * n_sp * len(c["recompute"])
-        return sum(per_ep * (len(c["zero_stage"]) if self._zero_matters(tp, dp, cp, ep, etp) else 1)
-                   for ep, etp, _, _ in self._expert_settings())
+        extra = len(c["overlap_moe_expert_parallel_comm"]) - 1
+        rcs = [recompute_choice(rc) for rc in c["recompute"]]
+        total = 0
+        for ep, etp, _, overlap in self._expert_settings():
+            zeros = c["zero_stage"] if self._zero_matters(tp, dp, cp, ep, etp) else c["zero_stage"][:1]
+            n = len(zeros) * len(scheds) * len(rcs)
+            if extra and self._ep_overlap_matters(ep, overlap, 1, "1f1b", 1, 0, "none", ()):
+                n += extra * (sum(z <= 1 for z in zeros)
+                              * sum(pp == 1 or (s == "interleaved-1f1b" and v > 1) for s, v in scheds)
+                              * sum(r != "full" and not (r == "selective" and "moe" in
+                                                         (self._template.recompute_modules if mods is None else mods))
+                                    for r, mods in rcs))
+            total += len(c["micro_batch_size"]) * n_sp * n
+        return total
 
     def _layouts(self) -> Iterator[tuple[int, int, int, int]]:
         c = self._cands

@@ -208,6 +208,22 @@ def test_shared_expert_overlap_only_where_megatron_runs_it():
     assert "--moe-shared-expert-overlap" not in megatron_args(off)
 
 
+def test_combined_1f1b_exports():
+    """Megatron-Core 0.14's --overlap-moe-expert-parallel-comm, with the CUDA_DEVICE_MAX_CONNECTIONS its
+    second stream needs; torchtitan has no such schedule and says so."""
+    on = scenario("mixtral-8x7b-64xh100", "plan.overlap_moe_expert_parallel_comm=true")
+    assert "--overlap-moe-expert-parallel-comm" in megatron_args(on)
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=32 " in megatron_launch_command(on)
+    assert "needs Megatron-Core 0.14 or later" in megatron_args_text(on)
+    assert "torchtitan has no combined 1F1B" in torchtitan_toml(on)
+    off = scenario("mixtral-8x7b-64xh100")
+    assert "--overlap-moe-expert-parallel-comm" not in megatron_args(off)
+    assert "combined 1F1B" not in torchtitan_toml(off)
+    tp2 = scenario("mixtral-8x7b-64xh100", "plan.overlap_moe_expert_parallel_comm=true", "plan.tp=2",
+                   "plan.dp=8", "plan.sequence_parallel=true")
+    assert "the tensor-parallel collectives may hide less than simulated" in megatron_args_text(tp2)
+
+
 def test_grouped_gemm_left_out_where_megatron_refuses_it():
     """arguments.py: "Currently GroupedGEMM for MoE only supports bf16 dtype"."""
     sc = scenario("mixtral-8x7b-64xh100", "training.precision=fp32")

@@ -351,6 +351,8 @@ def test_executor_refusals():
                                                                              moe_dispatcher="deepep")
     assert "plan.moe_shared_expert_overlap: the executor runs the shared experts after the combine" in problems(
         dp=2, ep=2, model=MOE, moe_shared_expert_overlap=True)
+    assert "plan.overlap_moe_expert_parallel_comm: the executor runs each forward and backward whole" in problems(
+        dp=2, ep=2, model=MOE, overlap_moe_expert_parallel_comm=True, training={"precision": "bf16"})
     assert "does not recompute layernorm, moe_act" in problems(
         dp=2, model=MOE, recompute="selective", recompute_modules=("layernorm", "moe_act", "moe"))
     assert problems(dp=2, model=MOE, recompute="selective", recompute_modules=("core_attn", "mlp", "shared_experts")) == ""

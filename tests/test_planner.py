@@ -156,6 +156,45 @@ def test_moe_knobs_are_searched_where_they_change_the_plan():
     assert sp.count_combinations() == 3
 
 
+def test_the_ep_overlap_is_searched_only_where_megatron_core_runs_it():
+    """overlap_moe_expert_parallel_comm is a knob where combined 1F1B can run (ep > 1, one stage
+    or interleaved 1F1B, no full recompute): elsewhere every plan is one plan, without it; enumerate
+    agrees with the count, every plan maps back to its knob values, and a scenario that sets it
+    keeps it exactly where it can act."""
+    mixtral = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml",
+                            ["search.tp=[1]", "search.pp=[1, 4]", "search.cp=[1]", "search.micro_batch_size=[1]",
+                             "search.schedule=[1f1b, interleaved-1f1b]", "search.virtual_pipeline_stages=[2]",
+                             "search.sequence_parallel=[true]", "search.zero_stage=[1]",
+                             "search.recompute=[none, full]", "search.ep=[1, 8]",
+                             "search.overlap_moe_expert_parallel_comm=[false, true]"])
+    sp = PlanSpace(mixtral, parse_search(mixtral))
+    found = sp.enumerate()
+    assert sp.count_combinations() == found.combinations
+    on = {(c.plan.pp, c.plan.ep, c.plan.schedule, c.plan.recompute) for c in found.valid
+          if c.plan.overlap_moe_expert_parallel_comm}
+    assert on == {(1, 8, "1f1b", "none"), (4, 8, "interleaved-1f1b", "none")}
+    assert len(found.valid) == len(set(found.valid))
+    for c in found.valid:
+        assert sp.candidate(sp.params_of(c)) == c and sp.in_space(c)
+    base = {"tp": 1, "pp": 4, "cp": 1, "ep": 8, "micro_batch_size": 1, "zero_stage": 1,
+            "overlap_moe_expert_parallel_comm": True}
+    assert not sp.candidate({**base, "schedule": "1f1b", "recompute": "none"}).plan.overlap_moe_expert_parallel_comm
+    assert sp.candidate({**base, "schedule": "interleaved-1f1b", "virtual_pipeline_stages": 2,
+                         "recompute": "none"}).plan.overlap_moe_expert_parallel_comm
+    # set in the scenario and not listed: on wherever it can act, off elsewhere, never a rejected plan
+    fixed = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml",
+                          ["plan.overlap_moe_expert_parallel_comm=true", "search.tp=[1]", "search.pp=[1, 4]",
+                           "search.cp=[1]", "search.micro_batch_size=[1]", "search.zero_stage=[1]",
+                           "search.schedule=[1f1b, interleaved-1f1b]", "search.virtual_pipeline_stages=[2]"])
+    sp = PlanSpace(fixed, parse_search(fixed))
+    found = sp.enumerate()
+    assert not any("overlap_moe_expert_parallel_comm" in r.reason for r in found.rejections)
+    assert {c.plan.overlap_moe_expert_parallel_comm for c in found.valid} == {False, True}
+    with pytest.raises(ConfigError, match="search.overlap_moe_expert_parallel_comm: overlap_moe_expert_parallel_comm "
+                                          "needs an MoE model"):
+        parse_search(tiny(), {"overlap_moe_expert_parallel_comm": [True]})
+
+
 DEEPSEEK_FIXED = ["search.pp=[16]", "search.tp=[1]", "search.cp=[1]", "search.micro_batch_size=[1]",
                   "search.schedule=[1f1b]", "search.recompute=[full]", "search.zero_stage=[1]"]
 
