@@ -120,7 +120,10 @@ def _moe_lines(sc, moe) -> list[str]:
     tiers = "+".join(moe.ep_tiers) or "local"
     out = [
         f"  MoE: {e.num_experts} experts top-{e.top_k}{shared}; EP {p.ep} = {moe.ep_group} over {tiers}; "
-        f"expert-data-parallel {moe.expert_data_parallel}; dispatcher {p.moe_dispatcher}",
+        f"expert-data-parallel {moe.expert_data_parallel}; dispatcher {p.moe_dispatcher}"
+        + ("; shared experts beside the dispatch" if p.moe_shared_expert_overlap else "")
+        + ("; combined 1F1B (each steady-state forward merged with a backward, their all-to-alls beside "
+           "each other's compute)" if p.overlap_moe_expert_parallel_comm else ""),
         f"    routing {moe.routing}: the busiest EP rank gets {moe.imbalance:.2f}x the mean tokens"
         + (f", {100 * moe.dropped_fraction:.1f}% dropped at capacity" if moe.dropped_fraction else ""),
         f"    vs a perfectly balanced router: MoE layer {moe.moe_layer_time_s * 1e3:.2f} ms vs "

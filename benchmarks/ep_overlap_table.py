@@ -1,0 +1,66 @@
+"""Combined 1F1B (plan.overlap_moe_expert_parallel_comm) on the bundled MoE scenarios: the step, the
+exposed expert-parallel communication, the pipeline bubble and the peak memory without and with it.
+
+    python benchmarks/ep_overlap_table.py [--markdown]
+
+Each row is a bundled scenario with the overrides it needs for Megatron-Core to run combined 1F1B
+(no full recompute: Qwen3-235B recomputes selectively instead; pp 1 or interleaved 1F1B), both
+columns under those overrides. The bundled DeepSeek-V3 plan runs plain 1F1B on 16 stages with full
+recompute, neither of which combined 1F1B accepts, and its 61 layers with the MTP module do not
+split into interleaved virtual stages, so it has no row.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from paraplan.loader import load_scenario  # noqa: E402
+from simulator.simulate import simulate  # noqa: E402
+
+GiB = 1024**3
+ROWS = [
+    ("mixtral-8x7b-64xh100", "pp4 interleaved x8, EP 8 in a node", []),
+    ("mixtral-8x7b-64xh100", "pp1, EP 8 in a node", ["plan.pp=1", "plan.dp=64", "plan.schedule=1f1b",
+                                                       "plan.virtual_pipeline_stages=1"]),
+    ("qwen3-235b-256xh100", "pp8 interleaved x4, EP 32 over 4 nodes (DeepEP), selective recompute",
+     ["plan.recompute=selective"]),
+    ("qwen3-235b-256xh100", "the same with the alltoall dispatcher",
+     ["plan.recompute=selective", "plan.moe_dispatcher=alltoall"]),
+]
+ON = "plan.overlap_moe_expert_parallel_comm=true"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--markdown", action="store_true")
+    args = ap.parse_args()
+    head = ("scenario", "plan", "step off -> on (s)", "change", "exposed ep_comm (s)", "pp_bubble (s)", "peak GiB",
+            "fits")
+    rows = []
+    for name, what, sets in ROWS:
+        path = ROOT / "scenarios" / f"{name}.yaml"
+        off = simulate(load_scenario(path, sets), imbalance_reference=False, record_spans=False)
+        on = simulate(load_scenario(path, [*sets, ON]), imbalance_reference=False, record_spans=False)
+        rows.append((name, what, f"{off.step_time_s:.3f} -> {on.step_time_s:.3f}",
+                     f"{100 * (on.step_time_s / off.step_time_s - 1):+.1f}%",
+                     f"{off.breakdown['ep_comm']:.3f} -> {on.breakdown['ep_comm']:.3f}",
+                     f"{off.breakdown['pp_bubble']:.3f} -> {on.breakdown['pp_bubble']:.3f}",
+                     f"{off.peak_memory_bytes / GiB:.1f} -> {on.peak_memory_bytes / GiB:.1f}",
+                     f"{'yes' if off.fits else 'no'} -> {'yes' if on.fits else 'no'}"))
+    if args.markdown:
+        print("| " + " | ".join(head) + " |")
+        print("|" + "---|" * len(head))
+        for r in rows:
+            print("| " + " | ".join(r) + " |")
+        return
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    for r in (head, *rows):
+        print("  ".join(str(x).ljust(w) for x, w in zip(r, widths)))
+
+
+if __name__ == "__main__":
+    main()
