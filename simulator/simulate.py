@@ -347,6 +347,10 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
         if not memory:
             continue
         working = max(kinds.working[k] for k in stage_kinds) if stage_kinds else 0.0
+        if setup.pairs[s]:
+            # combined 1F1B runs a forward layer and a backward layer at once: both their transient
+            # buffers (dispatch buffers, what recompute rebuilds) are live together
+            working *= 2
         freed_by_b = [0.0] * len(layers[s])
         if s == last_rank:
             # the LM head's 16-bit logits live in the forward, a recomputed layer's tensors (and the
