@@ -741,7 +741,7 @@ class PlanSpace:
         plan, as tp_comm_overlap where sequence parallelism is off)."""
         return (self.scenario.model.moe is not None and ep > 1 and not shared_overlap and zero <= 1
                 and recompute != "full" and not (recompute == "selective" and "moe" in modules)
-                and (pp == 1 or (schedule == "interleaved-1f1b" and vpp > 1))
+                and ((pp == 1 and schedule in ONE_STAGE_SCHEDULES) or (schedule == "interleaved-1f1b" and vpp > 1))
                 and self.scenario.training.precision in ("bf16", "fp16", "fp8"))
 
     def _plan_ep_overlap_matters(self, p: PlanSpec) -> bool:
@@ -775,7 +775,8 @@ class PlanSpace:
             n = len(zeros) * len(scheds) * len(rcs)
             if extra and self._ep_overlap_matters(ep, overlap, 1, "1f1b", 1, 0, "none", ()):
                 n += extra * (sum(z <= 1 for z in zeros)
-                              * sum(pp == 1 or (s == "interleaved-1f1b" and v > 1) for s, v in scheds)
+                              * sum((pp == 1 and s in ONE_STAGE_SCHEDULES) or (s == "interleaved-1f1b" and v > 1)
+                                    for s, v in scheds)
                               * sum(r != "full" and not (r == "selective" and "moe" in
                                                          (self._template.recompute_modules if mods is None else mods))
                                     for r, mods in rcs))

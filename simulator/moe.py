@@ -406,7 +406,7 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
         # Megatron --moe-shared-expert-overlap: the shared experts run while tokens are dispatched,
         # on the SMs the all-to-all leaves them
         dispatch = overlapped(shared, a2a) - shared
-    cost = Cost().add("compute", router + permute + unpermute + experts_t + shared + 2 * sort)
+    cost = Cost().add("compute", router + (permute + sort) + (unpermute + sort) + experts_t + shared)
     cost.add("ep_comm", dispatch + a2a + etp_comm).add("tp_comm", shared_tp)
     if ep_layout.num_nodes > 1:
         cost.add_nic("ep_comm", 2 * a2a)  # network-bound: the NIC is busy for both exchanges
