@@ -242,12 +242,10 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
                 dep = (unit + 1) * 2 + 1
             if vstage > 0:
                 out = (unit * 2 + 1, *neighbour(vstage - 1))
-        append([dep, slot, out, (final_b.get(i), launch_after.get(i, ()), gates.get(i)) if i in special else None,
-                op, None])
+        append((dep, slot, out, (final_b.get(i), launch_after.get(i, ()), gates.get(i)) if i in special else None,
+                op, None))
     if pairs:
         plan = _merge_pairs(plan, counts, pairs, num_chunks)
-    else:
-        plan = [tuple(entry) for entry in plan]
     if isinstance(ops, tuple) and len(ops) <= _PLAN_CACHE_OPS:  # a list may change after the call
         with _PLAN_CACHE_LOCK:  # simulate() may run in several threads
             kept = sum(len(entry[0]) for entry in _PLAN_CACHE.values())
@@ -257,7 +255,7 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
     return plan, counts
 
 
-def _merge_pairs(plan: list[list], counts: dict, pairs: tuple[int, ...], num_chunks: int) -> list[tuple]:
+def _merge_pairs(plan: list[tuple], counts: dict, pairs: tuple[int, ...], num_chunks: int) -> list[tuple]:
     """The op plan with each combined pair (forward at i, backward at i + 1) as one entry (_op_plan)."""
     pairs = set(pairs)
     merged = []
@@ -265,7 +263,7 @@ def _merge_pairs(plan: list[list], counts: dict, pairs: tuple[int, ...], num_chu
     while i < len(plan):
         entry = plan[i]
         if i not in pairs:
-            merged.append(tuple(entry))
+            merged.append(entry)
             i += 1
             continue
         f, b = entry, plan[i + 1]
@@ -624,25 +622,45 @@ def run_iteration(
                     name = _op_name(op, num_chunks)
                     spans.append(Span(stage, "dp-comm", f"{what} {name}", "dp_comm",
                                       start + a * (end - start), start + b * (end - start)))
-            waits = ()  # the sends this stage waits for before its next op: (arrival, key)
-            if produces is not None:
-                arrival = deliver(stage, produces, end)
-                if arrival > end and (op if pair is None else op[0])[0] in blocking:
-                    waits = [(arrival, produces[0])]
-            if pair is not None and pair[1] is not None:  # a combined pair's backward output
-                arrival = deliver(stage, pair[1], end)
-                if arrival > end and "B" in blocking:
-                    waits = [*waits, (arrival, pair[1][0])]
+            if pair is None:
+                if produces is not None:
+                    key, to, hop = produces
+                    if hop is None:  # the next virtual stage is on this rank: nothing is sent
+                        arrival = arrives_at[key] = end
+                    else:
+                        hop_nic = link_nic[hop]
+                        arrival = arrives_at[key] = send(stage, to, end, link_time[hop], hop_nic) if hop_nic \
+                            else end + link_time[hop]
+                    ev = waiting.pop(key, None)
+                    if ev is not None:
+                        ev.succeed(arrival)
+                if special is not None:
+                    for c in launched_after:  # whole chunks whose reduction is launched now
+                        ready_events[c].succeed((end, end))
+                    gate = launched_after = None
+                if produces is not None and arrival > end and op[0] in blocking:  # it waits for its send
+                    yield timeout(arrival - end)
+                    comm += arrival - end
+                    if record_spans:
+                        spans.append((stage, ~key, end, arrival))  # named when the timeline is read
+                continue
+            # a combined pair: the forward's output and the backward's
+            waits = []  # the sends this stage waits for before its next op: (arrival, key)
+            for out, kind in ((produces, "F"), (pair[1], "B")):
+                if out is not None:
+                    arrival = deliver(stage, out, end)
+                    if arrival > end and kind in blocking:
+                        waits.append((arrival, out[0]))
             if special is not None:
-                for c in launched_after:  # whole chunks whose reduction is launched now
+                for c in launched_after:
                     ready_events[c].succeed((end, end))
                 gate = launched_after = None
-            if waits:  # it waits for its sends
+            if waits:
                 arrival = max(a for a, _ in waits)
                 yield timeout(arrival - end)
                 comm += arrival - end
                 if record_spans:
-                    spans.extend((stage, ~key, end, a) for a, key in waits)  # named when the timeline is read
+                    spans.extend((stage, ~key, end, a) for a, key in waits)
         traces[stage].ops_done = len(work.ops)
         if owed_next[stage]:  # a send landed during the last op
             contended[prev_slot] += owed_next[stage]
