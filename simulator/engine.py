@@ -623,7 +623,7 @@ def run_iteration(
                     spans.append(Span(stage, "dp-comm", f"{what} {name}", "dp_comm",
                                       start + a * (end - start), start + b * (end - start)))
             if pair is None:
-                if produces is not None:
+                if produces is not None:  # deliver(), inlined: this runs for every op
                     key, to, hop = produces
                     if hop is None:  # the next virtual stage is on this rank: nothing is sent
                         arrival = arrives_at[key] = end
