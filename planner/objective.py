@@ -5,8 +5,8 @@ structural rules) and only then simulates it; the result is memoised on the cand
 (cluster size, PlanSpec) pair, so a plan suggested twice is simulated once. A plan that does not
 fit is *not* dropped: it is an `Evaluation` with status "oom" and its overflow
 (peak - capacity) / capacity, which the search tells Optuna as a constraint violation. A plan whose
-derived uneven split (PlanSpace.edge_layers) leaves one edge stage out of memory is first moved to
-the nearest split that fits, if one does, and evaluated so (`Evaluator._fitting_edges`).
+derived uneven split (PlanSpace.edge_layers) leaves one edge stage out of memory moves to the
+nearest split that fits, if one does, and is simulated again so (`Evaluator._fitting_edges`).
 
 Objectives are small strategy objects (`name`, `directions`, `values(evaluation)`):
 
@@ -157,11 +157,15 @@ class Evaluator:
         problems = self.space.problems(cand, planner_rules=planner_rules)
         if problems:
             return Evaluation(candidate=cand, status="invalid", reasons=tuple(problems), world_size=world)
-        if planner_rules:
-            cand = self._fitting_edges(cand)
         self.simulations += 1
         try:
             r = simulate(self.space.scenario_for(cand), imbalance_reference=False, record_spans=False)
+            if planner_rules and not r.fits:
+                moved = self._fitting_edges(cand, [st.memory["total"] for st in r.stages])
+                if moved != cand:
+                    self.simulations += 1
+                    cand, r = moved, simulate(self.space.scenario_for(moved), imbalance_reference=False,
+                                              record_spans=False)
         except InfeasiblePlanError as e:  # a rule the structural check does not know yet
             return Evaluation(candidate=cand, status="invalid", reasons=e.reasons, world_size=world)
         return Evaluation(
@@ -172,9 +176,9 @@ class Evaluator:
         )
 
 
-    def _fitting_edges(self, cand: Candidate) -> Candidate:
+    def _fitting_edges(self, cand: Candidate, stage_memory: list[float]) -> Candidate:
         """The candidate, or where its derived uneven split leaves one edge stage over the GPU's
-        memory, the same plan with the split nearest to it under which both edge stages fit (when
+        memory (`stage_memory`: its stages' peaks, as simulated), the same plan with the split nearest to it under which both edge stages fit (when
         one does). The derived split balances the edge stages' FLOPs, but a 1F1B first stage holds
         pp microbatches' activations and the last one the LM head's logits: the split fastest on
         paper can be one that does not fit while a lighter first (or last) stage would, as a
@@ -194,7 +198,7 @@ class Evaluator:
             return [m > cap for m in stage_peak_memory(self.space.scenario_for(c))]
 
         try:
-            now = over(cand)
+            now = [m > cap for m in stage_memory]
             first = cand.plan.first_stage_layers
             if not (now[0] ^ now[-1]) or any(now[1:-1]):
                 return cand
@@ -214,7 +218,7 @@ class Evaluator:
                 return cand
             moved = self.space.with_first_layers(cand, found)
             return cand if any(over(moved)) else moved
-        except InfeasiblePlanError:  # the simulate() below says why
+        except InfeasiblePlanError:  # a moved split breaks a rule: keep the plan as derived
             return cand
 
 
