@@ -38,6 +38,11 @@ ROWS = [
      ["plan.recompute=selective"]),
     ("qwen3-235b-256xh100", "the same with the alltoall dispatcher",
      ["plan.recompute=selective", "plan.moe_dispatcher=alltoall"]),
+    ("mixtral-8x7b-64xh100", "pp4 dualpipev (its pairs overlapped, or one after the other)",
+     ["plan.schedule=dualpipev", "plan.virtual_pipeline_stages=2"]),
+    ("qwen3-235b-256xh100", "pp8 dualpipev, 5 + 6 x 14 + 5 layers, DeepEP, selective recompute",
+     ["plan.recompute=selective", "plan.schedule=dualpipev", "plan.virtual_pipeline_stages=2",
+      "plan.first_stage_layers=5", "plan.last_stage_layers=5"]),
 ]
 ON = "plan.overlap_moe_expert_parallel_comm=true"
 PAIR_RECORD = "moe_modelzoo_qwen3_235b_h100_crossnode_ep32"

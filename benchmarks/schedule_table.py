@@ -1,5 +1,7 @@
 """Every bundled scenario with pp > 1 under its own schedule, zero-bubble (ZB-H1, same virtual
-stages) and zbv (ZB-V, two chunks per rank in a V) beside interleaved 1F1B at the same two chunks.
+stages), zbv (ZB-V, two chunks per rank in a V) and dualpipev (DualPipeV, its forward/backward pairs
+one after the other, as PyTorch runs them without an overlap function) beside interleaved 1F1B at
+the same two chunks.
 
     python benchmarks/schedule_table.py [--markdown]
 
@@ -45,7 +47,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--markdown", action="store_true")
     args = ap.parse_args()
-    columns = ("bundled", "zero-bubble", "interleaved-1f1b x2", "zbv")
+    columns = ("bundled", "zero-bubble", "interleaved-1f1b x2", "zbv", "dualpipev")
     rows, refused = [], []
     for path in sorted((ROOT / "scenarios").glob("*.yaml")):
         sc = load_scenario(path)
@@ -54,7 +56,7 @@ def main() -> None:
             continue
         label = f"pp{p.pp} {p.schedule}" + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
         runs = (run(sc, p.schedule, p.virtual_pipeline_stages), run(sc, "zero-bubble", p.virtual_pipeline_stages),
-                run(sc, "interleaved-1f1b", 2), run(sc, "zbv", 2))
+                run(sc, "interleaved-1f1b", 2), run(sc, "zbv", 2), run(sc, "dualpipev", 2))
         for name, r in zip(columns, runs):
             if isinstance(r, str):
                 refused.append(f"{path.stem} {name}: {r}")

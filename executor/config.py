@@ -41,9 +41,9 @@ class ScheduleInfo:
     """Runs the weight gradient separately from the input gradient (zero-bubble family)."""
 
 
-# Names as PlanSpec.schedule spells them. gpipe, 1f1b, interleaved-1f1b, zero-bubble and zbv are
-# paraplan.specs.SCHEDULES (the ones the simulator models and a scenario may name); dualpipev
-# (V-shaped like zbv, its forwards and backwards run in pairs) is reachable from Python only.
+# Names as PlanSpec.schedule spells them: paraplan.specs.SCHEDULES, the ones the simulator models
+# and a scenario may name (dualpipev, V-shaped like zbv, runs its overlapped forward/backward pairs
+# one after the other here: PyTorch's OVERLAP_F_B without an overlap function).
 # Minimum microbatch counts are those the torch classes raise ValueError for (1F1B: n >= pp,
 # DualPipeV: n >= 2 pp); the Megatron rule for interleaved 1F1B (n a multiple of pp) is the
 # simulator's structural check.

@@ -366,9 +366,9 @@ def megatron_notes(sc: Scenario) -> list[str]:
                      f"entries to {-(-m.vocab_size // p.tp) * p.tp}.")
     if p.schedule == "gpipe" and p.pp > 1:
         notes.append("Megatron-LM has no GPipe schedule; it runs 1F1B (same bubble, less activation memory).")
-    if p.schedule in ("zero-bubble", "zbv") and p.pp > 1:
+    if p.schedule in ("zero-bubble", "zbv", "dualpipev") and p.pp > 1:
         runs = "1f1b" if p.virtual_pipeline_stages == 1 else "interleaved-1f1b"
-        looped = " with its chunks in a loop, not a V" if p.schedule == "zbv" else ""
+        looped = " with its chunks in a loop, not a V" if p.schedule in ("zbv", "dualpipev") else ""
         n = sc.num_microbatches
         if runs == "interleaved-1f1b" and n % p.pp:
             # megatron/core/pipeline_parallel/schedules.py: "number of microbatches must be
@@ -564,7 +564,7 @@ def _torchtitan_schedule(p) -> tuple[str, list[str]]:
                 "keeps the weight gradients in the backward (a larger bubble than predicted)")
         return "1F1B", [note] if p.pp > 1 else []
     return {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved-1f1b": "Interleaved1F1B",
-            "zero-bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble"}[p.schedule], []
+            "zero-bubble": "InterleavedZeroBubble", "zbv": "ZBVZeroBubble", "dualpipev": "DualPipeV"}[p.schedule], []
 
 
 def _torchtitan_experts(sc: Scenario) -> tuple[list[str], list[str]]:
@@ -579,7 +579,11 @@ def _torchtitan_experts(sc: Scenario) -> tuple[list[str], list[str]]:
     if p.moe_dispatcher == "deepep":
         lines.append('expert_parallel_comm_backend = "deepep"')
     notes = []
-    if p.overlap_moe_expert_parallel_comm:
+    if p.overlap_moe_expert_parallel_comm and p.schedule == "dualpipev":
+        notes.append("torchtitan runs DualPipeV's forward/backward pairs as PyTorch's OVERLAP_F_B action, which "
+                     "overlaps them only through a registered overlap function; without one they run one after "
+                     "the other: simulate the plan with --set plan.overlap_moe_expert_parallel_comm=false for that")
+    elif p.overlap_moe_expert_parallel_comm:
         notes.append("torchtitan has no combined 1F1B (Megatron-Core --overlap-moe-expert-parallel-comm): its "
                      "all-to-alls run in line with the compute, slower than simulated; simulate the plan with "
                      "--set plan.overlap_moe_expert_parallel_comm=false for its step time")

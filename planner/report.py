@@ -144,7 +144,8 @@ def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool, r
          moe_width: int = 0) -> str:
     e = r.evaluation
     p = e.candidate.plan
-    sched = {"interleaved-1f1b": "inter", "1f1b": "1f1b", "gpipe": "gpipe", "zero-bubble": "zb", "zbv": "zbv"}[p.schedule]
+    sched = {"interleaved-1f1b": "inter", "1f1b": "1f1b", "gpipe": "gpipe", "zero-bubble": "zb", "zbv": "zbv",
+             "dualpipev": "dpv"}[p.schedule]
     if p.virtual_pipeline_stages > 1:
         sched += f"x{p.virtual_pipeline_stages}"
     cols = [f"{r.rank:>2}"]

@@ -24,8 +24,8 @@ range**, so `search: {}` or no section at all means "every valid factorisation o
 | dp | derived: world / (tp x pp x cp); a list filters the derived value |
 | ep | 1 for a dense model; for MoE, divisors of the world size that divide num_experts |
 | micro_batch_size | divisors of training.global_batch_size up to 16 |
-| schedule | gpipe, 1f1b, interleaved-1f1b (zero-bubble and zbv only when listed: Megatron-LM cannot run them) |
-| virtual_pipeline_stages | divisors of model.num_layers or of model.num_layers + 2 (interleaved-1f1b takes those >= 2, zero-bubble 1 and those >= 2, zbv exactly 2; the others run 1) |
+| schedule | gpipe, 1f1b, interleaved-1f1b (zero-bubble, zbv and dualpipev only when listed: Megatron-LM cannot run them) |
+| virtual_pipeline_stages | divisors of model.num_layers or of model.num_layers + 2 (interleaved-1f1b takes those >= 2, zero-bubble 1 and those >= 2, zbv and dualpipev exactly 2; the others run 1) |
 | sequence_parallel | false, true |
 | zero_stage | 0, 1, 2, 3 |
 | recompute | none, selective, full |
@@ -62,7 +62,7 @@ the ends); the scenario's own plan, as written, is evaluated as the baseline.
 
 Candidates are canonicalised so that plans that run identically are one plan (and one
 simulation): virtual_pipeline_stages is 1 unless the schedule takes virtual stages (VIRTUAL_SCHEDULES),
-and 2 under zbv whatever the candidate says (EXACT_VIRTUAL),
+and 2 under zbv and dualpipev whatever the candidate says (EXACT_VIRTUAL),
 sequence_parallel takes its first candidate when tp = 1 (there is nothing to split), zero_stage
 its first candidate when dp x cp = 1 and, for an MoE model, expert-dp = 1 (nothing to shard over),
 and gpipe and 1f1b are one schedule when pp = 1, 1f1b (gpipe when 1f1b is not listed; see
@@ -71,9 +71,9 @@ activations). With ep = 1 no token leaves its rank, so the dispatcher is alltoal
 flex dispatcher, which runs DeepEP, refuses ep x expert_tp = 1), and moe_shared_expert_overlap is
 false wherever it cannot act (ep = 1, no shared experts, or a dispatcher other than alltoall, the
 only one Megatron-Core overlaps shared experts with); overlap_moe_expert_parallel_comm is false
-wherever Megatron-Core cannot run combined 1F1B (ep = 1, pp > 1 without interleaved-1f1b, full or
+wherever it cannot run (ep = 1, pp > 1 without interleaved-1f1b or dualpipev, full or
 moe recompute, the shared-expert overlap, ZeRO-2/3: `_ep_overlap_matters`), so a scenario that sets
-it keeps it on the plans it fits. interleaved-1f1b, zero-bubble and zbv need pp >= 2:
+it keeps it on the plans it fits. interleaved-1f1b, zero-bubble, zbv and dualpipev need pp >= 2:
 with pp = 1 they stay invalid plans.
 
 Validity: the planner's own rules (the derived dp, tp inside a node) and then
@@ -111,25 +111,32 @@ ENUM_KNOBS = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "recompute": REC
               "moe_shared_expert_overlap": (False, True), "overlap_moe_expert_parallel_comm": (False, True)}
 MOE_KNOBS = ("expert_tp", "moe_dispatcher", "moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm")
 """Searched only when the search section lists them (their default is the scenario's value)."""
-# zero-bubble and zbv are searched only when the scenario lists them: Megatron-LM, whose arguments
-# `plan` writes, has neither schedule (torchtitan and `paraplan launch` run both).
-DEFAULT_SCHEDULES = tuple(s for s in SCHEDULES if s not in ("zero-bubble", "zbv"))
+# zero-bubble, zbv and dualpipev are searched only when the scenario lists them: Megatron-LM, whose
+# arguments `plan` writes, has none of them (torchtitan and `paraplan launch` run them).
+DEFAULT_SCHEDULES = tuple(s for s in SCHEDULES if s not in ("zero-bubble", "zbv", "dualpipev"))
 SETTINGS = ("allow_tp_across_nodes", "trials", "exhaustive_threshold", "gpu_hour_cost")
 # The schedules that run on one stage: with pp = 1 they are one, the first the search lists (one_stage_schedule).
 ONE_STAGE_SCHEDULES = ("1f1b", "gpipe")
-VIRTUAL_SCHEDULES = {"interleaved-1f1b": 2, "zero-bubble": 1, "zbv": 2}
+VIRTUAL_SCHEDULES = {"interleaved-1f1b": 2, "zero-bubble": 1, "zbv": 2, "dualpipev": 2}
 """Schedules that run virtual stages, with the fewest per rank each takes: interleaved 1F1B needs
 two (one is plain 1F1B); zero-bubble runs one (ZB-H1) or more, its B/W split walking the chunks as
-the interleaved order does (Qi et al. 2024; torchtitan's InterleavedZeroBubble); zbv exactly two,
-its V (EXACT_VIRTUAL)."""
-EXACT_VIRTUAL = {"zbv": 2}
+the interleaved order does (Qi et al. 2024; torchtitan's InterleavedZeroBubble); zbv and dualpipev
+exactly two, their V (EXACT_VIRTUAL)."""
+EXACT_VIRTUAL = {"zbv": 2, "dualpipev": 2}
 """Schedules that run one number of virtual stages per rank and no other."""
+
+
+def _overlap_schedule(pp: int, schedule: str, vpp: int) -> bool:
+    """Whether overlap_moe_expert_parallel_comm can run on the schedule: Megatron-Core's combined
+    1F1B on one stage or under interleaved 1F1B, or DualPipeV's overlapped pairs."""
+    return ((pp == 1 and schedule in ONE_STAGE_SCHEDULES) or (schedule == "interleaved-1f1b" and vpp > 1)
+            or (schedule == "dualpipev" and pp > 1))
 
 
 def vpp_options(schedule: str, candidates, *, one: int = 1) -> list[int]:
     """The virtual stages per rank a schedule is searched at: `one` unless it takes virtual
     stages; interleaved-1f1b the candidates >= 2; zero-bubble `one` (a stage per rank) and the
-    candidates >= 2; zbv 2 where it is a candidate. `one` is how one stage per rank is spelled: 1 for a plan, the smallest
+    candidates >= 2; zbv and dualpipev 2 where it is a candidate. `one` is how one stage per rank is spelled: 1 for a plan, the smallest
     candidate where a sampler must pick among the candidates."""
     if schedule not in VIRTUAL_SCHEDULES:
         return [one]
@@ -741,7 +748,7 @@ class PlanSpace:
         plan, as tp_comm_overlap where sequence parallelism is off)."""
         return (self.scenario.model.moe is not None and ep > 1 and not shared_overlap and zero <= 1
                 and recompute != "full" and not (recompute == "selective" and "moe" in modules)
-                and ((pp == 1 and schedule in ONE_STAGE_SCHEDULES) or (schedule == "interleaved-1f1b" and vpp > 1))
+                and _overlap_schedule(pp, schedule, vpp)
                 and self.scenario.training.precision in ("bf16", "fp16", "fp8"))
 
     def _plan_ep_overlap_matters(self, p: PlanSpec) -> bool:
@@ -775,8 +782,7 @@ class PlanSpace:
             n = len(zeros) * len(scheds) * len(rcs)
             if extra and self._ep_overlap_matters(ep, overlap, 1, "1f1b", 1, 0, "none", ()):
                 n += extra * (sum(z <= 1 for z in zeros)
-                              * sum((pp == 1 and s in ONE_STAGE_SCHEDULES) or (s == "interleaved-1f1b" and v > 1)
-                                    for s, v in scheds)
+                              * sum(_overlap_schedule(pp, s, v) for s, v in scheds)
                               * sum(r != "full" and not (r == "selective" and "moe" in
                                                          (self._template.recompute_modules if mods is None else mods))
                                     for r, mods in rcs))

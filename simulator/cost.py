@@ -53,3 +53,21 @@ class Cost:
     @property
     def total(self) -> float:
         return sum(self.parts.values())
+
+
+def concatenated(*costs: Cost) -> Cost:
+    """The cost of running `costs` one after the other as one op: components and NIC time added,
+    each one's in-op transfers (dp_spans) placed at its share of the whole."""
+    out = Cost()
+    total = sum(c.total for c in costs)
+    spans, start = [], 0.0
+    for c in costs:
+        for k, v in c.parts.items():
+            out.parts[k] += v
+        for k, v in c.nic_parts.items():
+            out.nic_parts[k] = out.nic_parts.get(k, 0.0) + v
+        if total > 0:
+            spans += [((start + a * c.total) / total, (start + b * c.total) / total, what) for a, b, what in c.dp_spans]
+        start += c.total
+    out.dp_spans = tuple(spans)
+    return out

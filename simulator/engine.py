@@ -270,19 +270,25 @@ def _merge_pairs(plan: list[tuple], counts: dict, pairs: tuple[int, ...], num_ch
         f_op, b_op = f[4], b[4]
         if f_op.kind != "F" or b_op.kind != "B":
             raise ValueError(f"combined pair at op {i}: {f_op} and {b_op} are not a forward then a backward")
-        for key in (("F", f_op.chunk), ("B", b_op.chunk)):
+        # a split backward's weight gradient right after it is part of the whole backward (DualPipeV)
+        w = plan[i + 2] if i + 2 < len(plan) and plan[i + 2][4] == ("W", b_op.microbatch, b_op.chunk) else None
+        for key in (("F", f_op.chunk), ("B", b_op.chunk), *((("W", b_op.chunk),) if w else ())):
             counts[key] -= 1
             if not counts[key]:
                 del counts[key]
         pair = ("FB", f_op.chunk, b_op.chunk)
         counts[pair] = counts.get(pair, 0) + 1
         special = None
-        if f[3] is not None or b[3] is not None:
-            grads_of, launched, _ = b[3] or (None, (), None)
+        backward = [x[3] for x in (b, w) if x is not None and x[3] is not None]
+        if f[3] is not None or backward:
+            grads_of, launched = None, ()
+            for s in backward:  # the backward's gradient flow (its W's where it is split) and launches
+                grads_of = s[0] if s[0] is not None else grads_of
+                launched = (*launched, *s[1])
             special = (grads_of, launched, f[3][2] if f[3] is not None else None)
         merged.append((f[0], _pair_slot(f_op.chunk, b_op.chunk, num_chunks), f[2], special, (f_op, b_op),
                        (b[0], b[2], b_op)))
-        i += 2
+        i += 3 if w else 2
     return merged
 
 

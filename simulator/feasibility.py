@@ -81,14 +81,15 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
     vpp = p.virtual_pipeline_stages
     if p.schedule == "interleaved-1f1b" and vpp < 2:
         out.append("plan.virtual_pipeline_stages: interleaved-1f1b needs at least 2 virtual stages per rank")
-    if p.schedule == "zbv" and vpp != 2:
-        # ZB-V places exactly two chunks per rank in a V (PyTorch ScheduleZBVZeroBubble: "ZBV
-        # requires exactly 2 stages per rank")
-        out.append(f"plan.virtual_pipeline_stages: zbv runs exactly 2 virtual stages per rank (its V), got {vpp}")
-    if p.schedule not in ("interleaved-1f1b", "zero-bubble", "zbv") and vpp > 1:
+    if p.schedule in ("zbv", "dualpipev") and vpp != 2:
+        # ZB-V and DualPipeV place exactly two chunks per rank in a V (PyTorch ScheduleZBVZeroBubble
+        # and ScheduleDualPipeV: "ZBV requires exactly 2 stages per rank")
+        out.append(f"plan.virtual_pipeline_stages: {p.schedule} runs exactly 2 virtual stages per rank (its V), "
+                   f"got {vpp}")
+    if p.schedule not in ("interleaved-1f1b", "zero-bubble", "zbv", "dualpipev") and vpp > 1:
         out.append(f"plan.virtual_pipeline_stages: {vpp} virtual stages need schedule interleaved-1f1b, "
-                   "zero-bubble or zbv")
-    if p.schedule in ("interleaved-1f1b", "zero-bubble", "zbv") and p.pp < 2:
+                   "zero-bubble, zbv or dualpipev")
+    if p.schedule in ("interleaved-1f1b", "zero-bubble", "zbv", "dualpipev") and p.pp < 2:
         out.append(f"plan.schedule: {p.schedule} needs pp >= 2 (one stage has no pipeline bubble to fill)")
     uneven = p.first_stage_layers is not None or p.last_stage_layers is not None
     virtual = p.pp * vpp
@@ -121,7 +122,7 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
                 f"= {p.dp} x {p.micro_batch_size}) = {mbs} microbatches per iteration; the simulator plays at most "
                 f"{MAX_MICROBATCHES:,} (raise plan.micro_batch_size or plan.dp)"
             )
-        elif vpp > 1 and p.pp > 1 and mbs % p.pp and p.schedule != "zbv":
+        elif vpp > 1 and p.pp > 1 and mbs % p.pp and p.schedule not in ("zbv", "dualpipev"):
             # Megatron: "number of microbatches must be divisible by pipeline-model-parallel-size
             # when using interleaved schedule" (the zero-bubble order walks the chunks the same way)
             out.append(
@@ -135,6 +136,9 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
         # the ops of microbatches that are not there)
         if p.schedule in ("interleaved-1f1b", "zero-bubble") and mbs < p.pp:
             out.append(f"plan.schedule: {p.schedule} needs at least pp = {p.pp} microbatches, got {mbs}")
+        if p.schedule == "dualpipev" and p.pp > 1 and mbs < 2 * p.pp:
+            # PyTorch ScheduleDualPipeV: "DualPipeV requires at least as many microbatches as stages"
+            out.append(f"plan.schedule: dualpipev needs at least 2 x pp = {2 * p.pp} microbatches, got {mbs}")
     return out
 
 
@@ -151,9 +155,9 @@ def _ep_overlap_problems(sc: Scenario) -> list[str]:
     out = []
     if p.ep < 2:
         out.append(f"{key}: needs expert parallelism, ep > 1 (Megatron-Core); got ep {p.ep}")
-    if p.pp > 1 and p.schedule != "interleaved-1f1b":
+    if p.pp > 1 and p.schedule not in ("interleaved-1f1b", "dualpipev"):
         out.append(f"{key}: with pp > 1 needs schedule interleaved-1f1b (Megatron-Core requires virtual "
-                   f"pipeline stages), not {p.schedule}")
+                   f"pipeline stages) or dualpipev (its overlapped pairs), not {p.schedule}")
     if p.recompute == "full":
         out.append(f"{key}: does not run with recompute full (Megatron-Core); use none or selective")
     if "moe" in p.recomputed_modules:

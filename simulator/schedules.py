@@ -165,7 +165,99 @@ def zbv(num_stages: int, num_microbatches: int, stage: int) -> list[Op]:
     return [op for op in ops if op.microbatch < num_microbatches]
 
 
-V_SHAPED_SCHEDULES = ("zbv",)
+def dualpipev_actions(num_stages: int, num_microbatches: int, stage: int) -> list[tuple]:
+    """DualPipeV (DeepSeek-V3 technical report, Sec. 3.2.1, DualPipe cut in half into a V;
+    deepseek-ai/DualPipe dualpipev.py, PyTorch ScheduleDualPipeV): rank r's actions, each
+    (kind, chunk, microbatch) with kind F (forward), I (input gradient), W (weight gradient) or B
+    (the whole backward), or ('FB', forward, backward) for a forward overlapped with a whole
+    backward of the other chunk. Chunk 0 is virtual stage r and chunk 1 2p - 1 - r (`virtual_stage`).
+
+    In order: 2(p - r - 1) chunk-0 forwards; r + 1 pairs of a chunk-0 and a chunk-1 forward; p - r - 1
+    rounds of a chunk-1 input gradient, its weight gradient and a chunk-1 forward; M - 2p + r + 1
+    rounds of (chunk-0 forward with a chunk-1 backward) and (chunk-1 forward with a chunk-0
+    backward), overlapped, except that the last rank runs its first chunk-0 forward and chunk-1
+    backward one after the other; p - r - 1 rounds of a chunk-1 backward and (chunk-1 forward with
+    a chunk-0 backward); r + 1 rounds of a chunk-1 then a chunk-0 backward, which from the middle
+    round on (an odd rank from its chunk-1 backward, an even one from its chunk-0 backward) compute
+    only the input gradient; p - r - 1 rounds of a deferred weight gradient and a chunk-0 backward
+    (input gradient only once that switch happened); and the r + 1 weight gradients still owed.
+    Needs M >= 2p."""
+    p, r = num_stages, stage
+    fwd = [0, 0]  # the next microbatch per chunk: forwards, backwards (input gradients)
+    bwd = [0, 0]
+    deferred: list[tuple[int, int]] = []  # (chunk, microbatch) of input gradients whose W is owed
+    out: list[tuple] = []
+
+    def forward(chunk: int) -> tuple:
+        fwd[chunk] += 1
+        return ("F", chunk, fwd[chunk] - 1)
+
+    def backward(chunk: int, whole: bool) -> tuple:
+        bwd[chunk] += 1
+        if not whole:
+            deferred.append((chunk, bwd[chunk] - 1))
+        return ("B" if whole else "I", chunk, bwd[chunk] - 1)
+
+    def weight() -> None:
+        if deferred:
+            out.append(("W", *deferred.pop(0)))
+
+    for _ in range(2 * (p - r - 1)):
+        out.append(forward(0))
+    for _ in range(r + 1):
+        out += [forward(0), forward(1)]
+    for _ in range(p - r - 1):
+        out.append(backward(1, whole=False))
+        weight()
+        out.append(forward(1))
+    for i in range(num_microbatches - 2 * p + r + 1):
+        if i == 0 and r == p - 1:  # not overlapped, to shrink the bubble
+            out += [forward(0), backward(1, whole=True)]
+        else:
+            out.append(("FB", forward(0), backward(1, whole=True)))
+        out.append(("FB", forward(1), backward(0, whole=True)))
+    for _ in range(p - r - 1):
+        out.append(backward(1, whole=True))
+        out.append(("FB", forward(1), backward(0, whole=True)))
+    split = False
+    for i in range(r + 1):
+        if i == (r + 1) // 2 and r % 2 == 1:
+            split = True
+        out.append(backward(1, whole=not split))
+        if i == (r + 1) // 2 and r % 2 == 0:
+            split = True
+        out.append(backward(0, whole=not split))
+    for _ in range(p - r - 1):
+        weight()
+        out.append(backward(0, whole=not split))
+    for _ in range(r + 1):
+        weight()
+    return out
+
+
+def dualpipev(num_stages: int, num_microbatches: int, stage: int) -> tuple[list[Op], list[int]]:
+    """DualPipeV's op order (`dualpipev_actions`) as ops, and the indices of the forwards that run
+    overlapped with the whole backward after them (its B, then its W: a whole backward is the
+    input and the weight gradient back to back)."""
+    ops: list[Op] = []
+    pairs: list[int] = []
+
+    def whole(chunk: int, mb: int) -> list[Op]:
+        return [Op("B", mb, chunk), Op("W", mb, chunk)]
+
+    for action in dualpipev_actions(num_stages, num_microbatches, stage):
+        if action[0] == "FB":
+            (_, fc, fm), (_, bc, bm) = action[1], action[2]
+            pairs.append(len(ops))
+            ops += [Op("F", fm, fc), *whole(bc, bm)]
+        elif action[0] == "B":
+            ops += whole(action[1], action[2])
+        else:
+            ops.append(Op({"I": "B"}.get(action[0], action[0]), action[2], action[1]))
+    return ops, pairs
+
+
+V_SHAPED_SCHEDULES = ("zbv", "dualpipev")
 """Schedules whose two chunks per rank sit in a V (`virtual_stage`) instead of in a loop."""
 
 
@@ -189,7 +281,7 @@ def splits_backward(ops: Sequence[Op]) -> bool:
     return "W" in map(itemgetter(0), ops)
 
 
-SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv")
+SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")
 """Schedules whose ops split the backward into B (input gradient) and W (weight gradient)."""
 
 
@@ -198,8 +290,9 @@ def build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks
                    combined: bool = False) -> tuple[tuple[Op, ...], ...]:
     """Op sequences for every stage (immutable and cached: the planner and the balanced-router
     reference run ask for the same schedules again and again). `combined`: the order of combined
-    1F1B (`combined_1f1b`), whose merged pairs `combined_pairs` names."""
-    if combined:
+    1F1B (`_combined`), whose merged pairs `combined_pairs` names; DualPipeV keeps its own order,
+    whose pairs are merged either way (`merged_pairs`)."""
+    if combined and name != "dualpipev":
         return tuple(tuple(ops) for ops in _combined(name, num_stages, num_microbatches, num_chunks))
     return tuple(tuple(ops) for ops in _build_schedule(name, num_stages, num_microbatches, num_chunks))
 
@@ -231,6 +324,19 @@ def _combined_warmups(name: str, num_stages: int, num_microbatches: int, num_chu
 
 
 @functools.lru_cache(maxsize=64)
+def merged_pairs(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1,
+                 combined: bool = False) -> tuple[tuple[int, ...], ...]:
+    """Per stage, the indices of the forwards in `build_schedule(name, ..., combined)`'s order that
+    run merged with the (whole) backward after them: DualPipeV's overlapped pairs, or combined
+    1F1B's (`combined_pairs`); () per stage elsewhere."""
+    if name == "dualpipev":
+        return tuple(tuple(dualpipev(num_stages, num_microbatches, s)[1]) for s in range(num_stages))
+    if combined:
+        return combined_pairs(name, num_stages, num_microbatches, num_chunks)
+    return ((),) * num_stages
+
+
+@functools.lru_cache(maxsize=64)
 def combined_pairs(name: str, num_stages: int, num_microbatches: int, num_chunks: int = 1) -> tuple[tuple[int, ...], ...]:
     """Per stage, the indices in its combined-1F1B order (`build_schedule(..., combined=True)`) of
     the forwards that run merged with the backward right after them: the steady state's, after the
@@ -243,11 +349,13 @@ def combined_pairs(name: str, num_stages: int, num_microbatches: int, num_chunks
 
 def _build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunks: int) -> list[list[Op]]:
     per_stage = {"gpipe": gpipe, "1f1b": one_f_one_b, "interleaved-1f1b": interleaved_1f1b,
-                 "zero-bubble": zero_bubble, "zbv": zbv}.get(name)
+                 "zero-bubble": zero_bubble, "zbv": zbv, "dualpipev": dualpipev}.get(name)
     if per_stage is None:
         raise ValueError(f"unknown schedule {name!r}")
     if name == "zbv":
         return [zbv(num_stages, num_microbatches, s) for s in range(num_stages)]
+    if name == "dualpipev":
+        return [dualpipev(num_stages, num_microbatches, s)[0] for s in range(num_stages)]
     if name in ("gpipe", "1f1b"):
         units = _forwards_and_backwards(num_microbatches)
         return [per_stage(num_stages, num_microbatches, s, units) for s in range(num_stages)]

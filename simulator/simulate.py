@@ -12,7 +12,7 @@ from paraplan.errors import InfeasiblePlanError
 from paraplan.placement import GroupLayout, expert_group_layouts, group_layout, pp_hop_layouts
 from paraplan.specs import DTYPE_BYTES, Scenario
 from simulator.combined import LayerPhases, merged_cost, merged_layers_time
-from simulator.cost import Cost
+from simulator.cost import Cost, concatenated
 from simulator.engine import StageWork, run_iteration
 from simulator.feasibility import structural_problems
 from simulator.flops import flops_formula_for, hardware_flops, model_flops
@@ -25,7 +25,7 @@ from simulator.moe import (
     dispatch_buffer_bytes, draw_routing, moe_activation_bytes, moe_block, routed_tokens_per_rank,
 )
 from simulator.result import BREAKDOWN_KEYS, MoEReport, SimResult, StageResult
-from simulator.schedules import (SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES, build_schedule, combined_pairs, holder,
+from simulator.schedules import (SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES, build_schedule, holder, merged_pairs,
                                  peak_in_flight, virtual_stage)
 from simulator.workload import (
     MAIN_GRAD_BYTES, LayerContext, embedding_cost, head_cost, head_weight_grad, layer_backward, layer_forward,
@@ -197,8 +197,8 @@ def _setup(sc: Scenario) -> _Setup:
         schedule=build_schedule(p.schedule, p.pp, sc.num_microbatches, p.virtual_pipeline_stages,
                                 p.overlap_moe_expert_parallel_comm),
         buckets={},
-        pairs=(combined_pairs(p.schedule, p.pp, sc.num_microbatches, p.virtual_pipeline_stages)
-               if p.overlap_moe_expert_parallel_comm else ((),) * p.pp),
+        pairs=merged_pairs(p.schedule, p.pp, sc.num_microbatches, p.virtual_pipeline_stages,
+                           p.overlap_moe_expert_parallel_comm),
     )
 
 
@@ -229,16 +229,24 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
     return _Iteration(kinds=kinds, draw=draw, mems=mems, eng=eng)
 
 
-def _pair_costs(kinds: _Layers, chunk_kinds: list[list[str]], op_cost: dict, ops, pairs: tuple[int, ...]) -> dict:
-    """(forward's chunk, backward's chunk) -> Cost of each combined-1F1B pair the stage runs
-    (simulator.combined): the two chunks' layers merged node by node, plus what is not a layer
-    (embedding, LM head, multi-token prediction: each chunk's pass minus its layers) alone."""
+def _pair_costs(kinds: _Layers, chunk_kinds: list[list[str]], op_cost: dict, ops, pairs: tuple[int, ...],
+                overlap: bool) -> dict:
+    """(forward's chunk, backward's chunk) -> Cost of each merged pair the stage runs: a forward and
+    a whole backward (its input and weight gradients where the schedule splits them). `overlap`
+    (combined 1F1B; DualPipe's overlapped pairs): the two chunks' layers merged node by node
+    (simulator.combined), plus what is not a layer (embedding, LM head, multi-token prediction:
+    each chunk's pass minus its layers) alone; else one pass after the other (DualPipeV as PyTorch
+    runs its pairs without an overlap callback)."""
     out = {}
     for i in pairs:
         fc, bc = ops[i].chunk, ops[i + 1].chunk
         if (fc, bc) in out:
             continue
-        f, b = op_cost[("F", fc)], op_cost[("B", bc)]
+        f = op_cost[("F", fc)]
+        b = concatenated(op_cost[("B", bc)], *((op_cost[("W", bc)],) if ("W", bc) in op_cost else ()))
+        if not overlap:
+            out[(fc, bc)] = concatenated(f, b)
+            continue
         f_layers = [kinds.phases[k][0] for k in chunk_kinds[fc]]
         b_layers = [kinds.phases[k][1] for k in chunk_kinds[bc]]
         alone = (f.total - sum(kinds.fwd[k].total for k in chunk_kinds[fc])
@@ -337,7 +345,8 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
                             + collective_time(net, "all_gather", expert_params * w_bytes, edp_layout))
         works.append(StageWork(
             ops=schedule[s], op_cost=op_cost,
-            pairs=setup.pairs[s], pair_cost=_pair_costs(kinds, chunk_kinds, op_cost, schedule[s], setup.pairs[s]),
+            pairs=setup.pairs[s], pair_cost=_pair_costs(kinds, chunk_kinds, op_cost, schedule[s], setup.pairs[s],
+                                                        p.overlap_moe_expert_parallel_comm),
             grad_buckets={c: [t for t, _ in bl] for c, bl in buckets.items() if bl},
             grad_bucket_nic={c: [nic for _, nic in bl] for c, bl in buckets.items() if bl},
             optimizer_time=optimizer_time(gpu, local_opt, buffer, tr.precision, ctx.grad_bytes),
@@ -347,8 +356,8 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
         if not memory:
             continue
         working = max(kinds.working[k] for k in stage_kinds) if stage_kinds else 0.0
-        if setup.pairs[s]:
-            # combined 1F1B runs a forward layer and a backward layer at once: both their transient
+        if setup.pairs[s] and p.overlap_moe_expert_parallel_comm:
+            # an overlapped pair runs a forward layer and a backward layer at once: both their transient
             # buffers (dispatch buffers, what recompute rebuilds) are live together
             working *= 2
         freed_by_b = [0.0] * len(layers[s])

@@ -206,3 +206,35 @@ def test_bad_values_are_one_line_errors_with_exit_code_2():
     assert r.stderr.startswith("error: plan.overlap_moe_expert_parallel_comm: expected true or false")
     r = run(ON, "plan.recompute=full")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "does not run with recompute full" in r.stderr
+
+
+# -- DualPipeV's pairs ---------------------------------------------------------------------------
+
+DUALPIPEV = ["plan.schedule=dualpipev", "plan.virtual_pipeline_stages=2"]
+
+
+def test_dualpipev_pairs_run_one_after_the_other_unless_overlapped():
+    """Without the overlap a DualPipeV pair is its forward and whole backward back to back (as
+    PyTorch's OVERLAP_F_B runs without an overlap function): every all-to-all exposed; with it the
+    pairs are merged as combined 1F1B's are."""
+    plain = simulate(load_scenario(MIXTRAL, DUALPIPEV), imbalance_reference=False)
+    zbv = simulate(load_scenario(MIXTRAL, ["plan.schedule=zbv", "plan.virtual_pipeline_stages=2"]),
+                   imbalance_reference=False)
+    on = simulate(load_scenario(MIXTRAL, [*DUALPIPEV, ON]), imbalance_reference=False)
+    assert plain.breakdown["ep_comm"] == pytest.approx(zbv.breakdown["ep_comm"])  # the same passes, all exposed
+    assert plain.breakdown["compute"] == pytest.approx(zbv.breakdown["compute"])
+    assert on.breakdown["ep_comm"] < 0.6 * plain.breakdown["ep_comm"] and on.step_time_s < plain.step_time_s
+    assert any(sp.category == "forward_backward" for sp in plain.spans)
+    assert plain.peak_memory_bytes <= on.peak_memory_bytes  # an overlapped pair holds both layers' buffers
+
+
+@pytest.mark.parametrize("sets,reason", [
+    (["plan.virtual_pipeline_stages=4"], "plan.virtual_pipeline_stages: dualpipev runs exactly 2 virtual stages"),
+    (["training.global_batch_size=96"], "plan.schedule: dualpipev needs at least 2 x pp = 8 microbatches, got 6"),
+])
+def test_dualpipev_rules(sets, reason):
+    sc = load_scenario(MIXTRAL, [*DUALPIPEV, *sets])
+    assert any(p.startswith(reason) for p in structural_problems(sc)), structural_problems(sc)
+    # the overlap is DualPipe's own under dualpipev: no interleaved 1F1B needed
+    ok = load_scenario(MIXTRAL, [*DUALPIPEV, ON])
+    assert structural_problems(ok) == []

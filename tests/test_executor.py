@@ -332,8 +332,8 @@ def test_executor_refusals():
         return " | ".join(launch_problems(sc))
 
     assert problems(dp=2) == ""
-    assert "dualpipev needs at least 4 microbatches" in problems(pp=2, schedule="dualpipev", virtual_pipeline_stages=2,
-                                                                 micro_batch_size=4)
+    assert "plan.schedule: dualpipev needs at least 2 x pp = 4 microbatches, got 2" in problems(
+        pp=2, schedule="dualpipev", virtual_pipeline_stages=2, micro_batch_size=4)  # the simulator's check
     assert "zbv runs exactly 2 virtual stages per rank" in problems(pp=2, schedule="zbv")  # the simulator's check
     assert "5 microbatches to be a multiple of 2 rounds" in problems(pp=2, schedule="zero-bubble", micro_batch_size=1,
                                                                     virtual_pipeline_stages=1, gbs=5)
@@ -426,8 +426,8 @@ def test_stage_layout():
     assert [stages_of_rank(r, sc) for r in (0, 1)] == [[0, 3], [1, 2]]
 
 
-@pytest.mark.parametrize("schedule,first", [("zbv", None), ("zbv", 1), ("interleaved-1f1b", None),
-                                            ("interleaved-1f1b", 1)])
+@pytest.mark.parametrize("schedule,first", [("zbv", None), ("zbv", 1), ("dualpipev", None), ("dualpipev", 1),
+                                            ("interleaved-1f1b", None), ("interleaved-1f1b", 1)])
 def test_each_rank_builds_the_layers_the_simulator_placed_on_it(schedule, first):
     from executor.parallel import stage_layers, stages_of_rank
     from simulator.layout import layers_per_chunk
@@ -441,7 +441,7 @@ def test_each_rank_builds_the_layers_the_simulator_placed_on_it(schedule, first)
     built = [[len(stage_layers(sc)[g]) for g in stages_of_rank(r, sc)] for r in range(p.pp)]
     assert built == simulated
     if first is not None:  # 1 + 2 + 2 + 1: in a V rank 0 holds both short ends, in a loop one of them
-        assert simulated == ([[1, 1], [2, 2]] if schedule == "zbv" else [[1, 2], [2, 1]])
+        assert simulated == ([[1, 1], [2, 2]] if schedule in ("zbv", "dualpipev") else [[1, 2], [2, 1]])
 
 
 def test_zero1_shards_are_balanced_to_the_element():

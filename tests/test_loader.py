@@ -328,7 +328,8 @@ def test_bool_key_rejects_strings():
 def test_bad_enum_lists_allowed_values():
     raw = tiny()
     raw["plan"]["schedule"] = "chimera"
-    assert str(error_of(raw)) == "plan.schedule: 'chimera' is not one of gpipe, 1f1b, interleaved-1f1b, zero-bubble, zbv"
+    assert str(error_of(raw)) == ("plan.schedule: 'chimera' is not one of gpipe, 1f1b, interleaved-1f1b, zero-bubble, "
+                                  "zbv, dualpipev")
 
 
 def test_bad_enum_suggests_close_value():

@@ -94,6 +94,7 @@ def test_absent_knobs_take_their_full_valid_range():
     assert spec.values("schedule") == ("gpipe", "1f1b", "interleaved-1f1b")
     assert parse_search(tiny("search.schedule=[1f1b, zero-bubble]")).values("schedule") == ("1f1b", "zero-bubble")
     assert parse_search(tiny("search.schedule=[zbv]")).values("schedule") == ("zbv",)
+    assert parse_search(tiny("search.schedule=[dualpipev]")).values("schedule") == ("dualpipev",)
     assert spec.trials == DEFAULT_TRIALS and spec.exhaustive_threshold == DEFAULT_EXHAUSTIVE_THRESHOLD
     assert spec.allow_tp_across_nodes is False and spec.gpu_hour_cost is None
 
@@ -336,6 +337,13 @@ def test_zbv_is_searched_at_exactly_two_stages_per_rank():
         assert cand.plan.virtual_pipeline_stages == 2 and sp.valid(cand)
     with pytest.raises(ConfigError, match="schedule zbv takes exactly 2 virtual stages per rank"):
         space("search.schedule=[zbv]", "search.virtual_pipeline_stages=[4]")
+    # DualPipeV too: its V, two chunks per rank
+    sp = space("model.num_layers=8", "search.schedule=[dualpipev]", "search.virtual_pipeline_stages=[2, 4]",
+               "search.pp=[2]", "search.tp=[1]", "search.cp=[1]")
+    found = sp.enumerate()
+    assert found.valid and {c.plan.virtual_pipeline_stages for c in found.valid} == {2}
+    assert sp.count_combinations() == found.combinations
+    assert sp.candidate({**base, "schedule": "dualpipev", "virtual_pipeline_stages": 4}).plan.virtual_pipeline_stages == 2
 
 
 def test_candidates_are_canonical():
@@ -666,6 +674,12 @@ def test_zero_bubble_exports_say_what_each_framework_runs():
                "plan.micro_batch_size=1", "training.global_batch_size=12")
     assert odd.num_microbatches == 3 and simulate(odd).step_time_s > 0
     assert "refuses 3 microbatches on pp 2 (it needs a multiple of pp)" in megatron_args_text(odd)
+    dpv = tiny("plan.pp=2", "plan.tp=1", "plan.dp=4", "plan.schedule=dualpipev", "plan.virtual_pipeline_stages=2",
+               "plan.micro_batch_size=1")
+    assert simulate(dpv).step_time_s > 0
+    assert 'pipeline_parallel_schedule = "DualPipeV"' in torchtitan_toml(dpv)
+    assert "Megatron-LM has no dualpipev schedule; these arguments run (interleaved) 1F1B with its chunks in a loop" \
+        in megatron_args_text(dpv)
 
 
 def test_zero_stages_stay_distinct_while_expert_states_shard():

@@ -1,4 +1,6 @@
 """Pipeline schedules (pure op orders) and the engine's exact timelines on hand-made costs."""
+import random
+
 import pytest
 
 from simulator.cost import Cost
@@ -535,3 +537,76 @@ def test_a_bucket_that_ends_before_the_next_op_starts_charges_it_nothing():
     assert [s.compute_end for s in res.stages] == [pytest.approx(33.3), pytest.approx(30.3)]
     run_iteration(works({c: [0.1, 0.1, 0.1, 0.5] for c in range(2)}, nic=True), num_chunks=2, p2p_time=1.0,
                   p2p_nic=1.0, overlap_grad_reduce=True, sync_time=0.0, align_grad_reduce=True)  # no negative delay
+
+
+# -- DualPipeV ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_dualpipev_is_the_order_pytorch_runs(p):
+    """dualpipev_actions against PyTorch's ScheduleDualPipeV, rank by rank: torch prints a forward
+    overlapped with a whole backward as '(F;B)OVERLAP_F_B', an input gradient I, a whole backward B."""
+    schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
+    from simulator.schedules import dualpipev_actions
+
+    def name(action, rank):
+        kind, chunk, mb = action
+        return f"{virtual_stage(rank, chunk, p, True)}{kind}{mb}"
+
+    for m in (2 * p, 2 * p + 1, 3 * p, 4 * p + 1):
+        stubs = [_StageStub(0, p, 2), _StageStub(2 * p - 1, p, 2)]
+        torch_order = schedules.ScheduleDualPipeV(stubs, m).pipeline_order
+        for rank in range(p):
+            ours = [f"({name(a[1], rank)};{name(a[2], rank)})OVERLAP_F_B" if a[0] == "FB" else name(a, rank)
+                    for a in dualpipev_actions(p, m, rank)]
+            assert ours == [str(a) for a in torch_order[rank] if a is not None]
+
+
+def test_dualpipev_ops_spell_a_whole_backward_as_its_two_halves():
+    from simulator.schedules import dualpipev, dualpipev_actions, merged_pairs
+
+    ops, pairs = dualpipev(2, 4, 0)
+    assert [o for o in ops if o.kind == "F"] and len(ops) == 3 * 2 * 4  # every F, B and W of 2 chunks x 4
+    for i in pairs:  # an overlapped forward, then the whole backward of the other chunk
+        assert ops[i].kind == "F" and ops[i + 1].kind == "B" and ops[i + 2] == Op("W", ops[i + 1].microbatch,
+                                                                                   ops[i + 1].chunk)
+        assert ops[i].chunk != ops[i + 1].chunk
+    assert len(pairs) == sum(a[0] == "FB" for a in dualpipev_actions(2, 4, 0))
+    assert merged_pairs("dualpipev", 2, 4, 2) == tuple(tuple(dualpipev(2, 4, s)[1]) for s in range(2))
+    assert build_schedule("dualpipev", 2, 4, 2)[0] == tuple(ops)
+
+
+@pytest.mark.parametrize("overlapped", [3.0, 2.5])
+@pytest.mark.parametrize("p,m", [(2, 4), (3, 9), (4, 8), (4, 20), (8, 16)])
+def test_dualpipev_bubble_is_deepseeks(p, m, overlapped):
+    """The DualPipe README's table: DualPipeV on p ranks (2p stages) leaves (p - 1)(F&B + B - 3W) of
+    bubble, B the whole backward and F&B an overlapped pair. With F = 1, input gradient 1, W = 1
+    (B = 2) and F&B 3 (one after the other) or 2.5 (overlapped), free sends: the rank with the
+    fewest pairs idles exactly that long, every rank the same when F&B = F + B."""
+    from simulator.schedules import merged_pairs
+
+    orders, pairs = build_schedule("dualpipev", p, m, 2), merged_pairs("dualpipev", p, m, 2)
+    works = [StageWork(ops=o, pairs=q, op_cost={(k, c): Cost().add("compute", 1.0) for k in "FBW" for c in range(2)},
+                       pair_cost={(a, b): Cost().add("compute", overlapped) for a in range(2) for b in range(2)},
+                       grad_buckets={}, optimizer_time=0.0, param_gather_time=0.0) for o, q in zip(orders, pairs)]
+    res = run_iteration(works, num_chunks=2, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0, v_shaped=True)
+    busy = [len(q) * overlapped + (len(o) - 3 * len(q)) for o, q in zip(orders, pairs)]
+    assert res.step_time - min(busy) == pytest.approx((p - 1) * (overlapped + 2 - 3))
+    if overlapped == 3.0:
+        assert len({round(b, 9) for b in busy}) == 1
+
+
+def test_dualpipev_never_deadlocks():
+    from simulator.schedules import merged_pairs
+
+    rng = random.Random(5)
+    for p in range(2, 9):
+        for m in (2 * p, 2 * p + 3, 4 * p):
+            orders, pairs = build_schedule("dualpipev", p, m, 2), merged_pairs("dualpipev", p, m, 2)
+            works = [StageWork(ops=o, pairs=q,
+                               op_cost={(k, c): Cost().add("compute", rng.uniform(0.5, 2)) for k in "FBW" for c in range(2)},
+                               pair_cost={(a, b): Cost().add("compute", rng.uniform(1, 4)) for a in range(2) for b in range(2)},
+                               grad_buckets={c: [0.1] for c in range(2)}, optimizer_time=0.0, param_gather_time=0.0)
+                     for o, q in zip(orders, pairs)]
+            res = run_iteration(works, num_chunks=2, p2p_time=[rng.uniform(0, 0.5) for _ in range(p)],
+                                overlap_grad_reduce=True, sync_time=0.0, v_shaped=True)
+            assert all(s.ops_done == len(o) for s, o in zip(res.stages, orders))
