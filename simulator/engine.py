@@ -43,10 +43,10 @@ from itertools import accumulate
 import simpy
 
 from hwmodels.network import COMM_SM_SHARE
-from simulator.schedules import Op, holder, splits_backward, virtual_stage
+from simulator.schedules import Op, gradient_kinds, holder, virtual_stage
 
 
-SPAN_CATEGORY = {"F": "forward", "B": "backward", "W": "weight_grad"}
+SPAN_CATEGORY = {"F": "forward", "B": "backward", "W": "weight_grad", "X": "backward"}
 PAIR_CATEGORY = "forward_backward"
 """The span category of a combined-1F1B op (a forward merged with a backward)."""
 
@@ -85,11 +85,12 @@ class Span:
 
 
 def _op_name(op, num_chunks: int) -> str:
-    """An op's span name: F3, or F3.1 for chunk 1 when the schedule is interleaved; a combined
-    pair (forward, backward) F4+B3."""
+    """An op's span name: F3, or F3.1 for chunk 1 when the schedule is interleaved; BW3 for a whole
+    backward (X); a combined pair (forward, backward) F4+B3."""
     if not isinstance(op, Op):
         return "+".join(_op_name(o, num_chunks) for o in op)
-    return f"{op.kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "")
+    kind = "BW" if op.kind == "X" else op.kind  # a whole backward where others are split
+    return f"{kind}{op.microbatch}" + (f".{op.chunk}" if num_chunks > 1 else "")
 
 
 class Timeline(Sequence):
@@ -152,7 +153,7 @@ def _add(d: dict, key: str, value: float) -> None:
     d[key] = d.get(key, 0.0) + value
 
 
-KINDS = ("F", "B", "W")
+KINDS = ("F", "B", "W", "X")
 _KIND_INDEX = {kind: i for i, kind in enumerate(KINDS)}
 _PLAN_CACHE: dict = {}
 _PLAN_CACHE_LOCK = threading.Lock()
@@ -175,10 +176,6 @@ def _pair_slot(f_chunk: int, b_chunk: int, num_chunks: int) -> int:
 # (microbatch x number of virtual stages + virtual stage) x 2, plus 1 for a B's (_op_plan).
 
 
-def _grad_kind(ops: Sequence[Op]) -> str:
-    """The kind of op that produces weight gradients: W when the schedule splits the backward,
-    else B."""
-    return "W" if splits_backward(ops) else "B"
 
 
 def _link(stage: int, to: int, pp: int) -> int:
@@ -237,7 +234,7 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
                 dep = (unit - 1) * 2
             if vstage < last_vstage:
                 out = (unit * 2, *neighbour(vstage + 1))
-        elif kind == "B":
+        elif kind == "B" or kind == "X":
             if vstage < last_vstage:
                 dep = (unit + 1) * 2 + 1
             if vstage > 0:
@@ -268,27 +265,21 @@ def _merge_pairs(plan: list[tuple], counts: dict, pairs: tuple[int, ...], num_ch
             continue
         f, b = entry, plan[i + 1]
         f_op, b_op = f[4], b[4]
-        if f_op.kind != "F" or b_op.kind != "B":
+        if f_op.kind != "F" or b_op.kind not in ("B", "X"):
             raise ValueError(f"combined pair at op {i}: {f_op} and {b_op} are not a forward then a backward")
-        # a split backward's weight gradient right after it is part of the whole backward (DualPipeV)
-        w = plan[i + 2] if i + 2 < len(plan) and plan[i + 2][4] == ("W", b_op.microbatch, b_op.chunk) else None
-        for key in (("F", f_op.chunk), ("B", b_op.chunk), *((("W", b_op.chunk),) if w else ())):
+        for key in (("F", f_op.chunk), (b_op.kind, b_op.chunk)):
             counts[key] -= 1
             if not counts[key]:
                 del counts[key]
         pair = ("FB", f_op.chunk, b_op.chunk)
         counts[pair] = counts.get(pair, 0) + 1
         special = None
-        backward = [x[3] for x in (b, w) if x is not None and x[3] is not None]
-        if f[3] is not None or backward:
-            grads_of, launched = None, ()
-            for s in backward:  # the backward's gradient flow (its W's where it is split) and launches
-                grads_of = s[0] if s[0] is not None else grads_of
-                launched = (*launched, *s[1])
+        if f[3] is not None or b[3] is not None:
+            grads_of, launched, _ = b[3] or (None, (), None)
             special = (grads_of, launched, f[3][2] if f[3] is not None else None)
         merged.append((f[0], _pair_slot(f_op.chunk, b_op.chunk, num_chunks), f[2], special, (f_op, b_op),
                        (b[0], b[2], b_op)))
-        i += 3 if w else 2
+        i += 2
     return merged
 
 
@@ -436,17 +427,17 @@ def run_iteration(
             ev.succeed(arrival)
         return arrival
 
-    blocking = {"none": (), "forward": ("F",), "all": ("F", "B")}[blocking_sends]
-    grad_kinds = [_grad_kind(w.ops) for w in works]
+    blocking = {"none": (), "forward": ("F",), "all": ("F", "B", "X")}[blocking_sends]
+    grad_kinds = [gradient_kinds(w.ops) for w in works]
 
-    def last_grad_ops(ops: Sequence[Op], kind: str) -> dict[int, int]:
-        """Per chunk, the index of the op of `kind` (the one that produces weight gradients: W
-        when the backward is split, else B) that produces its last weight gradients (found from
-        the end)."""
+    def last_grad_ops(ops: Sequence[Op], kinds: tuple[str, ...]) -> dict[int, int]:
+        """Per chunk, the index of the op of `kinds` (those that produce weight gradients: W and a
+        whole backward X when the backward is split, else B) that produces its last weight
+        gradients (found from the end)."""
         last: dict[int, int] = {}
         for i in range(len(ops) - 1, -1, -1):
             op = ops[i]
-            if op[0] == kind and op[2] not in last:
+            if op[0] in kinds and op[2] not in last:
                 last[op[2]] = i
                 if len(last) == num_chunks:
                     break
@@ -464,9 +455,9 @@ def run_iteration(
             return {i: c for c, i in chunks.items()}, {}, []
         if num_chunks == 1:
             return ({i: c for c, i in chunks.items()}, {}, []) if stage == 0 else ({}, {}, sorted(chunks))
-        # the passes that produce weight gradients: W when the backward is split, else B
-        grad_kind = grad_kinds[stage]
-        backwards = [i for i, o in enumerate(works[stage].ops) if o.kind == grad_kind]
+        # the passes that produce weight gradients: W (and whole backwards) when the backward is split, else B
+        kinds = grad_kinds[stage]
+        backwards = [i for i, o in enumerate(works[stage].ops) if o.kind in kinds]
         at_end: dict[int, list[int]] = {}
         after: list[int] = []
         for c, i in sorted(chunks.items(), key=lambda kv: kv[1]):
@@ -652,7 +643,7 @@ def run_iteration(
                 continue
             # a combined pair: the forward's output and the backward's
             waits = []  # the sends this stage waits for before its next op: (arrival, key)
-            for out, kind in ((produces, "F"), (pair[1], "B")):
+            for out, kind in ((produces, "F"), (pair[1], "B")):  # an X waits for its send as a B does
                 if out is not None:
                     arrival = deliver(stage, out, end)
                     if arrival > end and kind in blocking:

@@ -15,7 +15,8 @@ from typing import NamedTuple
 
 
 class Op(NamedTuple):
-    kind: str  # 'F' forward, 'B' backward (input gradient only when the schedule has 'W' ops), 'W' weight gradient
+    kind: str  # 'F' forward, 'B' backward (input gradient only when the schedule has 'W' ops), 'W' weight
+    # gradient, 'X' a whole backward (input and weight gradients) in a schedule that also splits some (DualPipeV)
     microbatch: int
     chunk: int = 0
 
@@ -236,24 +237,19 @@ def dualpipev_actions(num_stages: int, num_microbatches: int, stage: int) -> lis
 
 
 def dualpipev(num_stages: int, num_microbatches: int, stage: int) -> tuple[list[Op], list[int]]:
-    """DualPipeV's op order (`dualpipev_actions`) as ops, and the indices of the forwards that run
-    overlapped with the whole backward after them (its B, then its W: a whole backward is the
-    input and the weight gradient back to back)."""
+    """DualPipeV's op order (`dualpipev_actions`) as ops: a whole backward is an X, an input
+    gradient a B, a weight gradient a W; and the indices of the forwards that run overlapped with
+    the whole backward after them."""
     ops: list[Op] = []
     pairs: list[int] = []
-
-    def whole(chunk: int, mb: int) -> list[Op]:
-        return [Op("B", mb, chunk), Op("W", mb, chunk)]
-
     for action in dualpipev_actions(num_stages, num_microbatches, stage):
         if action[0] == "FB":
             (_, fc, fm), (_, bc, bm) = action[1], action[2]
             pairs.append(len(ops))
-            ops += [Op("F", fm, fc), *whole(bc, bm)]
-        elif action[0] == "B":
-            ops += whole(action[1], action[2])
+            ops += [Op("F", fm, fc), Op("X", bm, bc)]
         else:
-            ops.append(Op({"I": "B"}.get(action[0], action[0]), action[2], action[1]))
+            kind, chunk, mb = action
+            ops.append(Op({"I": "B", "B": "X"}.get(kind, kind), mb, chunk))
     return ops, pairs
 
 
@@ -281,7 +277,16 @@ def splits_backward(ops: Sequence[Op]) -> bool:
     return "W" in map(itemgetter(0), ops)
 
 
+def gradient_kinds(ops: Sequence[Op]) -> tuple[str, ...]:
+    """The kinds of op that produce weight gradients: W and whole backwards (X) where the order
+    splits backwards, else B."""
+    return ("W", "X") if splits_backward(ops) else ("B",)
+
+
 SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")
+WHOLE_AND_SPLIT_SCHEDULES = ("dualpipev",)
+"""Split-backward schedules that also run whole backwards (X ops: DualPipeV's pairs and most of
+its backwards)."""
 """Schedules whose ops split the backward into B (input gradient) and W (weight gradient)."""
 
 
@@ -390,4 +395,6 @@ def peak_in_flight(ops: Sequence[Op], chunk_weights: list[float] | None = None,
             live -= given_by_b[chunk]
         elif kind == "W":
             live -= weight[chunk]
+        elif kind == "X":  # a whole backward frees all its microbatch held
+            live -= taken[chunk]
     return peak

@@ -1,6 +1,7 @@
 """simulate(scenario) -> SimResult: one training iteration of a plan on the hardware models."""
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from itertools import accumulate
@@ -25,8 +26,8 @@ from simulator.moe import (
     dispatch_buffer_bytes, draw_routing, moe_activation_bytes, moe_block, routed_tokens_per_rank,
 )
 from simulator.result import BREAKDOWN_KEYS, MoEReport, SimResult, StageResult
-from simulator.schedules import (SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES, build_schedule, holder, merged_pairs,
-                                 peak_in_flight, virtual_stage)
+from simulator.schedules import (SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES, WHOLE_AND_SPLIT_SCHEDULES, build_schedule,
+                                 holder, merged_pairs, peak_in_flight, virtual_stage)
 from simulator.workload import (
     MAIN_GRAD_BYTES, LayerContext, embedding_cost, head_cost, head_weight_grad, layer_backward, layer_forward,
     layer_weight_grad, mtp_projection, mtp_weight_grad,
@@ -242,8 +243,7 @@ def _pair_costs(kinds: _Layers, chunk_kinds: list[list[str]], op_cost: dict, ops
         fc, bc = ops[i].chunk, ops[i + 1].chunk
         if (fc, bc) in out:
             continue
-        f = op_cost[("F", fc)]
-        b = concatenated(op_cost[("B", bc)], *((op_cost[("W", bc)],) if ("W", bc) in op_cost else ()))
+        f, b = op_cost[("F", fc)], op_cost[(ops[i + 1].kind, bc)]  # a whole backward: B or X
         if not overlap:
             out[(fc, bc)] = concatenated(f, b)
             continue
@@ -265,6 +265,13 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
     shard = p.dp * p.cp
     vpp = p.virtual_pipeline_stages
     kinds, draw = _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, balanced=balanced)
+    # a schedule that runs some backwards whole beside split ones (DualPipeV's X ops) prices those
+    # as a schedule that never splits does: the weight-gradient GEMMs are there to hide the
+    # input gradient's TP collectives behind (workload.tp_exposed)
+    ctx_whole = kinds_whole = None
+    if p.schedule in WHOLE_AND_SPLIT_SCHEDULES:
+        ctx_whole = dataclasses.replace(ctx, plan=dataclasses.replace(p, schedule="1f1b"))
+        kinds_whole, _ = _layer_kinds(ctx_whole, ep_layout, etp_layout, edp_layout, balanced=balanced)
     w_bytes, _, _ = state_bytes_per_param(tr.precision)
     emb_params = m.embedding_params() / p.tp
 
@@ -320,6 +327,10 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
             op_cost[("F", c)], op_cost[("B", c)] = f, b
             if w is not None:  # a split backward's W pass
                 op_cost[("W", c)] = w
+            if ctx_whole is not None:  # a whole backward (X)
+                op_cost[("X", c)] = _chunk_work(ctx_whole, kinds_whole, kinds_in_chunk, per_unit, first=s == 0 and c == 0,
+                                                last=(s, c) == (last_rank, last_chunk), emb_params=emb_params,
+                                                own_head=own_head, mtp_embedding=mtp_embedding)[1]
             dense_params += c_dense
             expert_params += c_expert
             chunk_acts.append(acts)
@@ -345,8 +356,8 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
                             + collective_time(net, "all_gather", expert_params * w_bytes, edp_layout))
         works.append(StageWork(
             ops=schedule[s], op_cost=op_cost,
-            pairs=setup.pairs[s], pair_cost=_pair_costs(kinds, chunk_kinds, op_cost, schedule[s], setup.pairs[s],
-                                                        p.overlap_moe_expert_parallel_comm),
+            pairs=setup.pairs[s], pair_cost=_pair_costs(kinds_whole or kinds, chunk_kinds, op_cost, schedule[s],
+                                                        setup.pairs[s], p.overlap_moe_expert_parallel_comm),
             grad_buckets={c: [t for t, _ in bl] for c, bl in buckets.items() if bl},
             grad_bucket_nic={c: [nic for _, nic in bl] for c, bl in buckets.items() if bl},
             optimizer_time=optimizer_time(gpu, local_opt, buffer, tr.precision, ctx.grad_bytes),
