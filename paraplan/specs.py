@@ -309,7 +309,9 @@ class PlanSpec:
     runs merged with the backward of an earlier microbatch, layer by layer on two CUDA streams, so
     one's dispatch/combine all-to-alls hide behind the other's attention and expert compute; one
     more microbatch is in flight (the interleaved warm-up takes one forward more; with pp 1 the
-    forward of microbatch i + 1 runs with the backward of i)."""
+    forward of microbatch i + 1 runs with the backward of i). Under the dualpipev schedule: its
+    forward/backward pairs overlap the same way (DeepSeek's DualPipe) instead of running one after
+    the other."""
     moe_dispatcher: str = "alltoall"
     """alltoall: NCCL all-to-all-v of every token copy (Megatron --moe-token-dispatcher-type alltoall);
     deepep: DeepEP's kernels, which send a token over the network once per destination node and fan
@@ -384,7 +386,7 @@ class PlanSpec:
         blocking; PyTorch's Schedule1F1B waits on its steady-state sends, batched with the next
         receive, but on a warm-up forward's send only after the next forward); forward under
         interleaved 1F1B unless wait_forward_sends is false (Megatron-Core's pp_post_forward waits
-        for send_next before deallocating the output); none under GPipe, zero-bubble and zbv,
+        for send_next before deallocating the output); none under GPipe, zero-bubble, zbv and dualpipev,
         which PyTorch's schedules run with their forward sends waited before the backward (GPipe)
         or at the end of the step."""
         if self.schedule == "1f1b":
