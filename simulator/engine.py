@@ -48,7 +48,7 @@ from simulator.schedules import Op, gradient_kinds, holder, virtual_stage
 
 SPAN_CATEGORY = {"F": "forward", "B": "backward", "W": "weight_grad", "X": "backward"}
 PAIR_CATEGORY = "forward_backward"
-"""The span category of a combined-1F1B op (a forward merged with a backward)."""
+"""The span category of a merged pair (a forward with a whole backward: combined 1F1B, DualPipeV)."""
 
 
 @dataclass(frozen=True)
@@ -62,11 +62,11 @@ class StageWork:
     param_gather_time: float  # ZeRO-1/2 all-gather after the step, exposed (not overlapped)
     grad_bucket_nic: dict = field(default_factory=dict)  # chunk -> seconds of each bucket on the NIC
     pairs: tuple[int, ...] = ()
-    """Combined 1F1B (schedules.combined_pairs): indices of the forwards in `ops` that run merged
-    with the backward right after them, as one op that starts once both inputs are there, lasts
+    """Merged pairs (schedules.merged_pairs: combined 1F1B, DualPipeV): indices of the forwards in
+    `ops` that run merged with the (whole) backward right after them, as one op that starts once both inputs are there, lasts
     `pair_cost` and sends both outputs when it ends."""
     pair_cost: dict = field(default_factory=dict)
-    """(forward's chunk, backward's chunk) -> workload.Cost of a combined-1F1B op."""
+    """(forward's chunk, backward's chunk) -> workload.Cost of a merged pair."""
     param_gather_buckets: dict = field(default_factory=dict)
     """chunk -> [(seconds, seconds on the NIC, needed_from)] per bucket of the ZeRO-1/2 weight
     all-gather overlapped with the forward (Megatron --overlap-param-gather), launched when the step
@@ -195,7 +195,7 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
     an immutable schedule's is kept (the planner and the balanced-router reference replay the same
     schedules again and again).
 
-    `pairs` (combined 1F1B, StageWork.pairs): each forward at those indices and the backward after it
+    `pairs` (StageWork.pairs: combined 1F1B, DualPipeV): each forward at those indices and the backward after it
     become one entry, which waits for both inputs and sends both outputs; its slot is the pair's
     (`_pair_slot`), its count keyed ('FB', forward's chunk, backward's chunk), and its last field
     (None for a single op) is (the backward's input key, the backward's output, the backward op).
@@ -266,7 +266,7 @@ def _merge_pairs(plan: list[tuple], counts: dict, pairs: tuple[int, ...], num_ch
         f, b = entry, plan[i + 1]
         f_op, b_op = f[4], b[4]
         if f_op.kind != "F" or b_op.kind not in ("B", "X"):
-            raise ValueError(f"combined pair at op {i}: {f_op} and {b_op} are not a forward then a backward")
+            raise ValueError(f"merged pair at op {i}: {f_op} and {b_op} are not a forward then a backward")
         for key in (("F", f_op.chunk), (b_op.kind, b_op.chunk)):
             counts[key] -= 1
             if not counts[key]:
@@ -320,8 +320,8 @@ def run_iteration(
     `v_shaped`: the two chunks of each stage sit in a V (schedules.virtual_stage), so sends run
     up the ranks in chunk 0 and down them in chunk 1, and the last rank hands each microbatch from
     one chunk to the other in place.
-    A stage's `pairs` (combined 1F1B, Megatron-Core --overlap-moe-expert-parallel-comm) merge
-    forwards with the backwards after them (StageWork.pairs).
+    A stage's `pairs` (combined 1F1B, Megatron-Core --overlap-moe-expert-parallel-comm; DualPipeV)
+    merge forwards with the backwards after them (StageWork.pairs).
     `record_spans` False leaves the timeline out (EngineResult.spans empty): the planner needs only
     the figures. Recorded, the spans of ops and receives are bare records until the timeline is
     read; built as they ran, they had cost a fifth to a third of the engine's time."""

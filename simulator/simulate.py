@@ -169,7 +169,8 @@ class _Setup:
     schedule: tuple
     buckets: dict
     pairs: tuple = ()
-    """Per stage, the combined-1F1B pairs of its schedule (schedules.combined_pairs); () each without."""
+    """Per stage, the merged pairs of its schedule (schedules.merged_pairs: combined 1F1B, DualPipeV);
+    () each without."""
 
 
 def _setup(sc: Scenario) -> _Setup:
