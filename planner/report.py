@@ -211,6 +211,9 @@ def format_report(rep: Report) -> str:
             lines.append("  (moe: the token dispatcher, a2a = alltoall, +ovl = shared experts overlapped with it; "
                          "1f1b-ovl = combined 1F1B, forward and backward all-to-alls overlapped; "
                          "etpN = expert tensor parallelism)")
+        if any(p.overlap_moe_expert_parallel_comm for p in shown):
+            lines.append("  (1f1b-ovl gains are an upper bound: on the one published run that measured the overlap, "
+                         "paraplan predicts 2.3x the gain measured; see the README)")
         if show_stages:
             lines.append("  (stages: layers on the first/last pipeline stage, or virtual stage when interleaved, "
                          "where they differ from the rest; - even)")

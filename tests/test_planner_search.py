@@ -355,3 +355,8 @@ def test_the_table_shows_the_moe_settings_when_the_search_varies_them(tmp_path):
     plain = search("plain").splitlines()
     assert "moe" not in next(line for line in plain if line.rstrip().endswith("limited by"))
     assert not any("(moe:" in line for line in plain)
+    assert not any("upper bound" in line for line in plain)
+    # combined 1F1B (interleaved 1F1B here): labelled, and its gains flagged as an upper bound
+    ovl = search("ovl", "search.schedule=[interleaved-1f1b]", "search.virtual_pipeline_stages=[2]",
+                 "search.overlap_moe_expert_parallel_comm=[false, true]")
+    assert "a2a 1f1b-ovl" in ovl and "(1f1b-ovl gains are an upper bound" in ovl
