@@ -18,6 +18,8 @@ that runs beside an exchange gives the exchange COMM_SM_SHARE of the SMs for the
 (hwmodels.network.overlapped). The forward's layers pair with the backward's in reverse order
 (schedule_chunk_1f1b); a layer without a partner runs its nodes alone, and what is not a layer
 (embedding, LM head and loss, multi-token prediction) runs before and after the layers, alone.
+DualPipeV's overlapped pairs are priced the same way: the DeepSeek-V3 report's Fig. 4 overlaps the
+same parts of a forward and a backward chunk (attention, dispatch, MLP, combine).
 """
 from __future__ import annotations
 
