@@ -55,6 +55,21 @@ def test_trace_and_plot_files(tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp files left
 
 
+def test_trace_of_merged_pairs(tmp_path):
+    """DualPipeV with its pairs overlapped: each pair is one span on the compute track (F..+BW..),
+    whole backwards are BW spans, split ones B and W."""
+    trace = tmp_path / "dpv.json"
+    r = paraplan("simulate", ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml", "--set", "plan.schedule=dualpipev",
+                 "--set", "plan.virtual_pipeline_stages=2", "--set", "plan.overlap_moe_expert_parallel_comm=true",
+                 "--trace", str(trace))
+    assert r.returncode == 0, r.stderr
+    events = [e for e in json.loads(trace.read_text())["traceEvents"] if e["ph"] == "X"]
+    pairs = [e for e in events if e["cat"] == "forward_backward"]
+    assert pairs and all(e["name"].startswith("F") and "+BW" in e["name"] for e in pairs)
+    names = {e["name"].split(".")[0].rstrip("0123456789") for e in events if e["tid"] == 0}
+    assert {"F", "B", "W", "BW"} <= names
+
+
 BAD_INPUT = [
     (["--set", "plan.tpp=4"], "plan.tpp: unknown key, did you mean 'tp'?"),
     (["--set", "plan.tp=eight"], "plan.tp: expected an integer"),
