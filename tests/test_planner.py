@@ -608,14 +608,25 @@ def test_an_uneven_split_out_of_memory_moves_to_the_nearest_split_that_fits():
         sp.with_first_layers(c, 21)
 
 
-def test_no_split_is_tried_when_a_middle_stage_is_out_of_memory():
+def test_no_split_is_tried_when_a_middle_stage_is_out_of_memory(monkeypatch):
+    """Llama-3 8B on 5 stages at micro-batch 2: the first stage and the second (a middle one, which
+    no edge split changes) are over the GPU's memory, the last fits. The plan is reported out of
+    memory as derived, without one pass of the memory model over another split."""
+    import simulator.simulate
+
     sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml",
-                       ["cluster.num_nodes=3", "plan.pp=3", "plan.tp=1", "plan.dp=8"])
-    sp = PlanSpace(sc, parse_search(sc, {"pp": [3], "tp": [1], "cp": [1], "micro_batch_size": [4],
+                       ["cluster.num_nodes=5", "plan.pp=5", "plan.tp=1", "plan.dp=8"])
+    sp = PlanSpace(sc, parse_search(sc, {"pp": [5], "tp": [1], "cp": [1], "micro_batch_size": [2],
                                          "zero_stage": [0], "recompute": ["none"], "schedule": ["1f1b"]}))
     c = sp.candidate({})
-    e = Evaluator(sp).evaluate(c)
-    assert e.status == "oom" and e.candidate == c
+    over = [m > sp.memory_capacity for m in simulator.simulate.stage_peak_memory(sp.scenario_for(c))]
+    assert over[:2] == [True, True] and not over[-1] and sp.edge_layers(c)
+    calls = []
+    real = simulator.simulate.stage_peak_memory
+    monkeypatch.setattr(simulator.simulate, "stage_peak_memory", lambda s: calls.append(s) or real(s))
+    ev = Evaluator(sp)
+    e = ev.evaluate(c)
+    assert e.status == "oom" and e.candidate == c and calls == [] and ev.simulations == 1
 
 
 def test_evaluation_json_round_trip():
