@@ -133,6 +133,12 @@ def _overlap_schedule(pp: int, schedule: str, vpp: int) -> bool:
             or (schedule == "dualpipev" and pp > 1))
 
 
+def _overlap_recompute(recompute: str, modules: tuple[str, ...]) -> bool:
+    """Whether overlap_moe_expert_parallel_comm can run with the recompute: not full, and not the
+    moe module (Megatron-Core)."""
+    return recompute != "full" and not (recompute == "selective" and "moe" in modules)
+
+
 def vpp_options(schedule: str, candidates, *, one: int = 1) -> list[int]:
     """The virtual stages per rank a schedule is searched at: `one` unless it takes virtual
     stages; interleaved-1f1b the candidates >= 2; zero-bubble `one` (a stage per rank) and the
@@ -523,7 +529,7 @@ class PlanSpace:
         dispatcher = v["moe_dispatcher"] if v["ep"] > 1 else "alltoall"
         shared_overlap = v["moe_shared_expert_overlap"] and self._overlap_matters(v["ep"], dispatcher)
         recompute, modules = recompute_choice(v["recompute"])
-        modules_run = self._template.recompute_modules if modules is None else modules
+        modules_run = self._modules(modules)
         ep_overlap = v["overlap_moe_expert_parallel_comm"] and self._ep_overlap_matters(
             v["ep"], shared_overlap, v["pp"], schedule, vpp, zero, recompute, modules_run)
         layers = self.scenario.model.num_layers
@@ -712,7 +718,7 @@ class PlanSpace:
                                     recompute, modules = recompute_choice(rc)
                                     acts = self._ep_overlap_matters(
                                         ep, overlap, pp, schedule, vpp, zero, recompute,
-                                        self._template.recompute_modules if modules is None else modules)
+                                        self._modules(modules))
                                     for ep_overlap in c["overlap_moe_expert_parallel_comm"] if acts else (False,):
                                         yield {"ep": ep, "expert_tp": etp, "moe_dispatcher": dispatcher,
                                                "moe_shared_expert_overlap": overlap, "micro_batch_size": mbs,
@@ -747,9 +753,12 @@ class PlanSpace:
         models it with ZeRO 0/1 (simulator.feasibility). Elsewhere the plan runs without it (one
         plan, as tp_comm_overlap where sequence parallelism is off)."""
         return (self.scenario.model.moe is not None and ep > 1 and not shared_overlap and zero <= 1
-                and recompute != "full" and not (recompute == "selective" and "moe" in modules)
-                and _overlap_schedule(pp, schedule, vpp)
+                and _overlap_recompute(recompute, modules) and _overlap_schedule(pp, schedule, vpp)
                 and self.scenario.training.precision in ("bf16", "fp16", "fp8"))
+
+    def _modules(self, modules: tuple[str, ...] | None) -> tuple[str, ...]:
+        """The modules a recompute candidate re-runs: its own, or the scenario's (recompute_choice None)."""
+        return self._template.recompute_modules if modules is None else modules
 
     def _plan_ep_overlap_matters(self, p: PlanSpec) -> bool:
         return self._ep_overlap_matters(p.ep, p.moe_shared_expert_overlap, p.pp, p.schedule,
@@ -783,9 +792,7 @@ class PlanSpace:
             if extra and self._ep_overlap_matters(ep, overlap, 1, "1f1b", 1, 0, "none", ()):
                 n += extra * (sum(z <= 1 for z in zeros)
                               * sum(_overlap_schedule(pp, s, v) for s, v in scheds)
-                              * sum(r != "full" and not (r == "selective" and "moe" in
-                                                         (self._template.recompute_modules if mods is None else mods))
-                                    for r, mods in rcs))
+                              * sum(_overlap_recompute(r, self._modules(mods)) for r, mods in rcs))
             total += len(c["micro_batch_size"]) * n_sp * n
         return total
 

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hwmodels.network import COMM_SM_SHARE
-from simulator.cost import Cost
+from simulator.cost import Cost, concatenated
 
 
 @dataclass(frozen=True)
@@ -89,9 +89,7 @@ def merged_cost(forward: Cost, backward: Cost, seconds: float) -> Cost:
     """The cost of a merged pair lasting `seconds`: the two passes' components, except that the
     expert-parallel exchanges count only for what the merge leaves exposed (the pair's time beyond
     every other component, SM sharing included); their NIC traffic is both passes'."""
-    cost = Cost()
-    cost += forward
-    cost += backward
+    cost = concatenated(forward, backward)
     others = cost.total - cost.parts["ep_comm"]
     cost.parts["ep_comm"] = max(0.0, seconds - others)
     return cost

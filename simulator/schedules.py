@@ -94,8 +94,14 @@ def interleaved_1f1b(num_stages: int, num_microbatches: int, stage: int, num_chu
     Needs M % p == 0. With M == p too (megatron/core/pipeline_parallel/schedules.py,
     get_pp_rank_microbatches; PyTorch ScheduleInterleaved1F1B): the all-forwards-first special case
     of earlier Megatron-LM releases is gone from both."""
-    warmup = (num_stages - stage - 1) * 2 + (num_chunks - 1) * num_stages
-    return _interleaved_order(num_stages, num_microbatches, stage, num_chunks, warmup, units)
+    return _interleaved_order(num_stages, num_microbatches, stage, num_chunks,
+                              _interleaved_warmup(num_stages, stage, num_chunks), units)
+
+
+def _interleaved_warmup(num_stages: int, stage: int, num_chunks: int) -> int:
+    """Megatron's interleaved warm-up forwards on `stage`, before its cap at all of them:
+    2(p - s - 1) + (v - 1)p (schedules.py get_pp_rank_microbatches)."""
+    return (num_stages - stage - 1) * 2 + (num_chunks - 1) * num_stages
 
 
 def zero_bubble(num_stages: int, num_microbatches: int, stage: int, num_chunks: int = 1,
@@ -325,7 +331,7 @@ def _combined_warmups(name: str, num_stages: int, num_microbatches: int, num_chu
     if name != "interleaved-1f1b":
         raise ValueError(f"combined 1F1B runs on one stage or under interleaved-1f1b, not {name}")
     total = num_microbatches * num_chunks
-    return [min(total, (num_stages - s - 1) * 2 + (num_chunks - 1) * num_stages + 1) for s in range(num_stages)]
+    return [min(total, _interleaved_warmup(num_stages, s, num_chunks) + 1) for s in range(num_stages)]
 
 
 @functools.lru_cache(maxsize=64)
