@@ -620,17 +620,8 @@ def run_iteration(
                     spans.append(Span(stage, "dp-comm", f"{what} {name}", "dp_comm",
                                       start + a * (end - start), start + b * (end - start)))
             if pair is None:
-                if produces is not None:  # deliver(), inlined: this runs for every op
-                    key, to, hop = produces
-                    if hop is None:  # the next virtual stage is on this rank: nothing is sent
-                        arrival = arrives_at[key] = end
-                    else:
-                        hop_nic = link_nic[hop]
-                        arrival = arrives_at[key] = send(stage, to, end, link_time[hop], hop_nic) if hop_nic \
-                            else end + link_time[hop]
-                    ev = waiting.pop(key, None)
-                    if ev is not None:
-                        ev.succeed(arrival)
+                if produces is not None:
+                    arrival = deliver(stage, produces, end)
                 if special is not None:
                     for c in launched_after:  # whole chunks whose reduction is launched now
                         ready_events[c].succeed((end, end))
@@ -639,7 +630,7 @@ def run_iteration(
                     yield timeout(arrival - end)
                     comm += arrival - end
                     if record_spans:
-                        spans.append((stage, ~key, end, arrival))  # named when the timeline is read
+                        spans.append((stage, ~produces[0], end, arrival))  # named when the timeline is read
                 continue
             # a combined pair: the forward's output and the backward's
             waits = []  # the sends this stage waits for before its next op: (arrival, key)
