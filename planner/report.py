@@ -213,7 +213,7 @@ def format_report(rep: Report) -> str:
                          "etpN = expert tensor parallelism)")
         if any(p.overlap_moe_expert_parallel_comm for p in shown):
             lines.append("  (1f1b-ovl gains are an upper bound: on the one published run that measured the overlap, "
-                         "paraplan predicts 2.3x the gain measured; see the README)")
+                         "paraplan overstates the gain; see the README, Combined 1F1B)")
         if show_stages:
             lines.append("  (stages: layers on the first/last pipeline stage, or virtual stage when interleaved, "
                          "where they differ from the rest; - even)")
