@@ -335,15 +335,18 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
             dense_params += c_dense
             expert_params += c_expert
             chunk_acts.append(acts)
+            # Megatron buckets only the first stage's first chunk, and only with the reduction
+            # overlapped (DistributedDataParallel: bucket_size None on pipeline ranks > 0 and
+            # without overlap_grad_reduce; training.py get_model: disable_bucketing for model
+            # chunks > 0); elsewhere a buffer's gradients and weights move in one collective
+            whole = s > 0 or c > 0
             if p.zero_stage < 2:  # ZeRO-2/3 reduce per microbatch, in the backward (per_unit)
-                buckets[c] = (_grad_buckets(setup, c_dense, dp_layout, shard)
-                              + _grad_buckets(setup, c_expert, edp_layout, edp_layout.size))
+                whole_grads = whole or not p.overlap_grad_reduce
+                buckets[c] = (_grad_buckets(setup, c_dense, dp_layout, shard, whole=whole_grads)
+                              + _grad_buckets(setup, c_expert, edp_layout, edp_layout.size, whole=whole_grads))
             if p.zero_stage in (1, 2) and p.overlap_param_gather:
-                # Megatron buckets only the first stage's first chunk (DistributedDataParallel:
-                # bucket_size None on pipeline ranks > 0; training.py get_model: disable_bucketing
-                # for model chunks > 0). Dense and expert weights are separate buffers, each gathered
-                # bucket after bucket as the forward's pre-hooks reach them: in order of need
-                whole = s > 0 or c > 0
+                # dense and expert weights are separate buffers, each gathered bucket after bucket
+                # as the forward's pre-hooks reach them: in order of need
                 gathers[c] = sorted(((t, nic, j / len(bl)) for bl in (
                     _buckets(setup, c_dense, dp_layout, shard, "all_gather", w_bytes, whole=whole),
                     _buckets(setup, c_expert, edp_layout, edp_layout.size, "all_gather", w_bytes, whole=whole))
@@ -538,13 +541,14 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
     return f, b, None, dense, expert, acts
 
 
-def _grad_buckets(setup: _Setup, params: float, layout: GroupLayout, group: int) -> list[tuple[float, float]]:
+def _grad_buckets(setup: _Setup, params: float, layout: GroupLayout, group: int, *,
+                  whole: bool = False) -> list[tuple[float, float]]:
     """(seconds, seconds of it on the NIC) per gradient bucket of `params` over `layout`, reduced
     in the main-gradient buffer's dtype (ctx.grad_bytes per parameter: Megatron reduces the buffer
     itself, accumulate_allreduce_grads_in_fp32 under bf16): all-reduce without ZeRO, reduce-scatter
     with ZeRO-1 (Megatron distributed optimizer); ZeRO-2/3 reduce per unit instead (_zero3_comm)."""
     op = "all_reduce" if setup.ctx.plan.zero_stage == 0 else "reduce_scatter"
-    return _buckets(setup, params, layout, group, op, setup.ctx.grad_bytes)
+    return _buckets(setup, params, layout, group, op, setup.ctx.grad_bytes, whole=whole)
 
 
 def _buckets(setup: _Setup, params: float, layout: GroupLayout, group: int, op: str,

@@ -1070,3 +1070,21 @@ def test_zbv_runs_any_microbatch_count(gpt3, microbatches):
     sc = replace(gpt3, training=replace(gpt3.training, global_batch_size=16 * microbatches))  # dp 16, pp 8
     r = simulate(plan_variant(sc, schedule="zbv", virtual_pipeline_stages=2))
     assert r.step_time_s > 0 and r.num_microbatches == microbatches
+
+
+def test_only_the_first_stages_first_chunk_reduces_its_gradients_in_buckets(gpt3):
+    """Megatron's DistributedDataParallel buckets the gradients of pipeline rank 0's first model
+    chunk only (bucket_size None on ranks > 0, disable_bucketing for chunks > 0) and of none
+    without overlap_grad_reduce: everywhere else a chunk's gradients go in one reduce-scatter."""
+    from simulator.simulate import _setup, _stage_work  # noqa: PLC2701
+
+    def bucket_counts(sc):
+        _, _, works, _ = _stage_work(sc, _setup(sc), balanced=False, memory=False)
+        return [{c: len(b) for c, b in w.grad_buckets.items()} for w in works]
+
+    assert gpt3.plan.pp > 1 and gpt3.plan.virtual_pipeline_stages > 1 and gpt3.plan.overlap_grad_reduce
+    counts = bucket_counts(gpt3)
+    assert counts[0][0] > 1
+    assert all(n == 1 for s, chunks in enumerate(counts) for c, n in chunks.items() if (s, c) != (0, 0))
+    unoverlapped = bucket_counts(plan_variant(gpt3, overlap_grad_reduce=False))
+    assert all(n == 1 for chunks in unoverlapped for n in chunks.values())
