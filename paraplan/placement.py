@@ -207,15 +207,29 @@ def expert_group_layouts(plan: PlanSpec, gpus_per_node: int, *,
     attention uses are re-divided into expert_tp x ep x edp, expert_tp fastest. With expert_tp = 1
     an EP group is ep consecutive ranks, so EP 8 stays in an 8-GPU node and EP 32 spans 4 nodes.
     """
-    block = plan.tp * plan.cp * plan.dp
     etp, ep = plan.expert_tp, plan.ep
-    edp = block // (etp * ep)
+    edp = plan.tp * plan.cp * plan.dp // (etp * ep)
+    return (_expert_layout(plan, 1, etp, gpus_per_node, nodes_per_leaf),
+            _expert_layout(plan, etp, ep, gpus_per_node, nodes_per_leaf),
+            _expert_layout(plan, etp * ep, edp, gpus_per_node, nodes_per_leaf))
 
-    def layout(stride: int, size: int) -> GroupLayout:
-        # inside a block the groups of this kind start at the other expert coordinates' offsets;
-        # blocks start at s x block (one per stage). The slowest of them sets the pace.
-        others = [(1, stride)] + [(stride * size, block // (stride * size)), (block, plan.pp)]
-        offsets = [i * stride for i in range(size)]
-        return _slowest_layout(others, offsets, gpus_per_node, nodes_per_leaf)
 
-    return layout(1, etp), layout(etp, ep), layout(etp * ep, edp)
+def expert_dispatch_layout(plan: PlanSpec, gpus_per_node: int, *, nodes_per_leaf: int | None = None) -> GroupLayout:
+    """Layout of the group an MoE layer's token dispatcher exchanges tokens over: the expert-parallel
+    group for the all-to-all dispatcher, the expert-TP x EP group for DeepEP (Megatron-Core's
+    MoEFlexTokenDispatcher runs DeepEP over tp_ep_group, a token sent to every expert-TP rank of its
+    experts, with no expert-TP gather or scatter of its own). The same group when expert_tp is 1."""
+    if plan.moe_dispatcher == "deepep":
+        return _expert_layout(plan, 1, plan.expert_tp * plan.ep, gpus_per_node, nodes_per_leaf)
+    return _expert_layout(plan, plan.expert_tp, plan.ep, gpus_per_node, nodes_per_leaf)
+
+
+def _expert_layout(plan: PlanSpec, stride: int, size: int, gpus_per_node: int,
+                   nodes_per_leaf: int | None) -> GroupLayout:
+    """Layout of the expert groups of `size` members `stride` ranks apart inside each stage's block:
+    they start at the other expert coordinates' offsets, blocks at s x block (one per stage); the
+    slowest of them sets the pace."""
+    block = plan.tp * plan.cp * plan.dp
+    others = [(1, stride)] + [(stride * size, block // (stride * size)), (block, plan.pp)]
+    offsets = [i * stride for i in range(size)]
+    return _slowest_layout(others, offsets, gpus_per_node, nodes_per_leaf)

@@ -172,7 +172,8 @@ class MoEBlock:
 
 def moe_block(ctx, draw: RoutingDraw, ep_layout, etp_layout, *, overlap_shared: bool) -> MoEBlock:
     """The MoE module's costs, plus the post-attention norm and residual around it for the FFN
-    sublayer's forward and backward."""
+    sublayer's forward and backward; `ep_layout` is the group the dispatcher exchanges tokens over
+    (paraplan.placement.expert_dispatch_layout: under DeepEP the expert-TP x EP group)."""
     module, fwd_phases = _moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=False)
     backward, bwd_phases = _moe_cost(ctx, draw, ep_layout, etp_layout, overlap_shared, backward=True)
     return MoEBlock(
@@ -328,36 +329,40 @@ def deepep_time(ctx, routed: float, skew: float, ep_layout) -> float:
     # one network hop per destination node, each a point-to-point transfer of its share
     rdma = collective_time(ctx.network, "send_recv", net_bytes, spread_hop(ctx.network, ep_layout))
     ppn = ep_layout.ranks_per_node
-    nvl_bytes = routed * m.moe.top_k * deepep_rank_share(ctx, ep_layout) * h * b * skew
+    nvl_bytes = routed * m.moe.top_k * deepep_rank_share(ctx) * h * b * skew
     nvl = collective_time(ctx.network, "all_to_all", nvl_bytes, GroupLayout(size=ppn, ranks_per_node=ppn, num_nodes=1))
     return max(rdma, nvl)
 
 
-def deepep_rank_share(ctx, ep_layout) -> float:
-    """The fraction of a token's top_k copies DeepEP moves: one per distinct destination rank,
-    E[ranks reached] / top_k with the experts spread evenly over the EP ranks and picked uniformly
-    (nodes_reached with ranks for nodes; Megatron-Core fused_a2a FusedDispatch builds
+def deepep_rank_share(ctx) -> float:
+    """The copies DeepEP moves per token, as a fraction of its top_k: one per distinct destination
+    rank, E[EP ranks reached] / top_k with the experts spread evenly over the EP ranks and picked
+    uniformly (nodes_reached with ranks for nodes; Megatron-Core fused_a2a FusedDispatch builds
     is_token_in_rank with get_dispatch_layout, DeepEP Buffer.intranode_dispatch receives
-    num_recv_tokens distinct tokens). Qwen3-235B, 128 experts top-8 on EP 8: 5.3 of 8."""
+    num_recv_tokens distinct tokens), times expert_tp: every expert-TP rank of a chosen expert
+    receives the token (MoEFlexTokenDispatcher._initialize_metadata expands the routing map over
+    the expert-TP ranks). Qwen3-235B, 128 experts top-8 on EP 8: 5.3 of 8."""
     e = ctx.model.moe
-    return nodes_reached(e.num_experts, e.top_k, ep_layout.size, e.expert_groups, e.groups_per_token) / e.top_k
+    reached = nodes_reached(e.num_experts, e.top_k, ctx.plan.ep, e.expert_groups, e.groups_per_token)
+    return ctx.plan.expert_tp * reached / e.top_k
 
 
-def _shared_experts(ctx, backward: bool) -> tuple[float, float]:
-    """(compute, TP communication) of the shared experts: a dense FFN of num_shared x expert width,
-    tensor-parallel like the dense MLP (all-gather in, reduce-scatter out under SP)."""
+def _shared_experts(ctx, backward: bool) -> tuple[float, float, float]:
+    """(compute of the up projection and the activation, compute of the down projection, TP
+    communication) of the shared experts: a dense FFN of num_shared x expert width, tensor-parallel
+    like the dense MLP (all-gather in, reduce-scatter out under SP)."""
     if not ctx.model.moe.num_shared_experts:
-        return 0.0, 0.0
+        return 0.0, 0.0, 0.0
     shapes = [(k, w, ctx.tokens) for k, w in _shared_linears(ctx)]
     gemms = [_gemm(ctx, ctx.tokens, k, w, backward) for k, w, _ in shapes]
-    compute = sum(gemms) + activation_time(ctx, ctx.tokens, _shared_width(ctx), backward)
+    up = gemms[0] + activation_time(ctx, ctx.tokens, _shared_width(ctx), backward)
     # Transformer Engine's userbuffers serve the attention and dense MLP GEMMs, not the shared experts'
-    return compute, tp_exposed(ctx, mlp_transfers(ctx), shapes, gemms, backward, userbuffers=False)
+    return up, gemms[1], tp_exposed(ctx, mlp_transfers(ctx), shapes, gemms, backward, userbuffers=False)
 
 
 def _shared_forward(ctx) -> Cost:
-    compute, tp = _shared_experts(ctx, False)
-    return Cost().add("compute", compute).add("tp_comm", tp)
+    up, down, tp = _shared_experts(ctx, False)
+    return Cost().add("compute", up + down).add("tp_comm", tp)
 
 
 def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: bool,
@@ -376,38 +381,50 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     # Permute copies by expert before dispatch; unpermute (sum the copies per token) after combine.
     permute = memory_bound_time(ctx.gpu, factor * 2 * copies * h * b)
     unpermute = memory_bound_time(ctx.gpu, factor * (2 * copies * h * b + routed * h * b))
+    etp = ctx.plan.expert_tp
     sort = 0.0
-    if ctx.plan.moe_dispatcher == "alltoall" and ctx.plan.ep > 1 and experts // ctx.plan.ep > 1:
+    if ctx.plan.moe_dispatcher == "alltoall" and experts // ctx.plan.ep > 1:
         # the received tokens arrive grouped by source rank: Megatron-Core's alltoall dispatcher sorts
-        # them by local expert after the exchange and back before the combine (token_dispatcher.py
-        # dispatch_postprocess "Permutation 2: Sort tokens by local expert", combine_preprocess
-        # "Unpermutation 2", sort_chunks_by_idxs), each a read and a write of the received tokens
-        sort = memory_bound_time(ctx.gpu, factor * 2 * load * h * b)
+        # them by local expert after the exchange (and the expert-TP gather) and back before the
+        # combine (token_dispatcher.py dispatch_postprocess "Permutation 2: Sort tokens by local
+        # expert", combine_preprocess "Unpermutation 2", sort_chunks_by_idxs, whenever a rank holds
+        # more than one expert), each a read and a write of the expert-TP group's received tokens
+        sort = memory_bound_time(ctx.gpu, factor * 2 * load * etp * h * b)
     experts_t = expert_compute_time(ctx, busiest, backward)
     # All-to-all-v: every rank sends copies x h; the busiest receives load x h. The exchange ends
     # when the largest of those has moved (dispatch and combine move the same bytes; backward the
     # gradients of both).
     a2a_bytes = max(copies, load) * h * b
-    if ctx.plan.moe_dispatcher == "deepep" and ep_layout.num_nodes > 1:
+    deepep = ctx.plan.moe_dispatcher == "deepep"
+    if deepep and ep_layout.num_nodes > 1:
         # the tokens sent: top_k copies each (with drops, about the kept copies' share of them)
         a2a = deepep_time(ctx, copies / m.moe.top_k, max(1.0, load / copies), ep_layout)
-    elif ctx.plan.moe_dispatcher == "deepep":  # inside one node: each token once per destination rank
-        a2a = collective_time(ctx.network, "all_to_all", a2a_bytes * deepep_rank_share(ctx, ep_layout), ep_layout)
+    elif deepep:  # inside one node: each token once per destination rank
+        a2a = collective_time(ctx.network, "all_to_all", a2a_bytes * deepep_rank_share(ctx), ep_layout)
     else:
         a2a = collective_time(ctx.network, "all_to_all", a2a_bytes, ep_layout)
     etp_comm = 0.0
-    if etp_layout.size > 1:  # expert-TP: gather the group's tokens in, reduce-scatter them out
+    if etp_layout.size > 1 and not deepep:
+        # expert-TP under the all-to-all dispatcher: gather the group's tokens in, reduce-scatter them
+        # out (DeepEP reaches the expert-TP ranks in its own exchange: expert_dispatch_layout)
         etp_bytes = load * etp_layout.size * h * b
         etp_comm = (collective_time(ctx.network, "all_gather", etp_bytes, etp_layout)
                     + collective_time(ctx.network, "reduce_scatter", etp_bytes, etp_layout))
-    shared, shared_tp = _shared_experts(ctx, backward)
-    dispatch = a2a
+    up, down, shared_tp = _shared_experts(ctx, backward)
+    shared = up + down
+    dispatch = combine = a2a
     if overlap_shared:
-        # Megatron --moe-shared-expert-overlap: the shared experts run while tokens are dispatched,
-        # on the SMs the all-to-all leaves them
-        dispatch = overlapped(shared, a2a) - shared
+        # Megatron --moe-shared-expert-overlap: the shared experts run on a stream of their own
+        # (SharedExpertMLP.stream), the input's TP gather, the up projection and the activation
+        # while the tokens are dispatched, the down projection and its TP reduce-scatter while
+        # they are combined (token_dispatcher.py: linear_fc1_forward_and_act after the dispatch's
+        # all-to-all, linear_fc2_forward and post_forward_comm after the combine's), each beside
+        # its exchange on the SMs the exchange leaves; half the TP traffic goes with each (under
+        # sequence parallelism the gather and the reduce-scatter move the same bytes)
+        dispatch = overlapped(up + shared_tp / 2, a2a) - (up + shared_tp / 2)
+        combine = overlapped(down + shared_tp / 2, a2a) - (down + shared_tp / 2)
     cost = Cost().add("compute", router + (permute + sort) + (unpermute + sort) + experts_t + shared)
-    cost.add("ep_comm", dispatch + a2a + etp_comm).add("tp_comm", shared_tp)
+    cost.add("ep_comm", dispatch + combine + etp_comm).add("tp_comm", shared_tp)
     if ep_layout.num_nodes > 1:
         cost.add_nic("ep_comm", 2 * a2a)  # network-bound: the NIC is busy for both exchanges
     # the expert-TP gather goes with the dispatch, its reduce-scatter with the combine

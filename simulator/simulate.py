@@ -10,7 +10,8 @@ from hwmodels.compute import memory_bound_time
 from hwmodels.network import COMM_SM_SHARE, build_network, collective_time, tier_names_crossed
 from hwmodels.profile import load_profile
 from paraplan.errors import InfeasiblePlanError
-from paraplan.placement import GroupLayout, expert_group_layouts, group_layout, pp_hop_layouts
+from paraplan.placement import (GroupLayout, expert_dispatch_layout, expert_group_layouts, group_layout,
+                                pp_hop_layouts)
 from paraplan.specs import DTYPE_BYTES, Scenario
 from simulator.combined import LayerPhases, merged_cost, merged_layers_time
 from simulator.cost import Cost, concatenated
@@ -164,6 +165,7 @@ class _Setup:
     ctx: LayerContext
     dp_layout: GroupLayout
     expert_layouts: tuple[GroupLayout, GroupLayout, GroupLayout]  # (expert-TP, EP, expert-DP)
+    dispatch_layout: GroupLayout  # the group MoE tokens are exchanged over (expert_dispatch_layout)
     hops: list
     layers: list
     schedule: tuple
@@ -193,6 +195,7 @@ def _setup(sc: Scenario) -> _Setup:
     return _Setup(
         gpu=gpu, net=net, ctx=ctx, dp_layout=group_layout(("cp", "dp"), p, gpn, nodes_per_leaf=leaf),
         expert_layouts=expert_group_layouts(p, gpn, nodes_per_leaf=leaf),
+        dispatch_layout=expert_dispatch_layout(p, gpn, nodes_per_leaf=leaf),
         hops=pp_hop_layouts(p, gpn, nodes_per_leaf=leaf),
         layers=layers_per_chunk(m.num_layers, p.pp, p.virtual_pipeline_stages, p.first_stage_layers,
                                 p.last_stage_layers, v_shaped(p)),
@@ -261,18 +264,19 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
     `memory`): everything the engine plays and the memory report reads."""
     gpu, net, ctx, dp_layout, layers, schedule = \
         setup.gpu, setup.net, setup.ctx, setup.dp_layout, setup.layers, setup.schedule
-    etp_layout, ep_layout, edp_layout = setup.expert_layouts
+    etp_layout, _, edp_layout = setup.expert_layouts
+    a2a_layout = setup.dispatch_layout
     m, p, tr = sc.model, sc.plan, sc.training
     shard = p.dp * p.cp
     vpp = p.virtual_pipeline_stages
-    kinds, draw = _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, balanced=balanced)
+    kinds, draw = _layer_kinds(ctx, a2a_layout, etp_layout, balanced=balanced)
     # a schedule that runs some backwards whole beside split ones (DualPipeV's X ops) prices those
     # as a schedule that never splits does: the weight-gradient GEMMs are there to hide the
     # input gradient's TP collectives behind (workload.tp_exposed)
     ctx_whole = kinds_whole = None
     if p.schedule in WHOLE_AND_SPLIT_SCHEDULES:
         ctx_whole = dataclasses.replace(ctx, plan=dataclasses.replace(p, schedule="1f1b"))
-        kinds_whole, _ = _layer_kinds(ctx_whole, ep_layout, etp_layout, edp_layout, balanced=balanced)
+        kinds_whole, _ = _layer_kinds(ctx_whole, a2a_layout, etp_layout, balanced=balanced)
     w_bytes, _, _ = state_bytes_per_param(tr.precision)
     emb_params = m.embedding_params() / p.tp
 
@@ -427,17 +431,18 @@ def _critical_stage(eng) -> int:
     return max(last, key=lambda s: (eng.stages[s].end - eng.stages[s].breakdown.get("pp_bubble", 0.0), -s))
 
 
-def _routed_block(ctx, ep_layout, etp_layout, *, balanced: bool):
+def _routed_block(ctx, a2a_layout, etp_layout, *, balanced: bool):
     """(routing draw, MoE block) of an MoE layer: the seeded draw of the scenario's router, or a
-    perfectly balanced one."""
+    perfectly balanced one; tokens exchanged over `a2a_layout` (expert_dispatch_layout)."""
     p = ctx.plan
     draw = draw_routing(ctx.model.moe, p.ep, routed_tokens_per_rank(ctx), balanced=balanced)
-    return draw, moe_block(ctx, draw, ep_layout, etp_layout, overlap_shared=p.moe_shared_expert_overlap)
+    return draw, moe_block(ctx, draw, a2a_layout, etp_layout, overlap_shared=p.moe_shared_expert_overlap)
 
 
-def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
+def _layer_kinds(ctx, a2a_layout, etp_layout, *, balanced: bool):
     """Per-layer forward/backward costs, parameters and activations of a dense layer and, for an
-    MoE model, of an MoE layer (whose costs follow the seeded routing draw)."""
+    MoE model, of an MoE layer (whose costs follow the seeded routing draw; its tokens exchanged
+    over `a2a_layout`)."""
     m, p = ctx.model, ctx.plan
     attn_params = m.attention_params(p.tp)
     dense_acts = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, act_bytes=ctx.act_bytes)
@@ -450,7 +455,7 @@ def _layer_kinds(ctx, ep_layout, etp_layout, edp_layout, *, balanced: bool):
     if m.moe is None:
         return kinds, None
     e = m.moe
-    draw, block = _routed_block(ctx, ep_layout, etp_layout, balanced=balanced)
+    draw, block = _routed_block(ctx, a2a_layout, etp_layout, balanced=balanced)
     kinds.fwd["moe"] = layer_forward(ctx, block)
     kinds.bwd["moe"] = layer_backward(ctx, block)
     kinds.wgrad["moe"] = layer_weight_grad(ctx, block)
@@ -675,7 +680,7 @@ def _moe_report(sc, setup: _Setup, draw, kinds, *, reference: bool) -> MoEReport
         uniform_step = ref.eng.step_time
         ref_layer = ref.kinds.fwd["moe"].total + ref.kinds.bwd["moe"].total
     else:
-        _, ref_block = _routed_block(ctx, ep_layout, etp_layout, balanced=True)
+        _, ref_block = _routed_block(ctx, setup.dispatch_layout, etp_layout, balanced=True)
         ref_layer = layer_forward(ctx, ref_block).total + layer_backward(ctx, ref_block).total
     return MoEReport(
         routing=m.moe.routing.distribution,

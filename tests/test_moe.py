@@ -386,29 +386,56 @@ def test_a_zipf_exponent_with_another_distribution_is_refused():
 
 
 @pytest.mark.parametrize("shared_experts", [1, 4])
-def test_shared_expert_overlap_hides_the_dispatch_minus_its_sm_share(h100_net, shared_experts):
-    """--moe-shared-expert-overlap runs the shared experts beside the dispatch all-to-all: the
-    dispatch costs only what the shared experts do not cover, and the shared experts run
-    COMM_SM_SHARE of the overlap longer (hwmodels.network.overlapped; both of its branches are
-    checked in tests/test_hwmodels_network.py). Mixtral's in-node dispatch is shorter than one
-    shared expert, so it hides whole and costs 0.15 of itself."""
+def test_shared_expert_overlap_hides_both_exchanges_minus_their_sm_share(h100_net, shared_experts):
+    """--moe-shared-expert-overlap runs the shared experts on their own stream: the up projection
+    and activation beside the dispatch all-to-all, the down projection beside the combine. Each
+    exchange costs only what its half does not cover, and the shared experts run COMM_SM_SHARE of
+    the overlap longer (hwmodels.network.overlapped; both of its branches are checked in
+    tests/test_hwmodels_network.py). Mixtral's in-node exchanges are shorter than either half, so
+    both hide whole and each costs 0.15 of itself."""
     from hwmodels.network import overlapped
     from simulator.moe import _shared_experts  # noqa: PLC2701
 
     sc, gpu, net = h100_net
     model = replace(sc.model, moe=replace(sc.model.moe, num_shared_experts=shared_experts))
     sc, ctx = _ctx(replace(sc, model=model), gpu, net)
+    assert sc.plan.tp == 1  # no shared-expert TP traffic
     etp, ep, _ = expert_group_layouts(sc.plan, 8)
     draw = draw_routing(model.moe, sc.plan.ep, ctx.tokens)
     for backward in (False, True):
         plain = moe_block(ctx, draw, ep, etp, overlap_shared=False)(ctx, backward)
         hidden = moe_block(ctx, draw, ep, etp, overlap_shared=True)(ctx, backward)
         a2a = plain.parts["ep_comm"] / 2  # dispatch + combine, no expert-TP
-        shared = _shared_experts(ctx, backward)[0]
-        assert a2a < shared
-        assert hidden.parts["ep_comm"] == pytest.approx(a2a + overlapped(shared, a2a) - shared)
-        assert hidden.parts["ep_comm"] == pytest.approx(1.15 * a2a)
+        up, down, tp = _shared_experts(ctx, backward)
+        assert tp == 0 and a2a < down < up
+        assert hidden.parts["ep_comm"] == pytest.approx(overlapped(up, a2a) - up + overlapped(down, a2a) - down)
+        assert hidden.parts["ep_comm"] == pytest.approx(2 * 0.15 * a2a)
         assert hidden.parts["compute"] == pytest.approx(plain.parts["compute"])
+
+
+def test_shared_expert_overlap_runs_the_shared_tp_traffic_on_the_side_stream(h100_net):
+    """Under TP the shared experts' gather and reduce-scatter run on their stream too
+    (SharedExpertMLP pre_forward_comm / post_forward_comm): half of that traffic goes with each
+    exchange's overlap, so an exchange shorter than its half costs 0.15 of itself, and the TP time
+    still counts once, as without the overlap."""
+    from hwmodels.network import overlapped
+    from simulator.moe import _shared_experts  # noqa: PLC2701
+
+    sc, gpu, net = h100_net
+    model = replace(sc.model, moe=replace(sc.model.moe, num_shared_experts=2))
+    sc, ctx = _ctx(replace(sc, model=model), gpu, net, tp=2, dp=32, sequence_parallel=True)
+    etp, ep, _ = expert_group_layouts(sc.plan, 8)
+    draw = draw_routing(model.moe, sc.plan.ep, ctx.tokens)
+    for backward in (False, True):
+        plain = moe_block(ctx, draw, ep, etp, overlap_shared=False)(ctx, backward)
+        hidden = moe_block(ctx, draw, ep, etp, overlap_shared=True)(ctx, backward)
+        a2a = plain.parts["ep_comm"] / 2
+        up, down, tp = _shared_experts(ctx, backward)
+        assert tp > 0
+        halves = (up + tp / 2, down + tp / 2)
+        assert hidden.parts["ep_comm"] == pytest.approx(sum(overlapped(x, a2a) - x for x in halves), rel=1e-12)
+        assert hidden.parts["tp_comm"] == pytest.approx(plain.parts["tp_comm"], rel=1e-12)
+        assert hidden.total < plain.total
 
 
 def test_copies_dropped_at_capacity_are_not_counted_as_model_flops():
@@ -460,6 +487,17 @@ def test_alltoall_dispatcher_sorts_received_tokens_by_local_expert(h100_net):
         extra = (moe_block(a2a, draw, ep, etp, overlap_shared=False)(a2a, backward).parts["compute"]
                  - moe_block(flex, draw, ep, etp, overlap_shared=False)(flex, backward).parts["compute"])
         assert extra == pytest.approx(2 * memory_bound_time(gpu, factor * 2 * load * h * 2), rel=1e-9)
+    # the sort runs after the expert-TP gather, on expert_tp times the tokens, and at EP 1 too
+    # (sort_chunks_by_idxs whenever a rank holds more than one expert)
+    for plan, ranks in ((dict(base, ep=2, expert_tp=2), 2), (dict(base, ep=1), 1)):
+        _, a2a = _ctx(sc, gpu, net, **plan, moe_dispatcher="alltoall")
+        _, flex = _ctx(sc, gpu, net, **plan, moe_dispatcher="deepep")
+        etp, ep, _ = expert_group_layouts(a2a.plan, 8)
+        draw = draw_routing(sc.model.moe, ranks, a2a.tokens)
+        load = float(draw.expert_tokens[draw.busiest_rank].sum()) * a2a.plan.expert_tp
+        extra = (moe_block(a2a, draw, ep, etp, overlap_shared=False)(a2a, False).parts["compute"]
+                 - moe_block(flex, draw, ep, etp, overlap_shared=False)(flex, False).parts["compute"])
+        assert extra == pytest.approx(2 * memory_bound_time(gpu, 2 * load * h * 2), rel=1e-9)
 
 
 def test_deepep_moves_a_token_once_per_destination_rank(h100_net):
@@ -473,12 +511,44 @@ def test_deepep_moves_a_token_once_per_destination_rank(h100_net):
     _, a2a = _ctx(replace(sc, model=qwen), gpu, net, **base, moe_dispatcher="alltoall")
     _, flex = _ctx(replace(sc, model=qwen), gpu, net, **base, moe_dispatcher="deepep")
     etp, ep, _ = expert_group_layouts(a2a.plan, 8)
-    assert ep.num_nodes == 1 and deepep_rank_share(flex, ep) == pytest.approx(5.3394 / 8, rel=1e-4)
+    assert ep.num_nodes == 1 and deepep_rank_share(flex) == pytest.approx(5.3394 / 8, rel=1e-4)
     draw = draw_routing(qwen.moe, 8, a2a.tokens, balanced=True)
     ep_comm = lambda ctx: moe_block(ctx, draw, ep, etp, overlap_shared=False)(ctx, False).parts["ep_comm"]  # noqa: E731
     copies = draw.sent_per_rank * qwen.hidden_size * 2
     assert ep_comm(a2a) == pytest.approx(2 * collective_time(net, "all_to_all", copies, ep), rel=1e-6)
     assert ep_comm(flex) == pytest.approx(2 * collective_time(net, "all_to_all", copies * 5.3394 / 8, ep), rel=1e-4)
+
+
+def test_deepep_reaches_expert_tp_ranks_in_its_own_exchange(h100_net):
+    """Megatron-Core runs DeepEP over the expert-TP x EP group (MoEFlexTokenDispatcher, tp_ep_group)
+    and sends a token to every expert-TP rank of its experts: no expert-TP gather or scatter, and
+    expert_tp times the copies per token. Qwen3 on EP 4 x expert-TP 2 inside a node, by hand."""
+    from paraplan.placement import expert_dispatch_layout
+    from simulator.moe import deepep_rank_share
+
+    sc, gpu, net = h100_net
+    qwen = replace(sc.model, moe=replace(sc.model.moe, num_experts=128, top_k=8))
+    base = dict(tp=1, pp=1, dp=64, ep=4, expert_tp=2, virtual_pipeline_stages=1, schedule="1f1b")
+    _, a2a = _ctx(replace(sc, model=qwen), gpu, net, **base, moe_dispatcher="alltoall")
+    _, flex = _ctx(replace(sc, model=qwen), gpu, net, **base, moe_dispatcher="deepep")
+    etp, ep, _ = expert_group_layouts(flex.plan, 8)
+    group = expert_dispatch_layout(flex.plan, 8)
+    assert (group.size, group.num_nodes) == (8, 1) and expert_dispatch_layout(a2a.plan, 8) == ep
+    reached = nodes_reached(128, 8, 4)
+    assert deepep_rank_share(flex) == pytest.approx(2 * reached / 8, rel=1e-12)
+    draw = draw_routing(qwen.moe, 4, flex.tokens, balanced=True)
+    load = float(draw.rank_loads.max())
+    nbytes = max(draw.sent_per_rank, load) * qwen.hidden_size * 2 * 2 * reached / 8
+    for backward in (False, True):
+        cost = moe_block(flex, draw, group, etp, overlap_shared=False)(flex, backward)
+        assert cost.parts["ep_comm"] == pytest.approx(2 * collective_time(net, "all_to_all", nbytes, group), rel=1e-12)
+        # the all-to-all dispatcher gathers and scatters over expert-TP besides its EP exchange
+        plain = moe_block(a2a, draw, ep, etp, overlap_shared=False)(a2a, backward).parts["ep_comm"]
+        gathered = load * 2 * qwen.hidden_size * 2
+        etp_comm = (collective_time(net, "all_gather", gathered, etp)
+                    + collective_time(net, "reduce_scatter", gathered, etp))
+        a2a_bytes = max(draw.sent_per_rank, load) * qwen.hidden_size * 2
+        assert plain == pytest.approx(2 * collective_time(net, "all_to_all", a2a_bytes, ep) + etp_comm, rel=1e-12)
 
 
 def test_moe_activations_keep_each_copys_probability_not_its_output(h100_net):

@@ -180,7 +180,7 @@ def test_weight_gradient_pass_is_the_wgrad_gemms(gpt3):
     assert p.zero_stage < 2 and p.fused_grad_accumulation
     assert layer_weight_grad(ctx) == pytest.approx(by_hand, rel=1e-12)
     # and the W pass the simulator schedules for a dense layer is that figure
-    kinds, _ = _layer_kinds(ctx, None, None, None, balanced=False)
+    kinds, _ = _layer_kinds(ctx, None, None, balanced=False)
     assert kinds.wgrad["dense"] == pytest.approx(by_hand, rel=1e-12)
     # unfused: each GEMM writes a bf16 gradient, then a kernel adds it into main_grad (read 2 + 4, write 4)
     unfused = replace(ctx, plan=replace(p, gradient_accumulation_fusion=False))
