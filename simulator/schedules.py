@@ -375,7 +375,7 @@ def _build_schedule(name: str, num_stages: int, num_microbatches: int, num_chunk
 
 
 def peak_in_flight(ops: Sequence[Op], chunk_weights: list[float] | None = None,
-                   freed_by_b: list[float] | None = None) -> float:
+                   freed_by_b: list[float] | None = None, rebuilt_by_b: list[float] | None = None) -> float:
     """Largest activation footprint a stage holds: forwards done whose backward has not run,
     weighted per chunk (e.g. by its layer count). Read off the op order, not a formula.
 
@@ -383,11 +383,15 @@ def peak_in_flight(ops: Sequence[Op], chunk_weights: list[float] | None = None,
     B pass already frees what only the input gradient needed (the weight gradients keep the
     inputs of the linear layers, the M_W of Qi et al. 2024, Sec. 3). `freed_by_b` (per chunk, also
     counted from the F) is what is known to be freed by the B pass even then, e.g. the loss's
-    softmax, which only the input gradient of the logits reads."""
+    softmax, which only the input gradient of the logits reads. `rebuilt_by_b` (per chunk) is what
+    recompute rebuilds in the B pass and the W pass still reads (the recomputed linear layers'
+    inputs), counted the same way from the B to the W, the B's peak included: the forward's
+    activations that the stored checkpoints stand for."""
     split = splits_backward(ops)
     chunks = 1 + max((op[2] for op in ops), default=0)
     weight = chunk_weights or [1.0] * chunks
     freed = freed_by_b or [0.0] * chunks
+    rebuilt = (rebuilt_by_b or [0.0] * chunks) if split else [0.0] * chunks
     taken = [w + b for w, b in zip(weight, freed)]  # by an F
     given_by_b = freed if split else taken
     live = 0.0
@@ -398,9 +402,12 @@ def peak_in_flight(ops: Sequence[Op], chunk_weights: list[float] | None = None,
             if live > peak:
                 peak = live
         elif kind == "B":
+            live += rebuilt[chunk]
+            if live > peak:
+                peak = live
             live -= given_by_b[chunk]
         elif kind == "W":
-            live -= weight[chunk]
+            live -= weight[chunk] + rebuilt[chunk]
         elif kind == "X":  # a whole backward frees all its microbatch held
             live -= taken[chunk]
     return peak

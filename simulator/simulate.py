@@ -89,6 +89,9 @@ class _Layers:
     working: dict  # kind -> transient bytes while one layer of the kind runs (recompute, dispatch buffers)
     phases: dict = field(default_factory=dict)
     """kind -> (forward, backward) combined.LayerPhases, under combined 1F1B only."""
+    rebuilt: dict = field(default_factory=dict)
+    """kind -> bytes per microbatch that recompute rebuilds in a split backward's B pass and that
+    stay until its W pass (split-backward schedules with recompute only; none elsewhere)."""
 
 
 @dataclass(frozen=True)
@@ -317,7 +320,7 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
                                                             p.last_stage_layers))]
     for s in range(p.pp):
         stage_kinds: set[str] = set()
-        op_cost, buckets, gathers, chunk_acts = {}, {}, {}, []
+        op_cost, buckets, gathers, chunk_acts, chunk_rebuilt = {}, {}, {}, [], []
         chunk_kinds = []
         dense_params = expert_params = 0.0
         for c in range(len(layers[s])):
@@ -339,6 +342,7 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
             dense_params += c_dense
             expert_params += c_expert
             chunk_acts.append(acts)
+            chunk_rebuilt.append(sum(kinds.rebuilt.get(k, 0.0) for k in kinds_in_chunk))
             # Megatron buckets only the first stage's first chunk, and only with the reduction
             # overlapped (DistributedDataParallel: bucket_size None on pipeline ranks > 0 and
             # without overlap_grad_reduce; training.py get_model: disable_bucketing for model
@@ -391,7 +395,7 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
         mems.append(stage_memory(
             plan=p, precision=tr.precision, grad_dtype=tr.grad_reduce_dtype, dense_params=dense_params, expert_params=expert_params,
             max_layer_params=gathered, working_set=working,
-            activations=peak_in_flight(schedule[s], chunk_acts, freed_by_b=freed_by_b),
+            activations=peak_in_flight(schedule[s], chunk_acts, freed_by_b=freed_by_b, rebuilt_by_b=chunk_rebuilt),
             prefetched_params=gathered_layer,
             embedding_params=emb_params * ((s == 0) + (s == last_rank) * (own_head + mtp_embedding)),
         ))
@@ -452,6 +456,11 @@ def _layer_kinds(ctx, a2a_layout, etp_layout, *, balanced: bool):
         acts={"dense": dense_acts},
         working={"dense": recompute_working_bytes(m, p, ctx.seq_length, ctx.attention_kernel, ctx.act_bytes)},
     )
+    rebuilds = p.schedule in SPLIT_BACKWARD_SCHEDULES and (p.recompute == "full" or p.recomputed_modules)
+    unrecomputed = dataclasses.replace(p, recompute="none")
+    if rebuilds:
+        kinds.rebuilt["dense"] = activation_bytes_per_layer(
+            m, unrecomputed, ctx.seq_length, ctx.attention_kernel, act_bytes=ctx.act_bytes) - dense_acts
     if m.moe is None:
         return kinds, None
     e = m.moe
@@ -464,6 +473,10 @@ def _layer_kinds(ctx, a2a_layout, etp_layout, *, balanced: bool):
     kinds.params["moe"] = (attn_params + m.hidden_size * e.num_experts + shared, local_experts)
     ffn = moe_activation_bytes(ctx, draw)
     kinds.acts["moe"] = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, ffn, ctx.act_bytes)
+    if rebuilds:
+        kinds.rebuilt["moe"] = activation_bytes_per_layer(
+            m, unrecomputed, ctx.seq_length, ctx.attention_kernel, moe_activation_bytes(ctx, draw, recomputed=()),
+            ctx.act_bytes) - kinds.acts["moe"]
     recomputed_ffn = p.recompute == "full" or "moe" in p.recomputed_modules
     kinds.working["moe"] = dispatch_buffer_bytes(ctx, draw) + recompute_working_bytes(
         m, p, ctx.seq_length, ctx.attention_kernel, ctx.act_bytes,

@@ -618,3 +618,15 @@ def test_dualpipev_never_deadlocks():
             res = run_iteration(works, num_chunks=2, p2p_time=[rng.uniform(0, 0.5) for _ in range(p)],
                                 overlap_grad_reduce=True, sync_time=0.0, v_shaped=True)
             assert all(s.ops_done == len(o) for s, o in zip(res.stages, orders))
+
+
+def test_what_recompute_rebuilds_for_the_weight_gradients_stays_from_b_to_w():
+    """A split backward under recompute rebuilds the forward's tensors in its B pass and the W pass
+    still reads them: F0 F1 B0 W0 B1 W1 with a 1-byte checkpoint and 3 bytes rebuilt peaks at
+    B0 (two checkpoints and one rebuilt microbatch), not at the two checkpoints; a whole backward
+    (1F1B) holds nothing past its B."""
+    ops = [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("W", 0, 0), ("B", 1, 0), ("W", 1, 0)]
+    assert peak_in_flight(ops, [1.0]) == 2.0
+    assert peak_in_flight(ops, [1.0], rebuilt_by_b=[3.0]) == 5.0
+    whole = [("F", 0, 0), ("F", 1, 0), ("B", 0, 0), ("B", 1, 0)]
+    assert peak_in_flight(whole, [1.0], rebuilt_by_b=[3.0]) == 2.0

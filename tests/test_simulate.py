@@ -1088,3 +1088,21 @@ def test_only_the_first_stages_first_chunk_reduces_its_gradients_in_buckets(gpt3
     assert all(n == 1 for s, chunks in enumerate(counts) for c, n in chunks.items() if (s, c) != (0, 0))
     unoverlapped = bucket_counts(plan_variant(gpt3, overlap_grad_reduce=False))
     assert all(n == 1 for chunks in unoverlapped for n in chunks.values())
+
+
+def test_a_split_backward_under_full_recompute_holds_the_rebuilt_activations_until_w():
+    """Zero-bubble with full recompute: the B pass rebuilds each layer's activations and the W pass
+    reads the linear layers' inputs among them, so the last stage (pp - 1 microbatches waiting
+    for their W) holds at least one microbatch's unrecomputed activations, not only checkpoints."""
+    from simulator.simulate import _setup, _stage_work  # noqa: PLC2701
+
+    sc = load_scenario(ROOT / "scenarios" / "llama3-70b-512xh100.yaml",
+                       ["plan.schedule=zero-bubble", "plan.virtual_pipeline_stages=1", "plan.recompute=full"])
+    kinds, _, _, mems = _stage_work(sc, _setup(sc), balanced=False, memory=True)
+    layers = sc.model.num_layers // sc.plan.pp
+    full = kinds.acts["dense"] + kinds.rebuilt["dense"]
+    assert kinds.rebuilt["dense"] > 5 * kinds.acts["dense"]
+    assert mems[-1].activations >= layers * full
+    one_f_one_b = replace(sc, plan=replace(sc.plan, schedule="1f1b"))
+    kinds_1f1b, _, _, mems_1f1b = _stage_work(one_f_one_b, _setup(one_f_one_b), balanced=False, memory=True)
+    assert not kinds_1f1b.rebuilt and mems_1f1b[-1].activations < layers * full
