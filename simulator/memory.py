@@ -194,8 +194,11 @@ def stage_memory(
         weights += (max_layer_params + prefetched) * w
     if precision == "fp8":
         # TE's fp8 caches of the linear weights: all of them, or under ZeRO-3 those of the two
-        # gathered layers (a sharded weight is cast when gathered; the embedding has none)
-        cached = 2 * prefetched if zero >= 3 else dense_params - embedding_params + expert_params
+        # gathered layers (a sharded weight is cast when gathered) and of the weights ZeRO-3 leaves
+        # whole, which stay resident (experts whose expert-data-parallel group is one rank, every
+        # weight when dp x cp is 1); the embedding has none
+        resident = expert_params * (expert_shard == 1) + (dense_params - embedding_params) * (shard == 1)
+        cached = 2 * prefetched + resident if zero >= 3 else dense_params - embedding_params + expert_params
         weights += cached * FP8_WEIGHT_CACHE_BYTES
     acts = activations + working_set
     reserved = RESERVED_BYTES + FRAGMENTATION * acts

@@ -328,6 +328,10 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
             kinds_in_chunk = ["moe" if m.is_moe_layer(i) else "dense" for i in range(start, start + layers[s][c])]
             chunk_kinds.append(kinds_in_chunk)
             stage_kinds.update(kinds_in_chunk)
+            if (s, c) == (last_rank, last_chunk) and m.mtp_layers:
+                # the multi-token prediction modules run a layer like the last one here (_chunk_work),
+                # also on a last stage with no decoder layers of its own
+                stage_kinds.add("moe" if m.is_moe_layer(m.num_layers - 1) else "dense")
             chunk = _chunk_work(ctx, kinds, kinds_in_chunk, per_unit, first=s == 0 and c == 0,
                                 last=(s, c) == (last_rank, last_chunk), emb_params=emb_params,
                                 own_head=own_head, mtp_embedding=mtp_embedding)

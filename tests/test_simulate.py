@@ -841,6 +841,15 @@ def test_fp8_weight_caches_under_zero3_are_the_two_gathered_layers():
     fp8 = stage_memory(precision="fp8", max_layer_params=4e8, prefetched_params=1e8, **kw)
     bf16 = stage_memory(precision="bf16", max_layer_params=4e8, prefetched_params=1e8, **kw)
     assert fp8.weights - bf16.weights == pytest.approx(2 * 1e8 * FP8_WEIGHT_CACHE_BYTES)
+    # experts whose expert-data-parallel group is one rank are never gathered: they stay whole and
+    # so does their fp8 cache
+    assert sc.plan.tp * sc.plan.cp * sc.plan.dp == 4
+    for ep, resident in ((4, 3e8), (2, 0.0)):
+        plan = replace(sc.plan, ep=ep)
+        kw = dict(plan=plan, dense_params=1e9, expert_params=3e8, activations=0.0, embedding_params=4e8,
+                  max_layer_params=4e8, prefetched_params=1e8)
+        gap = stage_memory(precision="fp8", **kw).weights - stage_memory(precision="bf16", **kw).weights
+        assert gap == pytest.approx((2 * 1e8 + resident) * FP8_WEIGHT_CACHE_BYTES)
 
 
 def test_unfused_attention_recompute_holds_one_layers_scores():
@@ -1106,3 +1115,28 @@ def test_a_split_backward_under_full_recompute_holds_the_rebuilt_activations_unt
     one_f_one_b = replace(sc, plan=replace(sc.plan, schedule="1f1b"))
     kinds_1f1b, _, _, mems_1f1b = _stage_work(one_f_one_b, _setup(one_f_one_b), balanced=False, memory=True)
     assert not kinds_1f1b.rebuilt and mems_1f1b[-1].activations < layers * full
+
+
+def test_a_last_stage_with_only_the_mtp_module_holds_its_layers_working_set(monkeypatch):
+    """The multi-token prediction module runs a layer like the last one on the last stage, also
+    where that stage holds no decoder layers (last_stage_layers 0): the layer's working set
+    (recompute, dispatch buffers) and, under ZeRO-3, its gathered weights are that stage's."""
+    import simulator.simulate as sim
+    from simulator.memory import logits_bytes
+
+    y = {"model": {"preset": "deepseek-v3", "num_layers": 4, "moe": {"first_dense_layers": 1}},
+         "cluster": {"preset": "dgx-h100-superpod", "num_nodes": 2},
+         "training": {"seq_length": 4096, "global_batch_size": 64, "precision": "bf16"},
+         "plan": {"tp": 1, "pp": 2, "ep": 8, "dp": 8, "micro_batch_size": 1, "zero_stage": 3,
+                  "recompute": "full", "last_stage_layers": 0}}
+    sc = load_scenario(y)
+    assert sc.model.mtp_layers
+    seen = []
+    real = sim.stage_memory
+    monkeypatch.setattr(sim, "stage_memory", lambda **kw: seen.append(kw) or real(**kw))
+    kinds, _, _, _ = sim._stage_work(sc, sim._setup(sc), balanced=False, memory=True)  # noqa: SLF001
+    last = seen[-1]
+    logits = logits_bytes(sc.model, sc.plan, 4096, 2)
+    assert kinds.working["moe"] > logits
+    assert last["working_set"] == kinds.working["moe"]
+    assert last["prefetched_params"] > 0
