@@ -130,8 +130,9 @@ def check_options(opts: Options, env: Mapping[str, str] | None = None) -> None:
     if opts.threads is not None:
         if opts.device != "cpu":
             raise CalibrationError("--threads applies to --device cpu (a GPU's kernels do not use CPU threads)")
-        if opts.threads < 1:
-            raise CalibrationError(f"--threads {opts.threads}: expected at least 1")
+        cores = os.cpu_count() or 1
+        if not 1 <= opts.threads <= cores:
+            raise CalibrationError(f"--threads {opts.threads}: expected 1 to {cores} (this machine's CPUs)")
     if opts.device == "cpu" and opts.base is None:
         needs = sorted(set(opts.skip) & {"gemm", "hbm", "attention"})
         if needs:
@@ -456,6 +457,28 @@ def _write(outcome: Outcome, opts: Options) -> None:
 # ----------------------------------------------------------------------------- refit a saved run
 
 
+MEASUREMENT_KINDS = ("gemm", "copy", "triad", "attention_fwd", "attention_bwd", "elementwise", "optimizer")
+MEASUREMENT_DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
+MAX_RATE = 1e18
+"""FLOP/s or bytes/s no device reaches (an H100's bf16 peak is about 1e15): a report's measurement
+above it is corrupt, and would fit a curve to it."""
+
+
+def _check_measurement(m) -> None:
+    """A measurement read back from a report: a kind and dtype calibrate writes, and work and
+    seconds that are positive, finite and a rate a device can reach (ValueError otherwise)."""
+    if m.kind not in MEASUREMENT_KINDS:
+        raise ValueError(f"measurement kind {m.kind!r}; known: {', '.join(MEASUREMENT_KINDS)}")
+    if m.dtype not in MEASUREMENT_DTYPES:
+        raise ValueError(f"measurement dtype {m.dtype!r}; known: {', '.join(MEASUREMENT_DTYPES)}")
+    for what, value in (("work", m.work), ("seconds", m.seconds)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise ValueError(f"a {m.kind} measurement's {what} is {value!r}; expected a positive finite number")
+    if m.work / m.seconds > MAX_RATE:
+        raise ValueError(f"a {m.kind} measurement runs at {m.work / m.seconds:.3g} per second, "
+                         f"above the {MAX_RATE:.0e} no device reaches")
+
+
 def refit_report(report: Path, out: Path, *, name: str | None = None, base: str | None = None,
                  new_report: Path | None = None) -> Outcome:
     """Fit and write a profile from the measurements a `--report` file holds, without measuring
@@ -521,6 +544,11 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
         skip = texts(options.get("skip"), "options.skip")
         text_or_none(options.get("base"), "options.base")
         text_or_none(options.get("name"), "options.name")
+        for m in measurements:
+            _check_measurement(m)
+        unknown = sorted(set(skip) - set(BENCHMARKS))
+        if unknown:
+            raise ValueError(f"options.skip names {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}")
     except (KeyError, TypeError, ValueError) as exc:
         raise bad(exc) from None
     if not measurements and not collectives:

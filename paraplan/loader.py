@@ -20,6 +20,7 @@ import difflib
 import json
 import math
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -77,6 +78,20 @@ def _integer(minimum: int | None = None, maximum: int | None = None, maximum_tex
 # The deepest published transformers have about a thousand layers; the simulator prices a layer at a
 # time, so a typo like 10**9 would run for hours before reporting the plan does not fit.
 MAX_LAYERS = 100_000
+# Likewise for the model's widths, vocabulary and experts, the sequence and the cluster: each far
+# above any published model or cluster (widths ~2**15, vocabularies ~2**18, 384 experts, 100k-GPU
+# clusters), below the sizes whose per-bucket and per-expert pricing would run for minutes or
+# exhaust the host's memory before reporting that nothing fits.
+MAX_WIDTH = 2**20
+MAX_HEADS = 2**16
+MAX_VOCAB = 2**24
+MAX_EXPERTS = 2**20
+MAX_SEQ = 2**26
+MAX_BATCH = 2**40
+MAX_NODES = 2**20
+MAX_GPUS_PER_NODE = 2**10
+WIDTH = _integer(minimum=1, maximum=MAX_WIDTH, maximum_text="2**20")
+HEADS = _integer(minimum=1, maximum=MAX_HEADS, maximum_text="2**16")
 # numpy's generators (routing draws, Optuna's samplers) and torch's seeding through them take seeds
 # in [0, 2**32)
 MAX_SEED, MAX_SEED_TEXT = 2**32 - 1, "2**32 - 1"
@@ -216,12 +231,12 @@ TOP = _schema(
 MODEL = _schema(
     name=Key(_string),
     num_layers=Key(_integer(minimum=1, maximum=MAX_LAYERS), required=True),
-    hidden_size=Key(POSITIVE, required=True),
-    num_attention_heads=Key(POSITIVE, required=True),
-    num_kv_heads=Key(POSITIVE),
-    head_dim=Key(POSITIVE),
-    ffn_hidden_size=Key(POSITIVE),
-    vocab_size=Key(POSITIVE, required=True),
+    hidden_size=Key(WIDTH, required=True),
+    num_attention_heads=Key(HEADS, required=True),
+    num_kv_heads=Key(HEADS),
+    head_dim=Key(WIDTH),
+    ffn_hidden_size=Key(WIDTH),
+    vocab_size=Key(_integer(minimum=1, maximum=MAX_VOCAB, maximum_text="2**24"), required=True),
     activation=Key(_one_of(ACTIVATIONS), required=True),
     tied_embeddings=Key(_boolean),
     dropout=Key(_probability),
@@ -231,17 +246,17 @@ MODEL = _schema(
     mtp_layers=Key(_integer(minimum=0)),
 )
 MLA = _schema(
-    q_lora_rank=Key(_optional(POSITIVE), required=True),
-    kv_lora_rank=Key(POSITIVE, required=True),
-    qk_head_dim=Key(POSITIVE, required=True),
-    qk_rope_head_dim=Key(POSITIVE, required=True),
-    v_head_dim=Key(POSITIVE, required=True),
+    q_lora_rank=Key(_optional(WIDTH), required=True),
+    kv_lora_rank=Key(WIDTH, required=True),
+    qk_head_dim=Key(WIDTH, required=True),
+    qk_rope_head_dim=Key(WIDTH, required=True),
+    v_head_dim=Key(WIDTH, required=True),
 )
 MOE = _schema(
-    num_experts=Key(POSITIVE, required=True),
+    num_experts=Key(_integer(minimum=1, maximum=MAX_EXPERTS, maximum_text="2**20"), required=True),
     top_k=Key(POSITIVE, required=True),
-    expert_ffn_hidden_size=Key(POSITIVE, required=True),
-    num_shared_experts=Key(_integer(minimum=0)),
+    expert_ffn_hidden_size=Key(WIDTH, required=True),
+    num_shared_experts=Key(_integer(minimum=0, maximum=MAX_EXPERTS, maximum_text="2**20")),
     first_dense_layers=Key(_integer(minimum=0)),
     moe_layer_freq=Key(POSITIVE),
     capacity_factor=Key(_optional(_number(positive=True))),
@@ -259,8 +274,8 @@ MODEL_SOURCES = ("preset", "hf_config")
 
 CLUSTER = _schema(
     gpu=Key(_string, required=True),
-    num_nodes=Key(POSITIVE, required=True),
-    gpus_per_node=Key(POSITIVE, required=True),
+    num_nodes=Key(_integer(minimum=1, maximum=MAX_NODES, maximum_text="2**20"), required=True),
+    gpus_per_node=Key(_integer(minimum=1, maximum=MAX_GPUS_PER_NODE, maximum_text="2**10"), required=True),
     intra_node=Key(_anything),
     inter_node=Key(_anything),
 )
@@ -280,8 +295,8 @@ INTER_NODE = _schema(
 )
 
 TRAINING = _schema(
-    seq_length=Key(POSITIVE, required=True),
-    global_batch_size=Key(POSITIVE, required=True),
+    seq_length=Key(_integer(minimum=1, maximum=MAX_SEQ, maximum_text="2**26"), required=True),
+    global_batch_size=Key(_integer(minimum=1, maximum=MAX_BATCH, maximum_text="2**40"), required=True),
     precision=Key(_one_of(PRECISIONS), required=True),
     attention=Key(_one_of(ATTENTION_KERNELS)),
     grad_reduce_dtype=Key(_one_of(GRAD_REDUCE_DTYPES)),
@@ -380,8 +395,29 @@ class _StrictSafeLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# YAML 1.2's floats without a dot (1e-5, 3E8), which PyYAML's YAML 1.1 rules read as strings
+_StrictSafeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
 def _parse_yaml(text: str) -> Any:
-    return yaml.load(text, Loader=_StrictSafeLoader)  # noqa: S506  a SafeLoader subclass
+    try:
+        value = yaml.load(text, Loader=_StrictSafeLoader)  # noqa: S506  a SafeLoader subclass
+        _check_acyclic(value)
+        return value
+    except RecursionError:
+        raise yaml.YAMLError("nested deeper than a scenario can be (or an alias refers to itself)") from None
+
+
+def _check_acyclic(value: Any, path: tuple[int, ...] = ()) -> None:
+    """Raise RecursionError for a self-referencing value (an anchor used inside itself, `&a [*a]`),
+    which PyYAML builds as a cyclic list or dict, and for nesting deeper than the recursion limit."""
+    if isinstance(value, (list, dict)):
+        if id(value) in path:
+            raise RecursionError
+        inner = path + (id(value),)
+        for item in (value.values() if isinstance(value, dict) else value):
+            _check_acyclic(item, inner)
 
 
 def read_scenario_file(path: Path) -> dict:
@@ -452,7 +488,7 @@ def _hf_llama(cfg: Mapping, need: Callable[[str], Any]) -> dict:
         "vocab_size": need("vocab_size"),
         "activation": "swiglu",
         "tied_embeddings": cfg.get("tie_word_embeddings", False),
-        "dropout": float(cfg.get("attention_dropout") or 0.0),  # the only dropout these configs have
+        "dropout": _hf_number(cfg, "attention_dropout", 0.0),  # the only dropout these configs have
     }
     if cfg.get("head_dim") is not None:
         out["head_dim"] = cfg["head_dim"]
@@ -460,6 +496,16 @@ def _hf_llama(cfg: Mapping, need: Callable[[str], Any]) -> dict:
         out["moe"] = {"num_experts": cfg["num_local_experts"], "top_k": need("num_experts_per_tok"),
                       "expert_ffn_hidden_size": need("intermediate_size")}
     return out
+
+
+# transformers MixtralConfig's defaults: a Mixtral config.json may leave them out
+MIXTRAL_DEFAULTS = MappingProxyType({"num_local_experts": 8, "num_experts_per_tok": 2})
+
+
+def _hf_mixtral(cfg: Mapping, need: Callable[[str], Any]) -> dict:
+    """Mixtral: Llama's layer with every MLP an MoE of num_local_experts (default 8, top 2)."""
+    cfg = {**cfg, **{k: v for k, v in MIXTRAL_DEFAULTS.items() if cfg.get(k) is None}}
+    return _hf_llama(cfg, lambda key: cfg[key] if cfg.get(key) is not None else need(key))
 
 
 def _hf_qwen3(cfg: Mapping, need: Callable[[str], Any]) -> dict:
@@ -492,7 +538,7 @@ def _hf_deepseek_v3(cfg: Mapping, need: Callable[[str], Any]) -> dict:
                 "v_head_dim": need("v_head_dim")},
         "ffn_hidden_size": need("intermediate_size"), "vocab_size": need("vocab_size"),
         "activation": "swiglu", "tied_embeddings": cfg.get("tie_word_embeddings", False),
-        "dropout": float(cfg.get("attention_dropout") or 0.0),
+        "dropout": _hf_number(cfg, "attention_dropout", 0.0),
         "moe": {"num_experts": need("n_routed_experts"), "top_k": need("num_experts_per_tok"),
                 "expert_ffn_hidden_size": need("moe_intermediate_size"),
                 "num_shared_experts": cfg.get("n_shared_experts") or 0,
@@ -519,15 +565,25 @@ def _hf_gpt2(cfg: Mapping, need: Callable[[str], Any]) -> dict:
         "vocab_size": need("vocab_size"),
         "activation": "gelu",
         "tied_embeddings": cfg.get("tie_word_embeddings", True),
-        "dropout": float(cfg.get("resid_pdrop", 0.1)),  # GPT2Config's default
+        "dropout": _hf_number(cfg, "resid_pdrop", 0.1),  # GPT2Config's default
     }
     if cfg.get("n_inner") is not None:
         out["ffn_hidden_size"] = cfg["n_inner"]
     return out
 
 
+def _hf_number(cfg: Mapping, key: str, default: float) -> float:
+    """A number of the config (a float, as the schema takes it); `default` when absent or null."""
+    value = cfg.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(HF_PATH, f"{key}: expected a number, got {_show(value)}")
+    return float(value)
+
+
 HF_PARSERS = MappingProxyType({
-    "llama": _hf_llama, "mistral": _hf_llama, "mixtral": _hf_llama, "qwen2": _hf_llama,
+    "llama": _hf_llama, "mistral": _hf_llama, "mixtral": _hf_mixtral, "qwen2": _hf_llama,
     "qwen3": _hf_qwen3, "qwen3_moe": _hf_qwen3_moe, "deepseek_v3": _hf_deepseek_v3,
     "gpt2": _hf_gpt2,
 })
@@ -545,7 +601,8 @@ def _hf_model(value: Any, base_dir: Path) -> tuple[dict, str]:
         raise ConfigError(HF_PATH, f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
     if not isinstance(cfg, dict):
         raise ConfigError(HF_PATH, f"{path}: expected a JSON object")
-    parser = HF_PARSERS.get(cfg.get("model_type"))
+    model_type = cfg.get("model_type")
+    parser = HF_PARSERS.get(model_type) if isinstance(model_type, str) else None
     if parser is None:
         raise ConfigError(HF_PATH, f"{path}: model_type {cfg.get('model_type')!r} is not supported; "
                                    f"supported: {', '.join(HF_PARSERS)}")
@@ -639,6 +696,8 @@ def _moe(raw: Any, num_layers: int) -> MoESpec:
             raise ConfigError(path, "expected a list of finite, non-negative token counts, one per expert")
         if len(hist) != experts:
             raise ConfigError(path, f"has {len(hist)} counts but model.moe.num_experts is {experts}")
+        if not math.isfinite(sum(hist)):
+            raise ConfigError(path, "the counts sum beyond a float's range; scale them down (only their shares matter)")
         if sum(1 for x in hist if x > 0) < values["top_k"]:
             raise ConfigError(path, f"has {sum(1 for x in hist if x > 0)} non-zero counts, fewer than "
                                     f"model.moe.top_k ({values['top_k']}): each token goes to top_k distinct experts")

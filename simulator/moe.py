@@ -67,7 +67,7 @@ def expert_probabilities(moe, rng: np.random.Generator) -> np.ndarray:
     if r.distribution == "uniform":
         return np.full(e, 1.0 / e)
     if r.distribution == "zipf":
-        p = 1.0 / np.arange(1, e + 1) ** r.s
+        p = np.exp(-r.s * np.log(np.arange(1, e + 1)))  # 1/(rank+1)^s; a steep s underflows to 0, not inf
         return rng.permutation(cap_shares(p / p.sum(), 1.0 / moe.top_k))
     hist = np.asarray(r.tokens_per_expert, dtype=float)
     return cap_shares(hist / hist.sum(), 1.0 / moe.top_k)

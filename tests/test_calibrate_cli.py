@@ -200,6 +200,11 @@ BAD_INPUT = [
     (["--from-report", "{d}/../nulls-report.json", "--out", "{d}/p.yaml"], {}, "expected an object with 'device'"),
     (["--from-report", "{d}/../notes-report.json", "--out", "{d}/p.yaml"], {}, "notes must be a list of strings"),
     (["--from-report", "{d}/../tpu-report.json", "--out", "{d}/p.yaml"], {}, "device.kind cuda or cpu, got 'tpu'"),
+    (["--from-report", "{d}/../nan-report.json", "--out", "{d}/p.yaml"], {}, "seconds is nan; expected a positive"),
+    (["--from-report", "{d}/../kind-report.json", "--out", "{d}/p.yaml"], {}, "measurement kind 'matmul'; known:"),
+    (["--from-report", "{d}/../fast-report.json", "--out", "{d}/p.yaml"], {}, "above the 1e+18 no device reaches"),
+    (["--from-report", "{d}/../skip-report.json", "--out", "{d}/p.yaml"], {}, "options.skip names gpu; known:"),
+    (["--device", "cpu", "--threads", "1000000", "--out", "{d}/p.yaml"], {}, "--threads 1000000: expected 1 to"),
     pytest.param(["--device", "cuda", "--out", "{d}/p.yaml"], {}, "--device cuda: no GPU",
                  marks=pytest.mark.skipif(_cuda(), reason="a GPU is present")),
 ]
@@ -212,6 +217,10 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, env, message):
     (tmp_path.parent / "nulls-report.json").write_text(json.dumps({**good, "options": None}))
     (tmp_path.parent / "notes-report.json").write_text(json.dumps({**good, "notes": 5}))
     (tmp_path.parent / "tpu-report.json").write_text(json.dumps({**good, "device": {**good["device"], "kind": "tpu"}}))
+    first, rest = good["measurements"][0], good["measurements"][1:]
+    for name, change in (("nan", {"seconds": float("nan")}), ("kind", {"kind": "matmul"}), ("fast", {"work": 1e300})):
+        (tmp_path.parent / f"{name}-report.json").write_text(json.dumps({**good, "measurements": [{**first, **change}, *rest]}))
+    (tmp_path.parent / "skip-report.json").write_text(json.dumps({**good, "options": {**good["options"], "skip": ["gpu"]}}))
     r = paraplan(*[a.format(d=tmp_path) for a in args], env=env)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()

@@ -293,6 +293,8 @@ def test_validate_published_bad_files_are_one_line(tmp_path):
         (["--json", "--markdown"], "error: argument --markdown: not allowed with argument --json"),
         (["--profile", "h100=mine.yaml"], "error: --profile h100=mine.yaml: expected BUNDLED=PROFILE with BUNDLED one of"),
         (["--profile", "h100-sxm-80gb-calibrated=nope"], "error: --profile nope: not found"),
+        (["--profile", "h100-sxm-80gb-calibrated=h100-sxm-80gb", "--profile", "h100-sxm-80gb-calibrated=h200-sxm-141gb"],
+         "error: --profile h100-sxm-80gb-calibrated=h200-sxm-141gb: h100-sxm-80gb-calibrated is already replaced"),
         (["--profile", "b200-sxm-180gb=h100-sxm-80gb"], "error: --profile b200-sxm-180gb=...: no compared record "
                                                          "runs on b200-sxm-180gb"),
         ([str(none_run)], f"error: {none_run}: none of the 1 comparable records could be simulated "

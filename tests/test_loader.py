@@ -810,3 +810,60 @@ def test_hf_config_dropout_is_read_not_defaulted(tmp_path):
         (tmp_path / fixture).mkdir()
         (tmp_path / fixture / "config.json").write_text(json.dumps(cfg))
         assert load_scenario({**tiny(), "model": {"hf_config": str(tmp_path / fixture)}}).model.dropout == value
+
+
+def test_hf_config_numbers_of_the_wrong_type_are_named(tmp_path):
+    """A dropout field that is not a number is named (it was converted with float() and raised a
+    traceback); a list as model_type is an unsupported type, not a crash."""
+    for fixture, key, value in (("hf-llama3-8b", "attention_dropout", "abc"), ("hf-gpt2", "resid_pdrop", [1])):
+        cfg = json.loads((FIXTURES / fixture / "config.json").read_text())
+        (tmp_path / "config.json").write_text(json.dumps({**cfg, key: value}))
+        err = error_of({**tiny(), "model": {"hf_config": str(tmp_path)}})
+        assert err.path == "model.hf_config" and f"{key}: expected a number" in str(err)
+    (tmp_path / "config.json").write_text('{"model_type": ["llama"]}')
+    err = error_of({**tiny(), "model": {"hf_config": str(tmp_path)}})
+    assert "model_type ['llama'] is not supported" in str(err)
+
+
+def test_hf_mixtral_config_takes_transformers_expert_defaults(tmp_path):
+    """A Mixtral config.json without num_local_experts / num_experts_per_tok is transformers'
+    MixtralConfig default, 8 experts top 2: an MoE, not a dense model."""
+    cfg = {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+           "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    moe = load_scenario({**tiny(), "model": {"hf_config": str(tmp_path)}}).model.moe
+    assert (moe.num_experts, moe.top_k, moe.expert_ffn_hidden_size) == (8, 2, 14336)
+
+
+@pytest.mark.parametrize("key, value, limit", [
+    ("model.hidden_size", 10**9, "2**20"), ("model.vocab_size", 10**13, "2**24"),
+    ("cluster.num_nodes", 10**8, "2**20"), ("training.seq_length", 10**9, "2**26"),
+])
+def test_sizes_beyond_any_model_or_cluster_are_refused_at_once(key, value, limit):
+    """Widths, vocabularies, clusters and sequences far above any published one are refused when
+    loaded, instead of a simulation that exhausts the host's memory before reporting an OOM."""
+    err = error_of(tiny(), [f"{key}={value}"])
+    assert err.path == key and f"expected an integer from 1 to {limit}, got {value}" in str(err)
+
+
+def test_yaml_nested_too_deep_or_self_referencing_is_one_error(tmp_path):
+    for text in ("x: " + "[" * 500 + "]" * 500 + "\n", "a: &a [*a]\n"):
+        err = error_of(write(tmp_path, text))
+        assert "invalid YAML: nested deeper than a scenario can be" in str(err)
+    err = error_of(tiny(), ["search=&a {x: *a}"])
+    assert err.path == "--set" and "nested deeper" in str(err)
+    # an anchor used twice side by side is not a cycle
+    assert load_scenario(tiny(), ["plan={tp: &t 2, pp: *t}"]).plan.pp == 2
+
+
+def test_floats_without_a_dot_are_numbers():
+    """YAML 1.2 reads 2e0 and 1e-3 as floats; PyYAML's YAML 1.1 rules would leave them strings."""
+    sc = load_scenario("scenarios/mixtral-8x7b-64xh100.yaml", ["model.moe.capacity_factor=2e0"])
+    assert sc.model.moe.capacity_factor == 2.0
+
+
+def test_a_histogram_whose_sum_overflows_is_refused():
+    err = error_of("scenarios/mixtral-8x7b-64xh100.yaml", [
+        "model.moe.routing.distribution=histogram",
+        "model.moe.routing.tokens_per_expert=[1.7e+308, 1.7e+308, 1.7e+308, 1, 1, 1, 1, 1]"])
+    assert err.path == "model.moe.routing.tokens_per_expert" and "beyond a float's range" in str(err)

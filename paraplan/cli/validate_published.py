@@ -54,6 +54,8 @@ def _profiles(pairs: list[str]) -> dict[str, str]:
         old, sep, new = pair.partition("=")
         if not sep or old not in PROFILES or not new:
             raise ParaplanError(f"--profile {pair}: expected BUNDLED=PROFILE with BUNDLED one of {', '.join(PROFILES)}")
+        if old in out:
+            raise ParaplanError(f"--profile {pair}: {old} is already replaced by an earlier --profile; give it once")
         out[old] = resolve_profile(new)
     return out
 
