@@ -234,3 +234,17 @@ def test_dry_run_checks_a_gpu_plan_on_a_host_without_gpus_and_prints_the_command
     out = json.loads(paraplan(config, "--backend", "nccl", "--dry-run", "--json").stdout)
     assert out["command"].endswith("executor.worker RUN_DIR/job.json --out-dir RUN_DIR/out")
     assert any("needs CUDA GPUs" in n for n in out["notes"])
+
+
+def test_a_plan_the_simulator_says_will_not_fit_is_named_before_it_starts(config):
+    """A GPU plan the simulator predicts out of memory gets a note in the dry run (the executor
+    may still try it); on CPUs, where every process shares the host's memory, a plan whose
+    predicted ranks exceed it is refused before any process starts."""
+    long = ["--set", "training.seq_length=33554432"]
+    r = paraplan(config, "--backend", "nccl", "--dry-run", *long)
+    assert r.returncode == 0, r.stderr
+    assert "note: paraplan simulate predicts" in r.stdout and "GiB of its GPU (h100-sxm-80gb)" in r.stdout
+    assert "paraplan simulate predicts" not in paraplan(config, "--backend", "nccl", "--dry-run").stdout
+    r = paraplan(config, "--dry-run", *long)
+    assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
+    assert "as paraplan simulate predicts each rank's memory, activations included" in r.stderr

@@ -97,8 +97,19 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
         raise ParaplanError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1}")
     if need_torch:
         require_torch("the executor")
+    peak = _predicted_peak(sc)
     if sc.run.backend == "gloo":
-        _check_host_memory(sc, nproc)
+        _check_host_memory(sc, nproc, peak)
+    elif peak is not None and peak[0] > peak[2]:
+        warning = (f"paraplan simulate predicts {peak[0] / 2**30:,.1f} GiB per GPU on stage {peak[1]}, above the "
+                   f"{peak[2] / 2**30:,.1f} GiB of its GPU ({sc.cluster.gpu}): the run will likely run out of GPU memory "
+                   f"(scale the model down with --layers and --hidden, or choose another plan)")
+        if notes is not None:
+            notes.append(warning)
+        else:
+            import sys
+
+            print(f"warning: {warning}", file=sys.stderr)
     if sc.run.backend == "nccl" and torch_problem("the executor") is None:
         import torch
 
@@ -138,19 +149,42 @@ def with_layer_hint(sc, problems: list[str], source: str) -> list[str]:
     return [r + hint if r.startswith(_LAYER_SPLIT_KEYS) else r for r in problems]
 
 
-def _check_host_memory(sc, nproc: int) -> None:
+def _predicted_peak(sc) -> tuple[float, int, float] | None:
+    """(peak bytes per GPU, its stage, the GPU's capacity) as paraplan simulate predicts them for
+    the plan the executor runs; None where the simulator refuses the plan (the executor's own
+    checks have passed it)."""
+    from hwmodels.profile import load_profile
+    from simulator.simulate import stage_peak_memory
+
+    try:
+        peaks = stage_peak_memory(sc)
+    except InfeasiblePlanError:
+        return None
+    stage = max(range(len(peaks)), key=peaks.__getitem__)
+    return peaks[stage], stage, load_profile(sc.cluster.gpu).hbm_capacity
+
+
+def _check_host_memory(sc, nproc: int, peak: tuple[float, int, float] | None) -> None:
     """A CPU run holds fp32 weights, gradients and Adam's two moments in host memory: 16 bytes per
     parameter (Rajbhandari et al., "ZeRO", SC'20, Sec. 3.1, with fp32 weights), however the plan
-    shards them, so this node's processes hold at least nproc / world of the model's 16 x params.
-    A plan that cannot fit even that is refused before any process starts."""
+    shards them, so this node's processes hold at least nproc / world of the model's 16 x params;
+    and each process about what the simulator predicts for a GPU rank, activations included (less
+    the allowance for a CUDA context and NCCL buffers). A plan that cannot fit that is refused
+    before any process starts."""
+    from simulator.memory import RESERVED_BYTES
+
     params = sc.model.total_params()
-    need = 16 * params * nproc / sc.plan.world_size
+    states = 16 * params * nproc / sc.plan.world_size
+    ranks = max(0.0, peak[0] - RESERVED_BYTES) * nproc if peak is not None else 0.0
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > have:
+    if max(states, ranks) > have:
+        what = (f"for fp32 weights, gradients and Adam states ({params / 1e9:,.2f}B parameters)" if states >= ranks
+                else f"as paraplan simulate predicts each rank's memory, activations included ({peak[0] / 2**30:,.1f} "
+                     f"GiB on stage {peak[1]})")
         raise ParaplanError(
-            f"run.backend gloo: the {nproc} CPU process(es) need at least {need / 2**30:,.1f} GiB of host memory "
-            f"for fp32 weights, gradients and Adam states ({params / 1e9:,.2f}B parameters), "
-            f"this host has {have / 2**30:,.1f} GiB; scale the model down with --layers and --hidden")
+            f"run.backend gloo: the {nproc} CPU process(es) need at least {max(states, ranks) / 2**30:,.1f} GiB of "
+            f"host memory {what}, this host has {have / 2**30:,.1f} GiB; scale the model down with --layers and "
+            f"--hidden (or the sequence)")
 
 
 def run(args) -> int:
