@@ -409,15 +409,25 @@ def _parse_yaml(text: str) -> Any:
         raise yaml.YAMLError("nested deeper than a scenario can be (or an alias refers to itself)") from None
 
 
-def _check_acyclic(value: Any, path: tuple[int, ...] = ()) -> None:
+def _check_acyclic(value: Any, open_: set[int] | None = None, done: set[int] | None = None) -> None:
     """Raise RecursionError for a self-referencing value (an anchor used inside itself, `&a [*a]`),
-    which PyYAML builds as a cyclic list or dict, and for nesting deeper than the recursion limit."""
-    if isinstance(value, (list, dict)):
-        if id(value) in path:
-            raise RecursionError
-        inner = path + (id(value),)
-        for item in (value.values() if isinstance(value, dict) else value):
-            _check_acyclic(item, inner)
+    which PyYAML builds as a cyclic list or dict, and for nesting deeper than the recursion limit.
+    Each node is visited once, however often aliases share it (a "billion laughs" document costs
+    its distinct nodes)."""
+    if not isinstance(value, (list, dict)):
+        return
+    open_ = set() if open_ is None else open_
+    done = set() if done is None else done
+    key = id(value)
+    if key in done:
+        return
+    if key in open_:
+        raise RecursionError
+    open_.add(key)
+    for item in (value.values() if isinstance(value, dict) else value):
+        _check_acyclic(item, open_, done)
+    open_.discard(key)
+    done.add(key)
 
 
 def read_scenario_file(path: Path) -> dict:
