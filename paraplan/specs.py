@@ -182,9 +182,11 @@ class ModelSpec:
 
     def attention_params(self, tp: int = 1) -> float:
         """Attention projections of one layer plus its two norms (and MLA's latent norms), on one of
-        `tp` tensor-parallel ranks: split projections divided by tp, replicated ones whole."""
+        `tp` tensor-parallel ranks: split projections divided by tp, replicated ones whole, and the
+        norms whole (every tensor-parallel rank keeps its own copy of a norm's weights: Megatron's
+        sequence-parallel norms all-reduce their gradients over the TP group)."""
         linears = sum(k * n / (1 if mode == "replicated" else tp) for k, n, mode in self.attention_linears())
-        return linears + (4 * self.hidden_size + self.latent_channels) / tp
+        return linears + 4 * self.hidden_size + self.latent_channels
 
     def expert_params(self) -> int:
         """One expert FFN (same activation as the model)."""

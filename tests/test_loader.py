@@ -726,8 +726,9 @@ def test_deepseek_v3_preset_has_the_published_total_and_active_parameters():
 def test_mla_params_per_tensor_parallel_rank_keep_the_down_projections_whole():
     m = load_scenario({**tiny(), "model": "deepseek-v3"}).model
     down = 7168 * 1536 + 7168 * 576
-    split = 1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168 + 4 * 7168 + 1536 + 512
-    assert m.attention_params(8) == pytest.approx(down + split / 8)
+    split = 1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168
+    norms = 4 * 7168 + 1536 + 512  # replicated on every TP rank
+    assert m.attention_params(8) == pytest.approx(down + split / 8 + norms)
 
 
 def test_hf_deepseek_config_loads_its_latent_attention(tmp_path):

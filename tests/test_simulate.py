@@ -545,7 +545,7 @@ def test_zero3_gathers_what_each_stage_holds():
                         "plan.schedule=1f1b", "plan.pp=4"])
     m, p = sc.model, sc.plan
     assert p.pp == 4 and p.dp * p.cp > 1 and all(not m.is_moe_layer(i) for i in range(8))
-    layer = m.attention_params() / p.tp + m.ffn_matrices * m.hidden_size * m.ffn_hidden_size / p.tp
+    layer = m.attention_params(p.tp) + m.ffn_matrices * m.hidden_size * m.ffn_hidden_size / p.tp
     emb = m.embedding_params() / p.tp
     sharded = (8 * layer + emb) * 2 / (p.dp * p.cp)
     r = simulate(sc, imbalance_reference=False)
