@@ -258,6 +258,28 @@ def _tp_collectives(ctx: LayerContext, transfers: list[tuple[str, float]]) -> li
     return out
 
 
+def _backward_collectives(ctx: LayerContext, transfers: list[tuple[str, float]]) -> list[float]:
+    """The backward's TP collectives, one per layer, as Megatron's
+    LinearWithGradAccumulationAndAsyncCommunication.backward runs them: a column-parallel layer's
+    input gradient (its k-wide input's size) reduce-scattered, or all-reduced without sequence
+    parallelism; a row-parallel layer's output gradient all-gathered under sequence parallelism,
+    nothing without. For the usual chain (a column layer's input h wide) the same collectives as
+    the forward's in another order; MLA's up-projections reduce their latent-wide inputs'
+    gradients, not h."""
+    if ctx.plan.tp == 1:
+        return [0.0] * len(transfers)
+    sp, net, lay = ctx.plan.sequence_parallel, ctx.network, ctx.tp_layout
+    out = []
+    for mode, nbytes in transfers:
+        if mode == "column":
+            out.append(collective_time(net, "reduce_scatter" if sp else "all_reduce", nbytes, lay))
+        elif mode == "row" and sp:
+            out.append(collective_time(net, "all_gather", nbytes, lay))
+        else:
+            out.append(0.0)
+    return out
+
+
 def _attention_transfers(ctx: LayerContext) -> list[tuple[str, float]]:
     """The attention projections' TP transfers (model.attention_linears); MLA's key/value latent is
     gathered with the shared rotary key (kv_lora_rank + qk_rope_head_dim)."""
@@ -310,7 +332,8 @@ def tp_exposed(ctx: LayerContext, transfers: list[tuple[str, float]], shapes: li
         return exposed + sum(overlapped(dgrad, c) - dgrad for c, dgrad in regathers)
     if backward and p.tp_backward_overlap and p.tp > 1:
         return _async_backward_exposed(ctx, transfers, shapes, regathers)
-    return sum(_tp_collectives(ctx, transfers)) + sum(c for c, _ in regathers)
+    collectives = _backward_collectives(ctx, transfers) if backward else _tp_collectives(ctx, transfers)
+    return sum(collectives) + sum(c for c, _ in regathers)
 
 
 def _input_regathers(ctx: LayerContext, transfers: list[tuple[str, float]], shapes: list[tuple[int, int, float]],
@@ -537,11 +560,14 @@ def mtp_projection(ctx: LayerContext, backward: bool) -> Cost:
     the column-parallel 2h -> h projection of their concatenation, whose input is all-gathered under
     sequence parallelism and whose output is gathered back to h for the layer. Its embedding lookup
     and LM head are the model's (embedding_cost, head_cost)."""
-    h = ctx.model.hidden_size
-    gemm = linear_time(ctx, 2 * h, h // ctx.plan.tp, backward)
+    h, p = ctx.model.hidden_size, ctx.plan
+    gemm = linear_time(ctx, 2 * h, h // p.tp, backward)
     norms = _memory_bound(ctx, [2 * _norm_bytes(ctx)], backward)
-    tp = _tp_collectives(ctx, _tp_transfers(ctx, [(2 * h, h, "column")]))[0]
-    if ctx.plan.tp > 1:
+    linears = [(2 * h, h // p.tp, "column")]
+    tp = tp_exposed(ctx, _tp_transfers(ctx, linears), [(2 * h, h // p.tp, ctx.tokens)], [gemm], backward)
+    # its output gathered to h (gather_from_tensor_model_parallel_region, whose backward splits);
+    # under sequence parallelism scattered back to the shard, whose backward gathers
+    if p.tp > 1 and (not backward or p.sequence_parallel):
         tp += collective_time(ctx.network, "all_gather", ctx.tokens * h * ctx.act_bytes, ctx.tp_layout)
     return Cost().add("compute", gemm + norms).add("tp_comm", tp)
 
@@ -561,16 +587,18 @@ def head_cost(ctx: LayerContext, backward: bool) -> Cost:
     and its gradient all-reduced backward (copy_to_tensor_model_parallel_region)."""
     m, p = ctx.model, ctx.plan
     vocab = m.vocab_size // p.tp
-    gemm = linear_time(outside_fp8(ctx), m.hidden_size, vocab, backward)
+    head = outside_fp8(ctx)
+    gemm = linear_time(head, m.hidden_size, vocab, backward)
     logits = ctx.tokens * vocab
     ce = sum(memory_bound_time(ctx.gpu, logits * nbytes) for nbytes in cross_entropy_kernels(ctx, backward))
     norm = memory_bound_time(ctx.gpu, (2 if backward else 1) * _norm_bytes(ctx))
-    cost = Cost().add("compute", gemm + ce + norm)
-    if p.tp > 1 and (p.sequence_parallel or backward):
-        op = {(True, False): "all_gather", (True, True): "reduce_scatter", (False, True): "all_reduce"}
-        nbytes = ctx.tokens * m.hidden_size * ctx.act_bytes
-        cost.add("tp_comm", collective_time(ctx.network, op[p.sequence_parallel, backward], nbytes, ctx.tp_layout))
-    return cost
+    # the head is a ColumnParallelLinear (GPTModel.output_layer): its backward overlaps the input
+    # gradient's reduce-scatter (all-reduce) with its weight gradient and the re-gather of its input
+    # with its input gradient, as every column-parallel layer's; no userbuffers (not a TE module)
+    linears = [(m.hidden_size, vocab, "column")]
+    tp = tp_exposed(head, _tp_transfers(head, linears), [(m.hidden_size, vocab, ctx.tokens)], [gemm], backward,
+                    userbuffers=False)
+    return Cost().add("compute", gemm + ce + norm).add("tp_comm", tp)
 
 
 def cross_entropy_kernels(ctx: LayerContext, backward: bool) -> list[int]:

@@ -277,11 +277,13 @@ def test_zero_bubble_tp_overlap_hides_only_behind_input_gradient_gemms():
 def test_embedding_and_head_collectives_follow_megatrons_mappings(gpt3, sp):
     """Embedding: all-reduce forward, nothing backward; with SP reduce-scatter forward, all-gather
     backward. LM head input: nothing forward, all-reduce backward; with SP all-gather forward,
-    reduce-scatter backward (Megatron-Core tensor_parallel/mappings.py)."""
-    from hwmodels.network import collective_time
-    from simulator.workload import embedding_cost, head_cost
+    reduce-scatter backward and the re-gather of its saved input shard (Megatron-Core
+    tensor_parallel/mappings.py, ColumnParallelLinear), which the backward overlaps with the head's
+    GEMMs as every column-parallel layer's (LinearWithGradAccumulationAndAsyncCommunication)."""
+    from hwmodels.network import collective_time, overlapped
+    from simulator.workload import embedding_cost, head_cost, linear_time, outside_fp8, weight_grad_time
 
-    ctx = _layer_context(gpt3, sequence_parallel=sp)
+    ctx = _layer_context(gpt3, sequence_parallel=sp, tp_backward_overlap=False)
     nbytes = ctx.plan.micro_batch_size * gpt3.training.seq_length * gpt3.model.hidden_size * 2
 
     def coll(op):
@@ -291,7 +293,20 @@ def test_embedding_and_head_collectives_follow_megatrons_mappings(gpt3, sp):
             True: (("reduce_scatter", "all_gather"), ("all_gather", "reduce_scatter"))}[sp]
     for fn, ops in zip((embedding_cost, head_cost), want):
         for backward, op in zip((False, True), ops):
-            assert fn(ctx, backward).parts["tp_comm"] == pytest.approx(coll(op), rel=1e-12), (fn.__name__, backward)
+            regather = coll("all_gather") if fn is head_cost and backward and sp else 0.0
+            assert fn(ctx, backward).parts["tp_comm"] == pytest.approx(coll(op) + regather, rel=1e-12), \
+                (fn.__name__, backward)
+    # overlapped: the input gradient's collective beside the weight gradient, the re-gather beside
+    # the input gradient
+    ctx = _layer_context(gpt3, sequence_parallel=sp)
+    head = outside_fp8(ctx)
+    h, vocab = gpt3.model.hidden_size, gpt3.model.vocab_size // ctx.plan.tp
+    wgrad = weight_grad_time(head, h, vocab, ctx.tokens)
+    dgrad = linear_time(head, h, vocab, True) - wgrad
+    want = overlapped(wgrad, coll(want[1][1])) - wgrad
+    if sp:
+        want += overlapped(dgrad, coll("all_gather")) - dgrad
+    assert head_cost(ctx, True).parts["tp_comm"] == pytest.approx(want, rel=1e-12)
 
 
 def test_pipeline_sends_move_the_tensor_megatron_sends(gpt3):
@@ -658,7 +673,7 @@ def test_mla_projections_and_tp_collectives_by_hand(sp):
     all-gathered before the up-projections and h reduce-scattered after the output projection;
     without SP only the output projection's all-reduce remains."""
     from hwmodels.network import collective_time
-    from simulator.workload import _attention_shapes, _attention_transfers, _tp_collectives
+    from simulator.workload import _attention_shapes, _attention_transfers, _backward_collectives, _tp_collectives
 
     ctx = _mla_context(8, sp)
     n = ctx.tokens
@@ -672,6 +687,11 @@ def test_mla_projections_and_tp_collectives_by_hand(sp):
     want = ([0.0, coll("all_gather", 1536), 0.0, coll("all_gather", 576), coll("reduce_scatter", 7168)] if sp
             else [0.0, 0.0, 0.0, 0.0, coll("all_reduce", 7168)])
     assert _tp_collectives(ctx, _attention_transfers(ctx)) == pytest.approx(want, rel=1e-12)
+    # backward: the up-projections' input gradients are the latents' (reduce-scattered, all-reduced
+    # without SP), the output projection's output gradient all-gathered under SP
+    back = ([0.0, coll("reduce_scatter", 1536), 0.0, coll("reduce_scatter", 576), coll("all_gather", 7168)] if sp
+            else [0.0, coll("all_reduce", 1536), 0.0, coll("all_reduce", 576), 0.0])
+    assert _backward_collectives(ctx, _attention_transfers(ctx)) == pytest.approx(back, rel=1e-12)
 
 
 @pytest.mark.parametrize("sp", [False, True])
@@ -940,16 +960,26 @@ def test_the_timeline_png_draws_one_collection_per_category_and_row(monkeypatch)
 def test_multi_token_prediction_projection_under_tensor_parallelism(sp):
     """The MTP module's column-parallel 2h -> h projection at TP 2: under sequence parallelism its
     2h-wide input is all-gathered; with or without, its h-wide output is gathered back for the
-    layer (by hand, from the network model). This path once crashed the planner on DeepSeek-V3."""
+    layer (gather_from_tensor_model_parallel_region), and under sequence parallelism scattered to
+    the shard again. Backward (no overlap): the input gradient reduce-scattered (all-reduced
+    without SP) at 2h, the shard's input re-gathered under SP, the output's gather split (no
+    traffic) and the scatter's backward gathered (SP). By hand, from the network model. This path
+    once crashed the planner on DeepSeek-V3."""
     from hwmodels.network import collective_time
     from simulator.workload import mtp_projection
 
     ctx = _mla_context(tp=2, sp=sp)
+    ctx = replace(ctx, plan=replace(ctx.plan, tp_backward_overlap=False))
     h, tok = ctx.model.hidden_size, ctx.tokens * ctx.act_bytes
-    gather_in = collective_time(ctx.network, "all_gather", tok * 2 * h, ctx.tp_layout) if sp else 0.0
-    gather_out = collective_time(ctx.network, "all_gather", tok * h, ctx.tp_layout)
-    for backward in (False, True):
-        assert mtp_projection(ctx, backward).parts["tp_comm"] == pytest.approx(gather_in + gather_out, rel=1e-12)
+
+    def coll(op, nbytes):
+        return collective_time(ctx.network, op, nbytes, ctx.tp_layout)
+
+    gather_in = coll("all_gather", tok * 2 * h) if sp else 0.0
+    gather_out = coll("all_gather", tok * h)
+    assert mtp_projection(ctx, False).parts["tp_comm"] == pytest.approx(gather_in + gather_out, rel=1e-12)
+    backward = (coll("reduce_scatter", tok * 2 * h) + gather_in + gather_out) if sp else coll("all_reduce", tok * 2 * h)
+    assert mtp_projection(ctx, True).parts["tp_comm"] == pytest.approx(backward, rel=1e-12)
     if sp:  # the whole plan (Megatron-Core's MoE needs sequence parallelism under TP)
         sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml", ["plan.tp=2", "plan.sequence_parallel=true"])
         assert simulate(sc, record_spans=False).breakdown["tp_comm"] > 0
