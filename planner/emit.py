@@ -381,6 +381,14 @@ def megatron_notes(sc: Scenario) -> list[str]:
                          "which keeps the weight gradients in the backward (a larger bubble than predicted): "
                          f"simulate the plan with --set plan.schedule={runs} for its step time, or launch it with "
                          "paraplan launch / torchtitan.")
+    if p.pp == 2 and p.virtual_pipeline_stages > 1:
+        # megatron/training/arguments.py validate_args: with virtual stages and overlap_p2p_comm off,
+        # "pipeline-model-parallel size should be greater than 2"; the overlap is on by default
+        # (--no-overlap-p2p-communication turns it off) since 2024, off (--overlap-p2p-communication)
+        # before
+        notes.append("pp 2 with virtual stages needs Megatron-LM's overlapped pipeline communication: the default "
+                     "since 2024 (do not pass --no-overlap-p2p-communication); older versions need "
+                     "--overlap-p2p-communication.")
     if p.tp > 1 and not p.tp_backward_overlap and not p.tp_comm_overlap:
         notes.append("Megatron-LM always runs its backward tensor-parallel collectives beside the GEMMs (no flag "
                      "turns that off), so it is faster than this plan's tp_backward_overlap: false predicts.")
@@ -574,6 +582,11 @@ def _torchtitan_experts(sc: Scenario) -> tuple[list[str], list[str]]:
     p = sc.plan
     lines = [f"expert_parallel_degree = {p.ep}"]
     if p.ep == 1:
+        if p.tp > 1 and p.expert_tp != p.tp:
+            # torchtitan's apply_moe_ep_tp without an EP mesh: experts_mesh = tp_mesh, TensorParallel()
+            return lines, [f"torchtitan at expert_parallel_degree 1 shards the experts over the tp {p.tp} ranks, "
+                           f"where this plan (expert tp {p.expert_tp}) keeps them whole on each: its expert "
+                           "memory and traffic differ from the simulation"]
         return lines, []
     lines.append(f"expert_tensor_parallel_degree = {p.expert_tp}")
     if p.moe_dispatcher == "deepep":

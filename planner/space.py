@@ -67,8 +67,10 @@ sequence_parallel takes its first candidate when tp = 1 (there is nothing to spl
 its first candidate when dp x cp = 1 and, for an MoE model, expert-dp = 1 (nothing to shard over),
 and gpipe and 1f1b are one schedule when pp = 1, 1f1b (gpipe when 1f1b is not listed; see
 `one_stage_schedule`: one stage has no pipeline to schedule, and GPipe's order there only holds more
-activations). With ep = 1 no token leaves its rank, so the dispatcher is alltoall (Megatron-Core's
-flex dispatcher, which runs DeepEP, refuses ep x expert_tp = 1), and moe_shared_expert_overlap is
+activations). With ep x expert_tp = 1 no token leaves its rank, so the dispatcher is alltoall
+(Megatron-Core's flex dispatcher, which runs DeepEP over the expert-TP x EP group, refuses ep x
+expert_tp = 1; with expert_tp > 1 and ep 1 it exchanges over the expert-TP ranks, which the
+all-to-all dispatcher gathers and scatters), and moe_shared_expert_overlap is
 false wherever it cannot act (ep = 1, no shared experts, or a dispatcher other than alltoall, the
 only one Megatron-Core overlaps shared experts with); overlap_moe_expert_parallel_comm is false
 wherever it cannot run (ep = 1, pp > 1 without interleaved-1f1b or dualpipev, full or
@@ -524,9 +526,9 @@ class PlanSpace:
         etp = v["expert_tp"]
         zero = (v["zero_stage"] if self._zero_matters(v["tp"], dp, v["cp"], v["ep"], etp)
                 else self._cands["zero_stage"][0])
-        # with ep 1 no token leaves its rank: one plan, alltoall (Megatron's flex/DeepEP dispatcher
-        # refuses ep x expert_tp = 1, and with expert_tp > 1 both run alike)
-        dispatcher = v["moe_dispatcher"] if v["ep"] > 1 else "alltoall"
+        # with ep x expert_tp 1 no token leaves its rank: one plan, alltoall (Megatron's flex/DeepEP
+        # dispatcher refuses ep x expert_tp = 1)
+        dispatcher = v["moe_dispatcher"] if v["ep"] * etp > 1 else "alltoall"
         shared_overlap = v["moe_shared_expert_overlap"] and self._overlap_matters(v["ep"], dispatcher)
         recompute, modules = recompute_choice(v["recompute"])
         modules_run = self._modules(modules)
@@ -597,7 +599,7 @@ class PlanSpace:
 
     def params_of(self, cand: Candidate) -> dict[str, Any]:
         """Every knob value of a candidate except the derived dp (the inverse of `candidate`). A
-        knob that cannot act on the plan (the dispatcher at ep 1, the shared-expert overlap where
+        knob that cannot act on the plan (the dispatcher at ep x expert_tp 1, the shared-expert overlap where
         _overlap_matters is false) gives its first candidate, which `candidate` maps back to the
         canonical value: so a sampler's choices, read from these, hold only candidates."""
         p = cand.plan
@@ -607,7 +609,7 @@ class PlanSpace:
                 "virtual_pipeline_stages": p.virtual_pipeline_stages,
                 "sequence_parallel": p.sequence_parallel, "zero_stage": p.zero_stage,
                 "recompute": self._recompute_value(p), "expert_tp": p.expert_tp,
-                "moe_dispatcher": p.moe_dispatcher if p.ep > 1 else c["moe_dispatcher"][0],
+                "moe_dispatcher": p.moe_dispatcher if p.ep * p.expert_tp > 1 else c["moe_dispatcher"][0],
                 "moe_shared_expert_overlap": (p.moe_shared_expert_overlap if self._overlap_matters(p.ep, p.moe_dispatcher)
                                               else c["moe_shared_expert_overlap"][0]),
                 "overlap_moe_expert_parallel_comm": (p.overlap_moe_expert_parallel_comm if self._plan_ep_overlap_matters(p)
@@ -634,7 +636,7 @@ class PlanSpace:
         checks = {"num_nodes": cand.num_nodes, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
                   "micro_batch_size": p.micro_batch_size, "schedule": p.schedule,
                   "recompute": self._recompute_value(p), "expert_tp": p.expert_tp}
-        if p.ep > 1:
+        if p.ep * p.expert_tp > 1:
             checks["moe_dispatcher"] = p.moe_dispatcher
         if self._overlap_matters(p.ep, p.moe_dispatcher):
             checks["moe_shared_expert_overlap"] = p.moe_shared_expert_overlap
@@ -728,11 +730,12 @@ class PlanSpace:
 
     def _expert_settings(self) -> Iterator[tuple[int, int, str, bool]]:
         """Canonical (ep, expert_tp, moe_dispatcher, moe_shared_expert_overlap) combinations: the
-        dispatcher only with ep > 1, the shared-expert overlap only where it acts (_overlap_matters)."""
+        dispatcher only with ep x expert_tp > 1, the shared-expert overlap only where it acts
+        (_overlap_matters)."""
         c = self._cands
         for ep in c["ep"]:
             for etp in c["expert_tp"]:
-                for dispatcher in c["moe_dispatcher"] if ep > 1 else ("alltoall",):
+                for dispatcher in c["moe_dispatcher"] if ep * etp > 1 else ("alltoall",):
                     overlaps = c["moe_shared_expert_overlap"] if self._overlap_matters(ep, dispatcher) else (False,)
                     for overlap in overlaps:
                         yield ep, etp, dispatcher, overlap

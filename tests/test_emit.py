@@ -513,3 +513,27 @@ def test_megatron_fsdp_with_pipeline_parallelism_is_flagged():
                                        "plan.schedule=1f1b", "plan.virtual_pipeline_stages=1"))
     assert "not with pipeline parallelism" in text
     assert "not with pipeline parallelism" not in megatron_args_text(scenario("llama3-70b-512xh100", "plan.zero_stage=1"))
+
+
+def test_pp2_with_virtual_stages_says_it_needs_overlapped_pipeline_communication():
+    """Megatron-LM's validate_args refuses virtual stages on pp 2 unless its pipeline
+    communication is overlapped (on by default since 2024): the arguments say so there only."""
+    from planner.emit import megatron_notes
+
+    pp2 = scenario("mixtral-8x7b-64xh100", "plan.pp=2")
+    assert pp2.plan.virtual_pipeline_stages > 1
+    assert any("--no-overlap-p2p-communication" in n for n in megatron_notes(pp2))
+    assert not any("overlap-p2p" in n for n in megatron_notes(scenario("mixtral-8x7b-64xh100")))
+
+
+def test_torchtitan_says_it_shards_experts_over_tp_at_ep1():
+    """torchtitan's apply_moe_ep_tp shards the experts over the TP mesh when there is no EP mesh: an
+    ep 1 plan whose expert tp differs from tp says so; one with expert tp = tp does not."""
+    from planner.emit import _torchtitan_experts
+
+    replicated = scenario("mixtral-8x7b-64xh100", "plan.tp=2", "plan.ep=1", "plan.sequence_parallel=true")
+    assert replicated.plan.expert_tp == 1
+    assert any("shards the experts over the tp 2 ranks" in n for n in _torchtitan_experts(replicated)[1])
+    sharded = scenario("mixtral-8x7b-64xh100", "plan.tp=2", "plan.ep=1", "plan.expert_tp=2",
+                       "plan.sequence_parallel=true")
+    assert _torchtitan_experts(sharded)[1] == []

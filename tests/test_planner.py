@@ -129,7 +129,8 @@ def test_moe_knobs_keep_the_scenarios_values_unless_listed():
 
 def test_moe_knobs_are_searched_where_they_change_the_plan():
     """expert_tp, the dispatcher and the shared-expert overlap are knobs: each valid combination is
-    one plan, the dispatcher only where tokens leave their rank (ep > 1), the overlap only where
+    one plan, the dispatcher only where tokens leave their rank (ep x expert_tp > 1: DeepEP runs
+    over the expert-TP x EP group), the overlap only where
     Megatron-Core runs it (shared experts, alltoall); enumerate agrees with the count and every plan
     maps back to its knob values."""
     mixtral = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml",
@@ -140,13 +141,14 @@ def test_moe_knobs_are_searched_where_they_change_the_plan():
     assert sp.count_combinations() == found.combinations
     plans = {(c.plan.tp, c.plan.ep, c.plan.expert_tp, c.plan.moe_dispatcher, c.plan.moe_shared_expert_overlap)
              for c in found.valid}
-    # ep 1: one dispatcher, alltoall (no token leaves its rank; DeepEP's dispatcher refuses one rank)
+    # ep x expert_tp 1: one dispatcher, alltoall (no token leaves its rank; DeepEP's dispatcher
+    # refuses one rank)
     assert plans == {(tp, ep, etp, d, False) for tp in (1, 2) for ep in (1, 8) for etp in (1, 2)
-                     for d in (("alltoall",) if ep == 1 else ("alltoall", "deepep")) if ep * etp <= 16 * tp}
+                     for d in (("alltoall",) if ep * etp == 1 else ("alltoall", "deepep")) if ep * etp <= 16 * tp}
     for c in found.valid:
         assert sp.candidate(sp.params_of(c)) == c and sp.in_space(c)
     base = {"tp": 1, "pp": 4, "cp": 1, "micro_batch_size": 1, "schedule": "1f1b", "zero_stage": 1, "recompute": "none"}
-    assert sp.candidate({**base, "ep": 1, "moe_dispatcher": "deepep"}).plan.moe_dispatcher == "alltoall"
+    assert sp.candidate({**base, "ep": 1, "expert_tp": 1, "moe_dispatcher": "deepep"}).plan.moe_dispatcher == "alltoall"
     # a model with shared experts overlaps them with the alltoall dispatch only
     shared = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml",
                            [*MIXTRAL_FIXED, "search.tp=[1]", "search.ep=[8]", "model.moe.num_shared_experts=1",
@@ -226,7 +228,7 @@ def test_a_sampler_proposes_only_plans_of_the_space(overrides):
             assert sp.in_space(c), c.plan
             reached.add(c)
     assert reached == set(found.valid)
-    assert all(c.plan.moe_dispatcher == "alltoall" for c in found.valid if c.plan.ep == 1)
+    assert all(c.plan.moe_dispatcher == "alltoall" for c in found.valid if c.plan.ep * c.plan.expert_tp == 1)
 
 
 def test_deepep_needs_more_than_one_rank_to_dispatch_to():
