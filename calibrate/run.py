@@ -102,6 +102,11 @@ def _world(env: Mapping[str, str]) -> tuple[int, int, int, int]:
     return world, num("RANK", 0), num("LOCAL_RANK", 0), local_world
 
 
+def _unknown_benchmarks(names) -> list[str]:
+    """The names among `names` that are not benchmarks (BENCHMARKS), sorted."""
+    return sorted(set(names) - set(BENCHMARKS))
+
+
 def check_options(opts: Options, env: Mapping[str, str] | None = None) -> None:
     """Everything that can be wrong with the request before a device is touched."""
     from hwmodels.profile import DTYPES
@@ -115,7 +120,7 @@ def check_options(opts: Options, env: Mapping[str, str] | None = None) -> None:
         raise CalibrationError("--name: expected a non-empty name")
     if opts.device not in ("cuda", "cpu"):
         raise CalibrationError(f"--device {opts.device!r}: expected cuda or cpu")
-    unknown = sorted(set(opts.skip) - set(BENCHMARKS))
+    unknown = _unknown_benchmarks(opts.skip)
     if unknown:
         raise CalibrationError(f"--skip {', '.join(unknown)}: unknown; expected some of {', '.join(BENCHMARKS)}")
     if opts.dtypes is not None:
@@ -546,7 +551,7 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
         text_or_none(options.get("name"), "options.name")
         for m in measurements:
             _check_measurement(m)
-        unknown = sorted(set(skip) - set(BENCHMARKS))
+        unknown = _unknown_benchmarks(skip)
         if unknown:
             raise ValueError(f"options.skip names {', '.join(unknown)}; known: {', '.join(BENCHMARKS)}")
     except (KeyError, TypeError, ValueError) as exc:

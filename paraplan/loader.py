@@ -78,20 +78,26 @@ def _integer(minimum: int | None = None, maximum: int | None = None, maximum_tex
 # The deepest published transformers have about a thousand layers; the simulator prices a layer at a
 # time, so a typo like 10**9 would run for hours before reporting the plan does not fit.
 MAX_LAYERS = 100_000
+
+
+def _up_to_power_of_two(exponent: int, minimum: int = 1) -> Check:
+    """An integer from `minimum` to 2**exponent, the bound named as such in errors."""
+    return _integer(minimum=minimum, maximum=2**exponent, maximum_text=f"2**{exponent}")
+
+
 # Likewise for the model's widths, vocabulary and experts, the sequence and the cluster: each far
 # above any published model or cluster (widths ~2**15, vocabularies ~2**18, 384 experts, 100k-GPU
 # clusters), below the sizes whose per-bucket and per-expert pricing would run for minutes or
 # exhaust the host's memory before reporting that nothing fits.
-MAX_WIDTH = 2**20
-MAX_HEADS = 2**16
-MAX_VOCAB = 2**24
-MAX_EXPERTS = 2**20
-MAX_SEQ = 2**26
-MAX_BATCH = 2**40
-MAX_NODES = 2**20
-MAX_GPUS_PER_NODE = 2**10
-WIDTH = _integer(minimum=1, maximum=MAX_WIDTH, maximum_text="2**20")
-HEADS = _integer(minimum=1, maximum=MAX_HEADS, maximum_text="2**16")
+WIDTH = _up_to_power_of_two(20)
+HEADS = _up_to_power_of_two(16)
+VOCAB = _up_to_power_of_two(24)
+EXPERTS = _up_to_power_of_two(20)
+SEQUENCE = _up_to_power_of_two(26)
+BATCH = _up_to_power_of_two(40)
+NODES = _up_to_power_of_two(20)
+GPUS_PER_NODE = _up_to_power_of_two(10)
+
 # numpy's generators (routing draws, Optuna's samplers) and torch's seeding through them take seeds
 # in [0, 2**32)
 MAX_SEED, MAX_SEED_TEXT = 2**32 - 1, "2**32 - 1"
@@ -236,7 +242,7 @@ MODEL = _schema(
     num_kv_heads=Key(HEADS),
     head_dim=Key(WIDTH),
     ffn_hidden_size=Key(WIDTH),
-    vocab_size=Key(_integer(minimum=1, maximum=MAX_VOCAB, maximum_text="2**24"), required=True),
+    vocab_size=Key(VOCAB, required=True),
     activation=Key(_one_of(ACTIVATIONS), required=True),
     tied_embeddings=Key(_boolean),
     dropout=Key(_probability),
@@ -253,10 +259,10 @@ MLA = _schema(
     v_head_dim=Key(WIDTH, required=True),
 )
 MOE = _schema(
-    num_experts=Key(_integer(minimum=1, maximum=MAX_EXPERTS, maximum_text="2**20"), required=True),
+    num_experts=Key(EXPERTS, required=True),
     top_k=Key(POSITIVE, required=True),
     expert_ffn_hidden_size=Key(WIDTH, required=True),
-    num_shared_experts=Key(_integer(minimum=0, maximum=MAX_EXPERTS, maximum_text="2**20")),
+    num_shared_experts=Key(_up_to_power_of_two(20, minimum=0)),
     first_dense_layers=Key(_integer(minimum=0)),
     moe_layer_freq=Key(POSITIVE),
     capacity_factor=Key(_optional(_number(positive=True))),
@@ -274,8 +280,8 @@ MODEL_SOURCES = ("preset", "hf_config")
 
 CLUSTER = _schema(
     gpu=Key(_string, required=True),
-    num_nodes=Key(_integer(minimum=1, maximum=MAX_NODES, maximum_text="2**20"), required=True),
-    gpus_per_node=Key(_integer(minimum=1, maximum=MAX_GPUS_PER_NODE, maximum_text="2**10"), required=True),
+    num_nodes=Key(NODES, required=True),
+    gpus_per_node=Key(GPUS_PER_NODE, required=True),
     intra_node=Key(_anything),
     inter_node=Key(_anything),
 )
@@ -295,8 +301,8 @@ INTER_NODE = _schema(
 )
 
 TRAINING = _schema(
-    seq_length=Key(_integer(minimum=1, maximum=MAX_SEQ, maximum_text="2**26"), required=True),
-    global_batch_size=Key(_integer(minimum=1, maximum=MAX_BATCH, maximum_text="2**40"), required=True),
+    seq_length=Key(SEQUENCE, required=True),
+    global_batch_size=Key(BATCH, required=True),
     precision=Key(_one_of(PRECISIONS), required=True),
     attention=Key(_one_of(ATTENTION_KERNELS)),
     grad_reduce_dtype=Key(_one_of(GRAD_REDUCE_DTYPES)),

@@ -214,6 +214,15 @@ def stage_memory(
 CE_SOFTMAX_BYTES = 4
 
 
+def unrecomputed_activation_bytes(model, plan, seq_length: int, attention_kernel: str,
+                                  moe_ffn_bytes: float | None = None, act_bytes: int = 2) -> float:
+    """A layer's activations as stored without recompute (activation_bytes_per_layer under
+    recompute none; an MoE layer's `moe_ffn_bytes` are those it keeps unrecomputed): what
+    recomputing the whole layer rebuilds."""
+    return activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel,
+                                      moe_ffn_bytes=moe_ffn_bytes, act_bytes=act_bytes)
+
+
 def recompute_working_bytes(model, plan, seq_length: int, attention_kernel: str, act_bytes: int = 2,
                             moe_ffn_bytes: float | None = None) -> float:
     """What recomputing one layer holds during its backward, on top of the stored activations: under
@@ -224,8 +233,7 @@ def recompute_working_bytes(model, plan, seq_length: int, attention_kernel: str,
     core its s^2 tensors. One layer at a time: a stage's working set takes the largest over the
     kinds of layer it holds."""
     if plan.recompute == "full":
-        return activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel,
-                                          moe_ffn_bytes=moe_ffn_bytes, act_bytes=act_bytes)
+        return unrecomputed_activation_bytes(model, plan, seq_length, attention_kernel, moe_ffn_bytes, act_bytes)
     tokens = plan.micro_batch_size * seq_length // plan.cp
     # the modules of a layer are recomputed one at a time, each just before its own backward
     attention = 0.0

@@ -21,7 +21,7 @@ from simulator.flops import flops_formula_for, hardware_flops, model_flops
 from simulator.layout import layers_per_chunk, layers_per_virtual_stage
 from simulator.memory import (
     CE_SOFTMAX_BYTES, activation_bytes_per_layer, logits_bytes, recompute_working_bytes, stage_memory,
-    state_bytes_per_param,
+    state_bytes_per_param, unrecomputed_activation_bytes,
 )
 from simulator.moe import (
     dispatch_buffer_bytes, draw_routing, moe_activation_bytes, moe_block, routed_tokens_per_rank,
@@ -329,9 +329,9 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
             chunk_kinds.append(kinds_in_chunk)
             stage_kinds.update(kinds_in_chunk)
             if (s, c) == (last_rank, last_chunk) and m.mtp_layers:
-                # the multi-token prediction modules run a layer like the last one here (_chunk_work),
-                # also on a last stage with no decoder layers of its own
-                stage_kinds.add("moe" if m.is_moe_layer(m.num_layers - 1) else "dense")
+                # the multi-token prediction modules run their layer here (_chunk_work), also on a
+                # last stage with no decoder layers of its own
+                stage_kinds.add(_mtp_layer_kind(m))
             chunk = _chunk_work(ctx, kinds, kinds_in_chunk, per_unit, first=s == 0 and c == 0,
                                 last=(s, c) == (last_rank, last_chunk), emb_params=emb_params,
                                 own_head=own_head, mtp_embedding=mtp_embedding)
@@ -461,10 +461,9 @@ def _layer_kinds(ctx, a2a_layout, etp_layout, *, balanced: bool):
         working={"dense": recompute_working_bytes(m, p, ctx.seq_length, ctx.attention_kernel, ctx.act_bytes)},
     )
     rebuilds = p.schedule in SPLIT_BACKWARD_SCHEDULES and (p.recompute == "full" or p.recomputed_modules)
-    unrecomputed = dataclasses.replace(p, recompute="none")
     if rebuilds:
-        kinds.rebuilt["dense"] = activation_bytes_per_layer(
-            m, unrecomputed, ctx.seq_length, ctx.attention_kernel, act_bytes=ctx.act_bytes) - dense_acts
+        kinds.rebuilt["dense"] = unrecomputed_activation_bytes(
+            m, p, ctx.seq_length, ctx.attention_kernel, act_bytes=ctx.act_bytes) - dense_acts
     if m.moe is None:
         return kinds, None
     e = m.moe
@@ -477,14 +476,14 @@ def _layer_kinds(ctx, a2a_layout, etp_layout, *, balanced: bool):
     kinds.params["moe"] = (attn_params + m.hidden_size * e.num_experts + shared, local_experts)
     ffn = moe_activation_bytes(ctx, draw)
     kinds.acts["moe"] = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, ffn, ctx.act_bytes)
-    if rebuilds:
-        kinds.rebuilt["moe"] = activation_bytes_per_layer(
-            m, unrecomputed, ctx.seq_length, ctx.attention_kernel, moe_activation_bytes(ctx, draw, recomputed=()),
-            ctx.act_bytes) - kinds.acts["moe"]
     recomputed_ffn = p.recompute == "full" or "moe" in p.recomputed_modules
+    ffn_whole = moe_activation_bytes(ctx, draw, recomputed=()) if rebuilds or recomputed_ffn else 0.0
+    if rebuilds:
+        kinds.rebuilt["moe"] = unrecomputed_activation_bytes(
+            m, p, ctx.seq_length, ctx.attention_kernel, ffn_whole, ctx.act_bytes) - kinds.acts["moe"]
     kinds.working["moe"] = dispatch_buffer_bytes(ctx, draw) + recompute_working_bytes(
         m, p, ctx.seq_length, ctx.attention_kernel, ctx.act_bytes,
-        moe_ffn_bytes=moe_activation_bytes(ctx, draw, recomputed=()) if recomputed_ffn else 0.0)
+        moe_ffn_bytes=ffn_whole if recomputed_ffn else 0.0)
     if p.overlap_moe_expert_parallel_comm:
         kinds.phases.update({
             "dense": (LayerPhases.of(kinds.fwd["dense"].total, None), LayerPhases.of(kinds.bwd["dense"].total, None)),
@@ -537,7 +536,7 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
             # each module (all alike): embed the next tokens, project [norm(embedding), norm(hidden)]
             # to h, one more layer like the last, the shared head (Megatron-Core
             # MultiTokenPredictionBlock, after the decoder)
-            kind = "moe" if m.is_moe_layer(m.num_layers - 1) else "dense"
+            kind = _mtp_layer_kind(m)
             module = {}
             for backward in (False, True):
                 module[backward] = embedding_cost(ctx, backward)
@@ -561,6 +560,11 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
         return f, b, w, dense, expert, acts
     b = _zero3_chain([(bwd, c.gather, c.scatter, c.gather_nic + c.scatter_nic) for _, bwd, c, _ in reversed(pieces)])
     return f, b, None, dense, expert, acts
+
+
+def _mtp_layer_kind(m) -> str:
+    """The kind of layer a multi-token prediction module runs: one like the model's last."""
+    return "moe" if m.is_moe_layer(m.num_layers - 1) else "dense"
 
 
 def _grad_buckets(setup: _Setup, params: float, layout: GroupLayout, group: int, *,

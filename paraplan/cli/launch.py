@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from typing import NamedTuple
 
 from paraplan.cli.tables import elided, model_shape
 from paraplan.cli.torch_check import require_torch, torch_problem
@@ -100,9 +101,9 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
     peak = _predicted_peak(sc)
     if sc.run.backend == "gloo":
         _check_host_memory(sc, nproc, peak)
-    elif peak is not None and peak[0] > peak[2]:
-        warning = (f"paraplan simulate predicts {peak[0] / 2**30:,.1f} GiB per GPU on stage {peak[1]}, above the "
-                   f"{peak[2] / 2**30:,.1f} GiB of its GPU ({sc.cluster.gpu}): the run will likely run out of GPU memory "
+    elif peak is not None and peak.bytes > peak.capacity:
+        warning = (f"paraplan simulate predicts {peak.bytes / 2**30:,.1f} GiB per GPU on stage {peak.stage}, above the "
+                   f"{peak.capacity / 2**30:,.1f} GiB of its GPU ({sc.cluster.gpu}): the run will likely run out of GPU memory "
                    f"(scale the model down with --layers and --hidden, or choose another plan)")
         if notes is not None:
             notes.append(warning)
@@ -149,10 +150,17 @@ def with_layer_hint(sc, problems: list[str], source: str) -> list[str]:
     return [r + hint if r.startswith(_LAYER_SPLIT_KEYS) else r for r in problems]
 
 
-def _predicted_peak(sc) -> tuple[float, int, float] | None:
-    """(peak bytes per GPU, its stage, the GPU's capacity) as paraplan simulate predicts them for
-    the plan the executor runs; None where the simulator refuses the plan (the executor's own
-    checks have passed it)."""
+class _Peak(NamedTuple):
+    """The largest stage's memory per GPU as paraplan simulate predicts it, and the GPU's capacity."""
+
+    bytes: float
+    stage: int
+    capacity: float
+
+
+def _predicted_peak(sc) -> _Peak | None:
+    """The peak paraplan simulate predicts for the plan the executor runs; None where the
+    simulator refuses the plan (the executor's own checks have passed it)."""
     from hwmodels.profile import load_profile
     from simulator.simulate import stage_peak_memory
 
@@ -161,10 +169,10 @@ def _predicted_peak(sc) -> tuple[float, int, float] | None:
     except InfeasiblePlanError:
         return None
     stage = max(range(len(peaks)), key=peaks.__getitem__)
-    return peaks[stage], stage, load_profile(sc.cluster.gpu).hbm_capacity
+    return _Peak(peaks[stage], stage, load_profile(sc.cluster.gpu).hbm_capacity)
 
 
-def _check_host_memory(sc, nproc: int, peak: tuple[float, int, float] | None) -> None:
+def _check_host_memory(sc, nproc: int, peak: _Peak | None) -> None:
     """A CPU run holds fp32 weights, gradients and Adam's two moments in host memory: 16 bytes per
     parameter (Rajbhandari et al., "ZeRO", SC'20, Sec. 3.1, with fp32 weights), however the plan
     shards them, so this node's processes hold at least nproc / world of the model's 16 x params;
@@ -175,12 +183,12 @@ def _check_host_memory(sc, nproc: int, peak: tuple[float, int, float] | None) ->
 
     params = sc.model.total_params()
     states = 16 * params * nproc / sc.plan.world_size
-    ranks = max(0.0, peak[0] - RESERVED_BYTES) * nproc if peak is not None else 0.0
+    ranks = max(0.0, peak.bytes - RESERVED_BYTES) * nproc if peak is not None else 0.0
     have = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if max(states, ranks) > have:
         what = (f"for fp32 weights, gradients and Adam states ({params / 1e9:,.2f}B parameters)" if states >= ranks
-                else f"as paraplan simulate predicts each rank's memory, activations included ({peak[0] / 2**30:,.1f} "
-                     f"GiB on stage {peak[1]})")
+                else f"as paraplan simulate predicts each rank's memory, activations included ({peak.bytes / 2**30:,.1f} "
+                     f"GiB on stage {peak.stage})")
         raise ParaplanError(
             f"run.backend gloo: the {nproc} CPU process(es) need at least {max(states, ranks) / 2**30:,.1f} GiB of "
             f"host memory {what}, this host has {have / 2**30:,.1f} GiB; scale the model down with --layers and "
