@@ -55,8 +55,8 @@ GRAPH_WARM_S = 0.02
 """seconds of graph replays before a graph-timed measurement, so it starts on a busy GPU (an H100
 read 345 MHz idle and 1980 MHz under load)."""
 HOST_BOUND_S = 1e-4
-"""calls longer than this on the GPU outrun any host's queueing (a few to tens of microseconds):
-no need to measure the host or to sleep."""
+"""calls shorter than this are captured into a CUDA graph where the benchmark allows it: a host
+queues a kernel in a few to tens of microseconds."""
 _TORCH = {"tf32": torch.float32, "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -141,11 +141,13 @@ class Clock:
         samples = []
         if self.cuda:
             inner = min(inner, MAX_QUEUED_CALLS)
-            host = self.host_seconds(fn) if one < HOST_BOUND_S else 0.0
-            # a lead whenever the call is short: `one` holds the host's launch latency too, so comparing
-            # it with the host's queueing time cannot tell which side is slower (an H100's 3.7 us
-            # matmul read 18 us, its queueing time, when a lead was skipped on that comparison)
-            base_lead = SLEEP_MARGIN * inner * host * self.sleep_cycles_per_s() if host else 0.0
+            # a lead for every block: `one` holds the host's launch latency too, so comparing it with
+            # the host's queueing time cannot tell which side is slower (an H100's 3.7 us matmul read
+            # 18 us, its queueing time, when a lead was skipped on that comparison), and a call that
+            # is long on the host as well (an AdamW step: ~90 us of Python however few its
+            # parameters) is host-bound at any length; for a long kernel the lead is short anyway
+            host = self.host_seconds(fn)
+            base_lead = SLEEP_MARGIN * inner * host * self.sleep_cycles_per_s()
             events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
                       for _ in range(timing.repeats)]
             for start, end in events:
@@ -292,11 +294,57 @@ def _random(numel: int, dtype: str, device: torch.device) -> torch.Tensor:
     return torch.randn(numel, device=device, dtype=torch_dtype(dtype))
 
 
-def _operands(pool: torch.Tensor, s: GemmShape, dtype: str) -> tuple[torch.Tensor, torch.Tensor]:
-    a = pool[: s.m * s.k].view(s.m, s.k)
+def flush_bytes(device: torch.device) -> int:
+    """Bytes a rotation of buffers should span so repeated calls do not hit the last-level cache:
+    twice the GPU's L2, or twice the CPU's L3 (sysfs), 64 MiB where unknown."""
+    if device.type == "cuda":
+        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 * 2**20
+        return 2 * int(l2)
+    try:
+        text = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
+        units = {"K": 2**10, "M": 2**20, "G": 2**30}
+        l3 = int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
+        return max(2 * l3, 64 * 2**20)
+    except (OSError, ValueError, IndexError):
+        return 64 * 2**20
+
+
+MAX_SETS = 512
+"""Buffer sets a copy rotates over: 512 x 3 x 64 KiB = 96 MiB, past an H100's 50 MB L2."""
+
+
+def _operands(pool: torch.Tensor, s: GemmShape, dtype: str, *, pool_b: torch.Tensor | None = None,
+              index: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """A (m x k) and B (k x n) of `s`, the `index`-th set of each: A from `pool`, B from `pool_b`
+    (default the same pool, as the probes take them)."""
+    mk, kn = s.m * s.k, s.k * s.n
+    a = pool[index * mk: (index + 1) * mk].view(s.m, s.k)
+    pool_b = pool if pool_b is None else pool_b
+    b = pool_b[index * kn: (index + 1) * kn]
     if dtype == "fp8":  # torch._scaled_mm wants the second operand column-major
-        return a, pool[: s.n * s.k].view(s.n, s.k).t()
-    return a, pool[: s.k * s.n].view(s.k, s.n)
+        return a, b.view(s.n, s.k).t()
+    return a, b.view(s.k, s.n)
+
+
+def _sets(set_bytes: float, span: int, budget: float) -> int:
+    """How many copies of a call's operands (`set_bytes` each) the call rotates over, so that every
+    call reads its operands from memory rather than from the last-level cache: enough to span `span`
+    bytes (flush_bytes), at most MAX_SETS and what `budget` holds, at least one."""
+    return int(max(1, min(MAX_SETS, math.ceil(span / set_bytes), budget // set_bytes)))
+
+
+def _rotating(fns: list[Callable[[], object]]) -> Callable[[], object]:
+    """One callable that runs the next of `fns` at each call (a buffer rotation; Clock.time's
+    `cycle` is len(fns))."""
+    if len(fns) == 1:
+        return fns[0]
+    state = {"i": 0}
+
+    def call():
+        i = state["i"] = (state["i"] + 1) % len(fns)
+        return fns[i]()
+
+    return call
 
 
 class _tf32:
@@ -368,56 +416,51 @@ def probe_rates(device: torch.device, dtypes: tuple[str, ...], clock: Clock, *, 
 
 
 def run_gemm(shapes, dtype: str, *, device: torch.device, clock: Clock, timing: Timing, progress,
-             notes: list[str]) -> list[Measurement]:
+             notes: list[str], budget: float | None = None) -> list[Measurement]:
+    """torch.matmul (torch._scaled_mm for fp8) on each shape. A and B come from separate buffers and
+    rotate over as many sets as span flush_bytes (_sets), each with its own output: a training step
+    reads a layer's weights long after it last touched them, so a benchmark whose operands sat in
+    the L2 between calls (an H100's holds 50 MB) would time them faster than any step runs them."""
     if not shapes:
         return []
-    numel = max(max(s.m * s.k, s.k * s.n) for s in shapes)
-    pool = _random(numel, dtype, device)
+    span = flush_bytes(device)
+    budget = memory_budget(device) if budget is None else budget
+    elem = 1 if dtype == "fp8" else torch_dtype(dtype).itemsize
+    # every shape's rotation fits: its sets span at most span + one set of each operand
+    pool_a = _random(max(s.m * s.k for s in shapes) + span // elem, dtype, device)
+    pool_b = _random(max(s.k * s.n for s in shapes) + span // elem, dtype, device)
     out_dtype = torch.bfloat16 if dtype == "fp8" else torch_dtype(dtype)
+    out_elem = torch.tensor([], dtype=out_dtype).element_size()
     results = []
     with _tf32(device, dtype == "tf32"):
         for s in shapes:
             progress.step(f"gemm {dtype} {s.m}x{s.n}x{s.k} ({s.origin})")
+            sets = min(_sets((s.m * s.k + s.k * s.n) * elem + s.m * s.n * out_elem, span, budget),
+                       pool_a.numel() // (s.m * s.k), pool_b.numel() // (s.k * s.n))
+            outs = None
             try:
-                a, b = _operands(pool, s, dtype)
-                out = None if dtype == "fp8" else torch.empty(s.m, s.n, device=device, dtype=out_dtype)
-                t = clock.time(_gemm_fn(a, b, dtype, out), timing, graph=True)
+                outs = None if dtype == "fp8" else torch.empty(sets, s.m, s.n, device=device, dtype=out_dtype)
+                fns = [_gemm_fn(*_operands(pool_a, s, dtype, pool_b=pool_b, index=i), dtype,
+                                None if outs is None else outs[i]) for i in range(sets)]
+                t = clock.time(_rotating(fns), timing, graph=True, cycle=sets)
             except Exception as exc:
                 if not _skippable(exc):
                     raise
+                del outs
                 _free(device)
                 notes.append(f"gemm {dtype} {s.m}x{s.n}x{s.k}: out of memory, skipped")
                 continue
-            del out
+            del fns, outs
             results.append(Measurement(kind="gemm", op="matmul" if dtype != "fp8" else "_scaled_mm", dtype=dtype,
                                        params=dict(m=s.m, n=s.n, k=s.k), work=s.flops, seconds=t.seconds,
                                        spread=t.spread, repeats=timing.repeats, inner=t.inner, origin=s.origin,
                                        graph=t.graph))
-    del pool
+    del pool_a, pool_b
     _free(device)
     return results
 
 
 # ----------------------------------------------------------------------------- HBM
-
-
-def flush_bytes(device: torch.device) -> int:
-    """Bytes a rotation of buffers should span so repeated calls do not hit the last-level cache:
-    twice the GPU's L2, or twice the CPU's L3 (sysfs), 64 MiB where unknown."""
-    if device.type == "cuda":
-        l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 0) or 50 * 2**20
-        return 2 * int(l2)
-    try:
-        text = open("/sys/devices/system/cpu/cpu0/cache/index3/size").read().strip()
-        units = {"K": 2**10, "M": 2**20, "G": 2**30}
-        l3 = int(text[:-1]) * units[text[-1].upper()] if text[-1].upper() in units else int(text)
-        return max(2 * l3, 64 * 2**20)
-    except (OSError, ValueError, IndexError):
-        return 64 * 2**20
-
-
-MAX_SETS = 512
-"""Buffer sets a copy rotates over: 512 x 3 x 64 KiB = 96 MiB, past an H100's 50 MB L2."""
 
 
 def run_hbm(sizes, *, device: torch.device, clock: Clock, timing: Timing, progress, budget: float) -> list[Measurement]:
@@ -428,7 +471,7 @@ def run_hbm(sizes, *, device: torch.device, clock: Clock, timing: Timing, progre
     span = flush_bytes(device)
     for size in sizes:
         n = max(1, size // 4)
-        sets = int(max(1, min(MAX_SETS, math.ceil(span / (3 * size)), budget // (3 * size))))
+        sets = _sets(3 * size, span, budget)
         bufs = torch.empty(sets, 3, n, device=device).fill_(1.0)
         state = {"i": 0}
 
@@ -511,39 +554,50 @@ def run_attention(configs: tuple[AttentionConfig, ...], *, device: torch.device,
 # ----------------------------------------------------------------------------- elementwise
 
 
-def _elementwise(op: str, n: int, device: torch.device) -> tuple[Callable[[], object], list[float]]:
-    """The op on n bf16 elements as (rows, 4096), and the bytes each kernel torch eager launches
-    for it moves (what hwmodels.compute.memory_bound_time is checked against)."""
+def _elementwise(op: str, n: int, device: torch.device, sets: int = 1) -> tuple[Callable[[], object], list[float]]:
+    """The op on n bf16 elements as (rows, 4096), rotating over `sets` inputs (_sets), and the bytes
+    each kernel torch eager launches for it moves (what hwmodels.compute.memory_bound_time is
+    checked against)."""
     width = min(ELEMENTWISE_WIDTH, n)
     rows = max(1, n // width)
     e = 2  # bf16
-    x = torch.randn(rows, width, device=device, dtype=torch.bfloat16)
+    xs = torch.randn(sets, rows, width, device=device, dtype=torch.bfloat16)
     nbytes = float(rows * width * e)
     if op == "layernorm":
         w = torch.ones(width, device=device, dtype=torch.bfloat16)
         b = torch.zeros(width, device=device, dtype=torch.bfloat16)
-        return (lambda: F.layer_norm(x, (width,), w, b)), [2 * nbytes]
+        return _rotating([lambda x=x: F.layer_norm(x, (width,), w, b) for x in xs]), [2 * nbytes]
     if op == "rmsnorm":
         w = torch.ones(width, device=device, dtype=torch.bfloat16)
-        return (lambda: F.rms_norm(x, (width,), w)), [2 * nbytes]
+        return _rotating([lambda x=x: F.rms_norm(x, (width,), w) for x in xs]), [2 * nbytes]
     if op == "softmax":
-        return (lambda: torch.softmax(x, dim=-1)), [2 * nbytes]
+        return _rotating([lambda x=x: torch.softmax(x, dim=-1) for x in xs]), [2 * nbytes]
     if op == "gelu":
-        return (lambda: F.gelu(x, approximate="tanh")), [2 * nbytes]
+        return _rotating([lambda x=x: F.gelu(x, approximate="tanh") for x in xs]), [2 * nbytes]
     if op == "swiglu":  # silu(gate) * up, unfused: silu reads and writes f, the product reads 2f, writes f
-        up = torch.randn_like(x)
-        return (lambda: F.silu(x) * up), [2 * nbytes, 3 * nbytes]
+        ups = torch.randn_like(xs)
+        return _rotating([lambda x=x, up=up: F.silu(x) * up for x, up in zip(xs, ups)]), [2 * nbytes, 3 * nbytes]
     raise ValueError(f"unknown elementwise op {op!r}")
 
 
-def run_elementwise(items, *, device: torch.device, clock: Clock, timing: Timing, progress) -> list[Measurement]:
+def run_elementwise(items, *, device: torch.device, clock: Clock, timing: Timing, progress,
+                    budget: float | None = None) -> list[Measurement]:
+    """Norms, softmax and activations, each over inputs rotated past the last-level cache (_sets:
+    a kernel's input in a training step is the previous kernel's output, but one of a size worth
+    timing, an activation of thousands of tokens, is long out of the L2 by the time its backward
+    reads it)."""
+    span = flush_bytes(device)
+    budget = memory_budget(device) if budget is None else budget
     results = []
     with torch.no_grad():
         for op, n in items:
             progress.step(f"elementwise {op} {n} elements")
-            fn, kernels = _elementwise(op, n, device)
-            t = clock.time(fn, timing, graph=True)
-            results.append(Measurement(kind="elementwise", op=op, dtype="bf16", params=dict(elements=n, kernels=kernels),
+            inputs = 2 if op == "swiglu" else 1
+            sets = _sets(inputs * 2 * n, span, budget)
+            fn, kernels = _elementwise(op, n, device, sets)
+            t = clock.time(fn, timing, graph=True, cycle=sets)
+            results.append(Measurement(kind="elementwise", op=op, dtype="bf16",
+                                       params=dict(elements=n, kernels=kernels, buffers=sets),
                                        work=float(sum(kernels)), seconds=t.seconds, spread=t.spread,
                                        repeats=timing.repeats, inner=t.inner, graph=t.graph))
             del fn

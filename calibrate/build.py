@@ -31,7 +31,7 @@ import numpy as np
 from calibrate import fit as F
 from calibrate.device import DeviceInfo, slug
 from calibrate.errors import CalibrationError
-from hwmodels.compute import memory_bound_time
+from hwmodels.compute import KERNEL_OVERHEAD, memory_bound_time
 from hwmodels.curves import Curve
 from hwmodels.network import busbw_factor
 from hwmodels.profile import HEAD_DIM_FIELDS, GpuProfile
@@ -212,7 +212,9 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
         triad = by_kind.get("triad", [])
         prov["hbm.efficiency"] = (
             f"measured: {len(copies)} copies {_mb(copies[0].work)}-{_mb(copies[-1].work)} moved (STREAM copy, buffers "
-            f"rotated past the last-level cache); fitted to hwmodels.compute.memory_bound_time on all {fit.n_train} "
+            f"rotated past the last-level cache); fitted with the copies' own per-kernel overhead, "
+            f"{fit.overhead * 1e6:.2f} us (memory_bound_time charges a training kernel's "
+            f"{KERNEL_OVERHEAD * 1e6:.0f} us instead), on all {fit.n_train} "
             f"(MAPE {_pct(fit.train_mape)}; {_held_out(fit)}); best copy "
             f"{max(m.work / m.seconds for m in copies) / 1e9:.1f} GB/s"
             + (f", best triad {max(m.work / m.seconds for m in triad) / 1e9:.1f} GB/s" if triad else ""))
@@ -500,7 +502,8 @@ def _held_out(fit: F.FitResult) -> str:
 
 def _fit_json(fit: F.FitResult) -> dict:
     return {"n_train": fit.n_train, "n_test": fit.n_test, "train_mape": fit.train_mape, "test_mape": fit.test_mape,
-            "test_max_ape": fit.test_max_ape, "knots": list(fit.curve.xs), "values": list(fit.curve.ys)}
+            "test_max_ape": fit.test_max_ape, "knots": list(fit.curve.xs), "values": list(fit.curve.ys),
+            **({} if fit.overhead is None else {"overhead_s": fit.overhead})}
 
 
 def _cpu_links_assumed(profile: GpuProfile, prov: dict) -> GpuProfile:

@@ -2,8 +2,9 @@
 
 Each fit works on the quantity the simulator predicts, not on a derived one: the GEMM curve is
 fitted so that `hwmodels.compute.gemm_time` (roofline of compute and HBM time, efficiency read
-from the curve) reproduces the measured GEMM times; the HBM curve so that `memory_bound_time`
-reproduces the copy times; the attention curves so that `attention_time` does. The loss is the
+from the curve) reproduces the measured GEMM times; the HBM curve, with the copies' own per-kernel
+overhead, so that `memory_bound_time`'s streaming term reproduces the copy times (fit_hbm); the
+attention curves so that `attention_time` does. The loss is the
 log of predicted / measured time (a relative error, so a 10 us GEMM counts as much as a 10 ms
 one) under scipy's robust soft-L1 loss (a few noisy samples on a busy machine do not drag the
 curve), with the knot values bounded to (0, 1] as the profile format requires.
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import least_squares
 
-from hwmodels.compute import KERNEL_OVERHEAD, attention_time, gemm_bytes, gemm_time, memory_bound_time
+from hwmodels.compute import KERNEL_OVERHEAD, attention_time, gemm_bytes, gemm_time
 from hwmodels.curves import Curve
 from hwmodels.profile import GpuProfile
 from paraplan.specs import InterNodeSpec
@@ -63,6 +64,9 @@ class FitResult:
     points to hold any out)."""
     test_max_ape: float
     """percent, the worst held-out point."""
+    overhead: float | None = None
+    """seconds each measured call cost beyond the curve's work, fitted with it (fit_hbm); None where
+    the fit charges hwmodels' KERNEL_OVERHEAD."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -104,10 +108,12 @@ def holdout_split(xs: Sequence[float], *, fraction: float = HOLDOUT_FRACTION, se
     """(train, test) indices: round(fraction x units) units held out, a unit being every point of
     one key (default: of one x). Points of one key get the same prediction from the model (a
     repeated GEMM shape; attention configurations of equal FLOPs, which is all attention_time
-    reads), so a fitted twin would turn the held-out error into a training error. Units are drawn
-    by a seeded RNG from all but those holding the smallest and largest x (a curve is clamped
-    outside its knots, so holding out an end would test an extrapolation the model never makes),
-    leaving at least two units to fit."""
+    reads), so a fitted twin would turn the held-out error into a training error. The units are
+    sorted by size and cut into as many equal strata as units to hold out, one drawn from each by a
+    seeded RNG (stratified sampling): the held-out points spread over the whole range, so their
+    error is the curve's everywhere, not where a lucky draw fell. The units holding the smallest and
+    largest x are never held out (a curve is clamped outside its knots, so holding out an end would
+    test an extrapolation the model never makes), and at least two units are left to fit."""
     x = np.asarray(xs, float)
     keys = [float(v) for v in x] if keys is None else list(keys)
     units: dict = {}
@@ -117,8 +123,10 @@ def holdout_split(xs: Sequence[float], *, fraction: float = HOLDOUT_FRACTION, se
     inner = [key for key, idx in units.items() if not {float(x[i]) for i in idx} & {lo, hi}]
     inner.sort(key=lambda key: (min(float(x[i]) for i in units[key]), units[key][0]))
     k = min(int(round(fraction * len(units))), len(inner), max(0, len(units) - 2))
-    picked = np.random.default_rng(seed).choice(len(inner), size=k, replace=False) if k > 0 else []
-    test = sorted(i for j in picked for i in units[inner[int(j)]])
+    rng = np.random.default_rng(seed)
+    bounds = [len(inner) * j // k for j in range(k + 1)] if k > 0 else []
+    picked = [int(rng.integers(a, b)) for a, b in zip(bounds, bounds[1:])]
+    test = sorted(i for j in picked for i in units[inner[j]])
     held = set(test)
     return [i for i in range(len(x)) if i not in held], test
 
@@ -174,43 +182,52 @@ def _initial(x: np.ndarray, eff: np.ndarray, knots: np.ndarray) -> np.ndarray:
     return np.clip(out, EFF_MIN * 1.01, EFF_MAX * 0.999)
 
 
+def _roughness(ys: np.ndarray) -> np.ndarray:
+    """The smoothness penalty's residuals: the knot values' second differences relative to their
+    mean, weighted by SMOOTHNESS (none for two knots or fewer)."""
+    if len(ys) <= 2 or SMOOTHNESS <= 0:
+        return np.zeros(0)
+    return SMOOTHNESS * np.diff(ys, 2) / max(float(np.mean(ys)), EFF_MIN)
+
+
 def _fit_knot_values(predict: Callable[[np.ndarray], np.ndarray], measured: np.ndarray, x0: np.ndarray) -> np.ndarray:
     """Knot efficiencies minimising the robust log error of predict(ys) against measured."""
     logm = np.log(measured)
 
     def residuals(ys):
-        r = np.log(predict(ys)) - logm
-        if len(ys) > 2 and SMOOTHNESS > 0:
-            r = np.concatenate([r, SMOOTHNESS * np.diff(ys, 2) / max(float(np.mean(ys)), EFF_MIN)])
-        return r
+        return np.concatenate([np.log(predict(ys)) - logm, _roughness(ys)])
 
     sol = least_squares(residuals, x0, bounds=(EFF_MIN, EFF_MAX), loss="soft_l1", f_scale=ROBUST_SCALE,
                         x_scale="jac", max_nfev=2000)
     return np.clip(sol.x, EFF_MIN, EFF_MAX)
 
 
-def _validated(fit_on: Callable[[list[int]], Curve], model: Callable[[Curve, int], float], seconds: Sequence[float],
-               train, test) -> FitResult:
-    """Fit on `train`, measure that curve through the real hwmodels function `model(curve, i)` on
+def _validated(fit_on: Callable[[list[int]], object], model: Callable[[object, int], float], seconds: Sequence[float],
+               train, test, parts: Callable[[object], tuple[Curve, float | None]] = lambda c: (c, None)) -> FitResult:
+    """Fit on `train`, measure that fit through the real hwmodels function `model(fitted, i)` on
     `test`, then fit again on every point for the curve to keep (its error over all of them is
-    `train_mape`)."""
+    `train_mape`). `parts`: a fit's (curve, overhead) (FitResult.overhead), for fits that are more
+    than a curve."""
     held = fit_on(train)
     pred_test = [model(held, i) for i in test]
     everything = sorted(train + test)
-    curve = fit_on(everything) if test else held
+    fitted = fit_on(everything) if test else held
+    curve, overhead = parts(fitted)
     return FitResult(
         curve=curve, n_train=len(everything), n_test=len(test),
-        train_mape=mape([model(curve, i) for i in everything], [seconds[i] for i in everything]),
+        train_mape=mape([model(fitted, i) for i in everything], [seconds[i] for i in everything]),
         test_mape=mape(pred_test, [seconds[i] for i in test]),
         test_max_ape=_max_ape(pred_test, [seconds[i] for i in test]),
+        overhead=overhead,
     )
 
 
-def _above_floor(x: np.ndarray, t: np.ndarray) -> np.ndarray:
-    """The sizes to place knots at: those whose time is above one kernel's overhead (5% margin).
-    A kernel timed at the floor says only that it is fast; a knot there could take any value
-    (even efficiency 1 at a few MFLOP), and the curve is clamped below its first knot anyway."""
-    keep = x[t > 1.05 * KERNEL_OVERHEAD]
+def _above_floor(x: np.ndarray, t: np.ndarray, floor: float = 1.05 * KERNEL_OVERHEAD) -> np.ndarray:
+    """The sizes to place knots at: those whose time is above `floor`, by default one kernel's
+    overhead (5% margin). A kernel timed at the floor says only that it is fast; a knot there could
+    take any value (even efficiency 1 at a few MFLOP), and the curve is clamped below its first knot
+    anyway."""
+    keep = x[t > floor]
     return keep if keep.size else x
 
 
@@ -227,38 +244,45 @@ def _split(n: int, xs, train, test):
 
 def fit_hbm(nbytes: Sequence[float], seconds: Sequence[float], *, bandwidth: float,
             train: Sequence[int] | None = None, test: Sequence[int] | None = None) -> FitResult:
-    """The HBM efficiency curve (bytes moved by one kernel -> fraction of `bandwidth`) that makes
-    memory_bound_time = KERNEL_OVERHEAD + bytes / (bandwidth x eff(bytes)) match the measured
-    copies. A kernel faster than KERNEL_OVERHEAD cannot be matched: no knot is placed at it (the
-    curve is clamped below its first knot) and the error says so."""
+    """The HBM efficiency curve (bytes moved by one kernel -> fraction of `bandwidth`) and the
+    measured copies' own per-kernel overhead, fitted together: t = overhead + bytes / (bandwidth x
+    eff(bytes)). The curve is then the streaming rate alone, as its readers take it:
+    memory_bound_time adds an eager training kernel's KERNEL_OVERHEAD to it, gemm_time reads it for
+    a GEMM's operand traffic with no overhead at all. Fitted under KERNEL_OVERHEAD instead, copies
+    that cost less per kernel than that (graph-replayed ones on an H100: about 1.9 us) pin the
+    curve's small sizes at the bound of 1, above any rate measured. Knots sit only where the
+    streaming term is at least the overhead (below, the times say little about the rate: on an
+    H100, copies of 0.1-2 MB all took 1.9-2.5 us); the curve holds its first knot's value there."""
     b, t = np.asarray(nbytes, float), np.asarray(seconds, float)
     train, test = _split(len(b), b, train, test)
 
-    def fit_on(idx: list[int]) -> Curve:
+    def fit_on(idx: list[int]) -> tuple[Curve, float]:
         bt, tt = b[idx], t[idx]
-        # one copy per size, ~4x apart: a knot at each, an efficiency table. Not at copies timed at the
-        # kernel floor (graph-timed small copies on an H100: 1.9 us < KERNEL_OVERHEAD): their
-        # efficiency is not identifiable, and the curve holds its first knot's value below it
-        knots = choose_knots(_above_floor(bt, tt), per_knot=1)
-        raw = bt / (bandwidth * np.maximum(tt - KERNEL_OVERHEAD, 0.1 * tt))
-        ys = _fit_knot_values(lambda ys: KERNEL_OVERHEAD + bt / (bandwidth * _interp(bt, knots, ys)), tt,
-                              _initial(bt, raw, knots))
-        return Curve(tuple(knots), tuple(ys))
+        # start: the three smallest copies' median time less their bytes at the best rate measured
+        best = float(np.max(bt / tt))
+        small = np.argsort(bt)[:3]
+        a0 = float(np.clip(np.median(tt[small] - bt[small] / best), 0.0, 0.9 * np.min(tt)))
+        knots = choose_knots(_above_floor(bt, tt, 2.0 * a0), per_knot=1)
+        raw = bt / (bandwidth * np.maximum(tt - a0, 0.1 * tt))
+        x0 = np.concatenate([[a0 * 1e6], _initial(bt, raw, knots)])
+        logm = np.log(tt)
 
-    probe = _bare_profile(bandwidth=bandwidth, hbm=Curve((1.0,), (1.0,)))
-    return _validated(fit_on, lambda c, i: memory_bound_time(dataclasses.replace(probe, hbm_efficiency=c), b[i]),
-                      t, train, test)
+        def residuals(p):
+            pred = p[0] * 1e-6 + bt / (bandwidth * _interp(bt, knots, p[1:]))
+            return np.concatenate([np.log(pred) - logm, _roughness(p[1:])])
 
+        lower = np.concatenate([[0.0], np.full(len(knots), EFF_MIN)])
+        upper = np.concatenate([[float(np.min(tt)) * 1e6], np.full(len(knots), EFF_MAX)])
+        sol = least_squares(residuals, np.clip(x0, lower, upper * 0.999), bounds=(lower, upper), loss="soft_l1",
+                            f_scale=ROBUST_SCALE, x_scale="jac", max_nfev=2000)
+        ys = np.clip(sol.x[1:], EFF_MIN, EFF_MAX)
+        return Curve(tuple(knots), tuple(ys)), float(sol.x[0]) * 1e-6
 
-def _bare_profile(*, bandwidth: float, hbm: Curve) -> GpuProfile:
-    """A throwaway profile holding only what memory_bound_time reads."""
-    flat = Curve((1.0,), (1.0,))
-    return GpuProfile(name="fit", arch="ampere", peak_flops=(("tf32", 1.0), ("fp16", 1.0), ("bf16", 1.0)),
-                      hbm_capacity=1.0, hbm_bandwidth=bandwidth, hbm_efficiency=hbm,
-                      gemm_efficiency=(("tf32", flat), ("fp16", flat), ("bf16", flat)),
-                      attention_fwd_efficiency=flat, attention_bwd_efficiency=flat, nvlink_bandwidth=1.0,
-                      nvlink_ring_busbw=1.0, nvlink_busbw=flat, nvlink_latency=1e-6,
-                      node_network=InterNodeSpec(nics_per_node=1, nic_bandwidth=1.0), nic_efficiency=1.0)
+    def model(fitted: tuple[Curve, float], i: int) -> float:
+        curve, overhead = fitted
+        return overhead + b[i] / (bandwidth * curve(b[i]))
+
+    return _validated(fit_on, model, t, train, test, parts=lambda fitted: fitted)
 
 
 # ----------------------------------------------------------------------------- GEMM

@@ -331,7 +331,7 @@ def _phases(plan, rates, singles, dtypes, *, device, clock, timing, notes) -> li
     if "gemm" in singles:
         for dt in dtypes:
             phases.append((f"gemm {dt}", len(plan.gemm[dt]), lambda pr, dt=dt: bench.run_gemm(
-                plan.gemm[dt], dt, progress=pr, notes=notes, **common)))
+                plan.gemm[dt], dt, progress=pr, notes=notes, budget=rates.memory_budget, **common)))
     if "hbm" in singles:
         phases.append(("hbm copy/triad", 2 * len(plan.hbm_sizes), lambda pr: bench.run_hbm(
             plan.hbm_sizes, progress=pr, budget=rates.memory_budget, **common)))
@@ -340,7 +340,7 @@ def _phases(plan, rates, singles, dtypes, *, device, clock, timing, notes) -> li
             plan.attention, progress=pr, notes=notes, **common)))
     if "elementwise" in singles:
         phases.append(("elementwise", len(plan.elementwise), lambda pr: bench.run_elementwise(
-            plan.elementwise, progress=pr, **common)))
+            plan.elementwise, progress=pr, budget=rates.memory_budget, **common)))
         phases.append(("adamw step", len(plan.optimizer), lambda pr: bench.run_optimizer(
             plan.optimizer, progress=pr, notes=notes, **common)))
     return phases

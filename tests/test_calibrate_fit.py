@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from calibrate.fit import (choose_knots, fit_alpha_beta, fit_attention, fit_gemm, fit_hbm, holdout_split, mape)
-from hwmodels.compute import attention_time, gemm_time, memory_bound_time
+from hwmodels.compute import KERNEL_OVERHEAD, attention_time, gemm_time, memory_bound_time
 from hwmodels.profile import load_profile
 
 H100 = load_profile("h100-sxm-80gb")
@@ -36,6 +36,17 @@ def test_holdout_split_keeps_the_ends_and_is_deterministic():
     assert 0 in train and 19 in train  # a clamped curve is never asked to extrapolate
     assert holdout_split(xs) == (train, test)
     assert holdout_split([1.0, 2.0]) == ([0, 1], [])  # too few to hold any out
+
+
+def test_holdout_split_spreads_the_held_out_sizes_over_the_range():
+    """One held-out size per stratum of the sorted sizes, whatever the seed: never a cluster where
+    the curve happens to fit well."""
+    xs = [float(2**i) for i in range(20)]
+    for seed in range(20):
+        _, test = holdout_split(xs, seed=seed)
+        bounds = [18 * j // 4 for j in range(5)]  # the 18 inner sizes (1-18) in 4 strata
+        assert len(test) == 4
+        assert all(bounds[j] <= i - 1 < bounds[j + 1] for j, i in enumerate(test))
 
 
 def test_holdout_split_holds_out_every_point_of_a_size_together():
@@ -103,13 +114,26 @@ def test_fit_gemm_sees_a_different_curve():
     assert abs(fit.curve(2.0 * 1024**3) - H100.gemm_curve("bf16")(2.0 * 1024**3)) > 0.02
 
 
-def test_fit_hbm_recovers_the_bundled_curve():
+def test_fit_hbm_recovers_the_bundled_curve_and_its_overhead():
     sizes = [2**e for e in range(14, 32)]
     fit = fit_hbm(sizes, _noisy([memory_bound_time(H100, b) for b in sizes]), bandwidth=H100.hbm_bandwidth)
     assert fit.n_test == 4 and fit.test_mape < 5.0
+    assert fit.overhead == pytest.approx(KERNEL_OVERHEAD, rel=0.05)
     for x, y in zip(H100.hbm_efficiency.xs, H100.hbm_efficiency.ys):
-        if x >= 1e6:  # below ~1 MB the 3 us launch overhead hides the efficiency from the times
+        if x >= 1e7:  # below, the 3 us overhead outweighs the streaming and hides the efficiency
             assert fit.curve(x) == pytest.approx(y, rel=0.08)
+
+
+def test_fit_hbm_does_not_pin_small_copies_at_full_bandwidth():
+    """Copies that cost less per kernel than KERNEL_OVERHEAD (graph replays on an H100: ~1.9 us)
+    fit their own overhead: the curve holds the streaming rate measured, never 1."""
+    sizes = [2**e for e in range(17, 33)]
+    rate = 0.87
+    fit = fit_hbm(sizes, _noisy([1.9e-6 + b / (H100.hbm_bandwidth * rate) for b in sizes]),
+                  bandwidth=H100.hbm_bandwidth)
+    assert fit.overhead == pytest.approx(1.9e-6, rel=0.1)
+    assert max(fit.curve.ys) < 0.92 and min(fit.curve.ys) > 0.82
+    assert fit.train_mape < 3.0
 
 
 @pytest.mark.parametrize("backward", [False, True])
