@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from calibrate import fit as F
-from calibrate.device import DeviceInfo, slug
+from calibrate.device import CAPACITY_TOLERANCE, DeviceInfo, slug
 from calibrate.errors import CalibrationError
 from hwmodels.compute import KERNEL_OVERHEAD, memory_bound_time
 from hwmodels.curves import Curve
@@ -125,6 +125,10 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
         notes.append(f"{len(unusable)} measurement(s) with a time that is not a positive number were left out of the "
                      f"fits: " + ", ".join(f"{m.kind} {m.params}" for m in unusable[:3]) + (", ..." if len(unusable) > 3 else ""))
     start = base if base is not None else _cpu_template(info)
+    if not cpu and base is not None and abs(info.memory_bytes - base.hbm_capacity) > CAPACITY_TOLERANCE * base.hbm_capacity:
+        notes.append(f"the base profile {base.name} describes a {base.hbm_capacity / 2**30:.0f} GiB GPU and this "
+                     f"{info.name} has {info.memory_bytes / 2**30:.0f} GiB: the datasheet peaks, HBM bandwidth and "
+                     "links this profile keeps from the base may not be this GPU's (check --base)")
     built = Built(profile=start, notes=notes)
     prov = dict(start.provenance) if base is not None else {}
     when = when or _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
@@ -320,7 +324,9 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
             f"({', '.join(backends) or 'not reported by this torch'}), causal bf16, head dims "
             f"{sorted({c['head_dim'] for c in configs})}, seq {min(c['q_len'] for c in configs)}-"
             f"{max(c['q_len'] for c in configs)} (the FlashAttention benchmark grid, scaled to the device); fitted to "
-            f"hwmodels.compute.attention_time on all {fit.n_train} (MAPE {_pct(fit.train_mape)}; {_held_out(fit)})")
+            f"hwmodels.compute.attention_time on all {fit.n_train} (MAPE {_pct(fit.train_mape)}; {_held_out(fit)})"
+            + ("; the simulator reads the per-head-dim curves below instead, so these errors are those of one "
+               "curve for every head dim, not of what it prices" if head_dims else ""))
 
     if head_dims:
         profile = dataclasses.replace(profile, **{head_dim_field: tuple(
@@ -353,7 +359,7 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
     if cpu and base is None:
         profile = _cpu_links_assumed(profile, prov)
     if collectives:
-        profile = _collectives(profile, collectives, built, prov, cpu=cpu)
+        profile = _collectives(profile, collectives, built, prov, info=info)
 
     if foreign_base:
         _mark_inherited(prov, base, base_label)
@@ -523,7 +529,7 @@ def _cpu_links_assumed(profile: GpuProfile, prov: dict) -> GpuProfile:
                                nvlink_latency=CPU_COLLECTIVE_LATENCY)
 
 
-def _collectives(profile: GpuProfile, samples, built: Built, prov: dict, *, cpu: bool) -> GpuProfile:
+def _collectives(profile: GpuProfile, samples, built: Built, prov: dict, *, info: DeviceInfo) -> GpuProfile:
     """Alpha-beta fits per tier and op; the intra-node tier's all_reduce busbw curve, ring busbw
     and (CPU) link rate and latency; the NIC efficiency from the inter-node tier."""
     by: dict[tuple[str, str], list] = {}
@@ -565,7 +571,7 @@ def _collectives(profile: GpuProfile, samples, built: Built, prov: dict, *, cpu:
         prov["nvlink.ring_busbw"] = (f"measured: the lower of the peak busbw of {' and '.join(ring_ops)}" if ring_ops
                                      else "measured: the peak all_reduce busbw (no all_gather/reduce_scatter ran)") \
             + f" over {n} ranks, {ring / 1e9:.3g} GB/s"
-        if cpu:
+        if info.kind == "cpu":
             link = max(s.busbw for s in intra["send_recv"]) if "send_recv" in intra else ring
             by_p2p = ("intra", "send_recv") in fits
             lat = max(fits[("intra", "send_recv" if by_p2p else "all_reduce")].alpha, 1e-7)
@@ -578,12 +584,18 @@ def _collectives(profile: GpuProfile, samples, built: Built, prov: dict, *, cpu:
     if inter:
         net = profile.node_network
         best = max(s.busbw for s in inter)
-        line = net.nics_per_node * net.nic_bandwidth
+        # hwmodels.network: a hierarchical ring's busbw is ppn x the per-GPU share of the node's NICs
+        # (nics x rate x efficiency / GPUs per node): ranks on fewer GPUs than the node has reach
+        # only their share of its NICs
+        ppn = max(1, inter[0].ranks // max(1, inter[0].nodes))
+        gpus = info.count if info.kind == "cuda" and info.count >= ppn else ppn
+        line = net.nics_per_node * net.nic_bandwidth * ppn / gpus
         if best < 0.95 * profile.nvlink_ring_busbw and best <= line:
             eff = best / line
             profile = dataclasses.replace(profile, nic_efficiency=eff)
+            share = "" if ppn == gpus else f" ({ppn} of the node's {gpus} GPUs ran ranks: their {ppn}/{gpus} share)"
             prov["network.nic_efficiency"] = (f"measured: peak inter-node all_reduce busbw {best / 1e9:.3g} GB/s over "
-                                              f"{net.nics_per_node} x {net.nic_bandwidth * 8 / 1e9:.0f} Gb/s NICs "
+                                              f"{net.nics_per_node} x {net.nic_bandwidth * 8 / 1e9:.0f} Gb/s NICs{share} "
                                               "(hwmodels.network: hierarchical ring busbw = NIC line rate x efficiency)")
         else:
             built.notes.append("inter-node all_reduce was not NIC-bound (at or above the intra-node ring busbw, or "

@@ -45,6 +45,9 @@ class DeviceInfo:
     torch: str = ""
     threads: int = 0
     """CPU: torch's intra-op threads."""
+    count: int = 0
+    """GPU: the GPUs this node shows (torch.cuda.device_count()), which share its NICs; 0 where not
+    recorded (a CPU, a report from before it was)."""
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -81,7 +84,8 @@ def detect(kind: str, index: int = 0) -> DeviceInfo:
         pass
     return DeviceInfo(kind="cuda", index=index, name=props.name, memory_bytes=int(props.total_memory),
                       capability=f"{props.major}.{props.minor}", driver=_driver_version(), cuda=torch.version.cuda or "",
-                      cudnn=str(torch.backends.cudnn.version() or ""), nccl=nccl, torch=torch.__version__)
+                      cudnn=str(torch.backends.cudnn.version() or ""), nccl=nccl, torch=torch.__version__,
+                      count=torch.cuda.device_count())
 
 
 def bundled_match(name: str, memory_bytes: int) -> str | None:

@@ -14,7 +14,7 @@ import os
 import sys
 import time
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -425,33 +425,35 @@ def _same(a, b, rel: float = 1e-9) -> bool:
 
 
 def _write(outcome: Outcome, opts: Options) -> None:
-    """The report first, the profile last: the profile's appearance means the run completed."""
+    """The profile, checked, then the report, then the profile moved into place: the profile's
+    appearance means the run completed, and a profile that fails its check leaves neither file."""
     from hwmodels.profile import load_profile, write_profile
     from paraplan.fileio import write_atomic
 
-    if opts.report is not None:
-        report = {
-            "profile": str(outcome.path), "device": outcome.info.to_json(),
-            "measured_at": outcome.measured_at,
-            "options": {k: (sorted(v) if isinstance(v, frozenset) else str(v) if isinstance(v, Path) else v)
-                        for k, v in asdict(opts).items()},
-            "wall_s": outcome.wall_s, "estimate_s": outcome.estimate_s, "fits": outcome.fits, "notes": outcome.notes,
-            "measurements": [m.to_json() for m in outcome.measurements],
-            "collectives": [s.to_json() for s in outcome.collectives],
-        }
-        write_atomic(opts.report, json.dumps(_clean(report), indent=1) + "\n", "--report")
     # Written beside the target under a hidden name, loaded back (the format's round trip, checked
     # where the file is made), then renamed over the target: a profile that would not load is never
-    # left where a scenario looks for it.
-    out = Path(outcome.path)
+    # left where a scenario looks for it. A symlink at --out is written through, as every output is
+    # (paraplan.fileio).
+    out = Path(os.path.realpath(outcome.path))
     tmp = out.with_name(f".{out.name}.{os.getpid()}.verify{out.suffix}")
     try:
         write_profile(outcome.profile, tmp)
         loaded = load_profile(str(tmp))
         if not _same(loaded, outcome.profile):
-            raise CalibrationError(f"{out}: the profile does not load back as built (a bug; please report it); "
-                                   "nothing written")
+            raise CalibrationError(f"{outcome.path}: the profile does not load back as built (a bug; please report "
+                                   "it); nothing written")
         outcome.profile = loaded  # exactly what the file says (YAML units round the last bit)
+        if opts.report is not None:
+            report = {
+                "profile": str(outcome.path), "device": outcome.info.to_json(),
+                "measured_at": outcome.measured_at,
+                "options": {k: (sorted(v) if isinstance(v, frozenset) else str(v) if isinstance(v, Path) else v)
+                            for k, v in asdict(opts).items()},
+                "wall_s": outcome.wall_s, "estimate_s": outcome.estimate_s, "fits": outcome.fits,
+                "notes": outcome.notes, "measurements": [m.to_json() for m in outcome.measurements],
+                "collectives": [s.to_json() for s in outcome.collectives],
+            }
+            write_atomic(opts.report, json.dumps(_clean(report), indent=1) + "\n", "--report")
         os.replace(tmp, out)
     except BaseException:
         if tmp.exists():
@@ -462,26 +464,90 @@ def _write(outcome: Outcome, opts: Options) -> None:
 # ----------------------------------------------------------------------------- refit a saved run
 
 
-MEASUREMENT_KINDS = ("gemm", "copy", "triad", "attention_fwd", "attention_bwd", "elementwise", "optimizer")
-MEASUREMENT_DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8")
+MEASUREMENT_DTYPES = {  # per kind, the dtypes calibrate measures it in (bench.py)
+    "gemm": ("tf32", "fp16", "bf16", "fp8"), "copy": ("fp32",), "triad": ("fp32",), "attention_fwd": ("bf16",),
+    "attention_bwd": ("bf16",), "elementwise": ("bf16",), "optimizer": ("fp32",)}
+MEASUREMENT_KINDS = tuple(MEASUREMENT_DTYPES)
 MAX_RATE = 1e18
 """FLOP/s or bytes/s no device reaches (an H100's bf16 peak is about 1e15): a report's measurement
 above it is corrupt, and would fit a curve to it."""
 
 
+def _positive(value, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+        raise ValueError(f"{what} is {value!r}; expected a positive finite number")
+    return float(value)
+
+
+def _expected_work(m) -> float:
+    """The work a measurement of this kind and these params does, as bench computes it: a report
+    whose `work` disagrees was edited or is corrupt (its rates, and the curves, would be wrong)."""
+    from calibrate.plan import ADAMW_BYTES_PER_PARAM
+    from hwmodels.compute import attention_flops
+
+    p = m.params if isinstance(m.params, dict) else {}
+    if m.kind == "gemm":
+        return 2.0 * math.prod(_positive(p.get(k), f"a gemm measurement's params.{k}") for k in "mnk")
+    if m.kind in ("copy", "triad"):
+        return (2.0 if m.kind == "copy" else 3.0) * _positive(p.get("bytes"), f"a {m.kind} measurement's params.bytes")
+    if m.kind.startswith("attention"):
+        keys = ("batch", "heads", "q_len", "kv_len", "head_dim")
+        args = {k: int(_positive(p.get(k), f"an attention measurement's params.{k}")) for k in keys}
+        return attention_flops(**args, causal=bool(p.get("causal", True)), backward=m.kind == "attention_bwd")
+    kernels = p.get("kernels")
+    if not isinstance(kernels, list) or not kernels:
+        raise ValueError(f"a {m.kind} measurement's params.kernels is {kernels!r}; expected a list of byte counts")
+    total = sum(_positive(k, f"a {m.kind} measurement's params.kernels entry") for k in kernels)
+    if m.kind == "optimizer" and not math.isclose(
+            total, ADAMW_BYTES_PER_PARAM * _positive(p.get("parameters"), "an optimizer measurement's params.parameters"),
+            rel_tol=1e-9):
+        raise ValueError(f"an optimizer measurement's params.kernels {kernels!r} do not move "
+                         f"{ADAMW_BYTES_PER_PARAM} bytes per parameter")
+    return total
+
+
 def _check_measurement(m) -> None:
-    """A measurement read back from a report: a kind and dtype calibrate writes, and work and
-    seconds that are positive, finite and a rate a device can reach (ValueError otherwise)."""
-    if m.kind not in MEASUREMENT_KINDS:
+    """A measurement read back from a report: a kind and dtype calibrate writes, work and seconds
+    that are positive, finite and a rate a device can reach, and work that its params do
+    (ValueError otherwise)."""
+    if m.kind not in MEASUREMENT_DTYPES:
         raise ValueError(f"measurement kind {m.kind!r}; known: {', '.join(MEASUREMENT_KINDS)}")
-    if m.dtype not in MEASUREMENT_DTYPES:
-        raise ValueError(f"measurement dtype {m.dtype!r}; known: {', '.join(MEASUREMENT_DTYPES)}")
-    for what, value in (("work", m.work), ("seconds", m.seconds)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
-            raise ValueError(f"a {m.kind} measurement's {what} is {value!r}; expected a positive finite number")
-    if m.work / m.seconds > MAX_RATE:
-        raise ValueError(f"a {m.kind} measurement runs at {m.work / m.seconds:.3g} per second, "
+    if m.dtype not in MEASUREMENT_DTYPES[m.kind]:
+        raise ValueError(f"a {m.kind} measurement in {m.dtype!r}; calibrate measures it in "
+                         f"{', '.join(MEASUREMENT_DTYPES[m.kind])}")
+    work = _positive(m.work, f"a {m.kind} measurement's work")
+    seconds = _positive(m.seconds, f"a {m.kind} measurement's seconds")
+    if work / seconds > MAX_RATE:
+        raise ValueError(f"a {m.kind} measurement runs at {work / seconds:.3g} per second, "
                          f"above the {MAX_RATE:.0e} no device reaches")
+    expected = _expected_work(m)
+    if not math.isclose(work, expected, rel_tol=1e-6):
+        raise ValueError(f"a {m.kind} measurement's work is {work:.6g}, but its params do {expected:.6g}")
+
+
+def _checked_collective(s):
+    """A collective sample read back from a report: an op and tier calibrate runs, at least two
+    ranks on at least one node, positive bytes and seconds; its algbw and busbw recomputed from
+    them (nccl-tests' definitions, calibrate.collectives), not taken from the file."""
+    from calibrate.collectives import COLLECTIVES
+    from hwmodels.network import busbw_factor
+
+    if s.op not in COLLECTIVES:
+        raise ValueError(f"collective op {s.op!r}; known: {', '.join(COLLECTIVES)}")
+    if s.tier not in ("intra", "inter"):
+        raise ValueError(f"collective tier {s.tier!r}; expected intra or inter")
+    for what, value, least in (("ranks", s.ranks, 2), ("nodes", s.nodes, 1)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
+            raise ValueError(f"a collective's {what} is {value!r}; expected an integer of at least {least}")
+    if s.tier == "inter" and s.nodes < 2:
+        raise ValueError(f"an inter-node collective on {s.nodes} node; expected at least 2")
+    nbytes = _positive(s.nbytes, "a collective's nbytes")
+    seconds = _positive(s.seconds, "a collective's seconds")
+    if nbytes / seconds > MAX_RATE:
+        raise ValueError(f"a collective moves {nbytes / seconds:.3g} bytes per second, above the {MAX_RATE:.0e} "
+                         "no network reaches")
+    algbw = nbytes / seconds
+    return replace(s, algbw=algbw, busbw=algbw * busbw_factor(s.op, s.ranks))
 
 
 def refit_report(report: Path, out: Path, *, name: str | None = None, base: str | None = None,
@@ -491,7 +557,6 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
     matched by the device's name) unless `base`, its name unless `name`, and a provenance line that
     says when it was refitted from which report. The new report keeps the run's options, date and
     wall time. Needs no torch."""
-    from dataclasses import replace
     from datetime import datetime, timezone
 
     from calibrate.build import build_profile
@@ -500,6 +565,8 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
     from calibrate.results import CollectiveSample, Measurement
 
     report, out = Path(report), Path(out)
+    if name is not None and not name.strip():
+        raise CalibrationError("--name: expected a non-empty name")
     check_profile_suffix(out, "--out")
     check_output_file(out, "--out")
     check_output_file(new_report, "--report")
@@ -536,11 +603,10 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
         device = dict(data["device"])
         if not isinstance(device.get("name"), str) or device.get("kind") not in ("cuda", "cpu"):
             raise TypeError(f"device.name must be a string and device.kind cuda or cpu, got {device.get('kind')!r}")
-        if isinstance(device.get("memory_bytes"), bool) or not isinstance(device.get("memory_bytes"), (int, float)):
-            raise TypeError(f"device.memory_bytes must be a number, got {device.get('memory_bytes')!r}")
+        _positive(device.get("memory_bytes"), "device.memory_bytes")
         info = DeviceInfo(**device)
         measurements = [Measurement(**m) for m in data["measurements"]]
-        collectives = [CollectiveSample(**c) for c in data.get("collectives") or []]
+        collectives = [_checked_collective(CollectiveSample(**c)) for c in data.get("collectives") or []]
         wall_s = float(data.get("wall_s") or 0.0)
         quick = bool(options.get("quick"))
         timing = TIMINGS[(info.kind, quick)]

@@ -245,3 +245,27 @@ def test_attention_measured_at_several_head_dims_gets_a_curve_per_head_dim(tmp_p
     assert again.profile.attention_head_dims == ()
     assert "attention_efficiency.by_head_dim" not in dict(again.profile.provenance)
     assert not [k for k in again.fits if k.startswith("attention.fwd.d")]  # nothing kept, nothing reported
+
+
+def test_nic_efficiency_counts_only_the_nics_the_ranks_reach():
+    """2 nodes x 4 ranks on 8-GPU nodes reach half of each node's NICs (hwmodels.network: ppn x the
+    per-GPU share); a busbw of 180 GB/s over 8 x 400 Gb/s is then 0.9 of that half, not 0.45."""
+    rates = rates_from_profile(H100, ("bf16",), memory_budget=40 * 2**30)
+    plan = build_plan(device="cuda", quick=True, dtypes=("bf16",), rates=rates)
+    samples = _collectives() + _collectives(ranks=8, tier="inter", busbw=180e9)
+    built = _build(dataclasses.replace(GPU, count=8), H100, _measure(H100, plan, ("bf16",)), samples)
+    assert built.profile.nic_efficiency == pytest.approx(0.9, rel=0.01)
+    assert "4 of the node's 8 GPUs ran ranks" in dict(built.profile.provenance)["network.nic_efficiency"]
+    # every GPU of the node ran a rank: the whole line rate
+    full = _collectives() + _collectives(ranks=16, tier="inter", busbw=180e9)
+    assert _build(dataclasses.replace(GPU, count=8), H100, _measure(H100, plan, ("bf16",)), full).profile.nic_efficiency \
+        == pytest.approx(0.45, rel=0.01)
+
+
+def test_a_base_of_another_gpu_size_is_called_out():
+    rates = rates_from_profile(H100, ("bf16",), memory_budget=40 * 2**30)
+    plan = build_plan(device="cuda", quick=True, dtypes=("bf16",), rates=rates)
+    h200 = load_profile("h200-sxm-141gb")
+    built = _build(GPU, h200, _measure(H100, plan, ("bf16",)))
+    assert any("the base profile h200-sxm-141gb describes a 140 GiB GPU" in n for n in built.notes)
+    assert not any("describes a" in n for n in _build(GPU, H100, _measure(H100, plan, ("bf16",))).notes)

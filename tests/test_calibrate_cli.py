@@ -204,6 +204,14 @@ BAD_INPUT = [
     (["--from-report", "{d}/../kind-report.json", "--out", "{d}/p.yaml"], {}, "measurement kind 'matmul'; known:"),
     (["--from-report", "{d}/../fast-report.json", "--out", "{d}/p.yaml"], {}, "above the 1e+18 no device reaches"),
     (["--from-report", "{d}/../skip-report.json", "--out", "{d}/p.yaml"], {}, "options.skip names gpu; known:"),
+    (["--from-report", "{d}/../work-report.json", "--out", "{d}/p.yaml"], {}, "work is 4.1943e+07, but its params do 4.1943e+06"),
+    (["--from-report", "{d}/../fp32-report.json", "--out", "{d}/p.yaml"], {}, "gemm measurement in 'fp32'; calibrate"),
+    (["--from-report", "{d}/../memory-report.json", "--out", "{d}/p.yaml"], {}, "device.memory_bytes is 0; expected"),
+    (["--from-report", "{d}/../op-report.json", "--out", "{d}/p.yaml"], {}, "collective op 'bogus'; known:"),
+    (["--from-report", "{d}/../tier-report.json", "--out", "{d}/p.yaml"], {}, "collective tier 'weird'; expected"),
+    (["--from-report", "{d}/../ranks-report.json", "--out", "{d}/p.yaml"], {}, "collective's ranks is 1; expected"),
+    (["--from-report", str(ROOT / "benchmarks/data/gpu/h100-calibration-report.json"), "--name", " ", "--out",
+      "{d}/p.yaml"], {}, "--name: expected a non-empty name"),
     (["--device", "cpu", "--threads", "1000000", "--out", "{d}/p.yaml"], {}, "--threads 1000000: expected 1 to"),
     pytest.param(["--device", "cuda", "--out", "{d}/p.yaml"], {}, "--device cuda: no GPU",
                  marks=pytest.mark.skipif(_cuda(), reason="a GPU is present")),
@@ -221,6 +229,13 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, env, message):
     for name, change in (("nan", {"seconds": float("nan")}), ("kind", {"kind": "matmul"}), ("fast", {"work": 1e300})):
         (tmp_path.parent / f"{name}-report.json").write_text(json.dumps({**good, "measurements": [{**first, **change}, *rest]}))
     (tmp_path.parent / "skip-report.json").write_text(json.dumps({**good, "options": {**good["options"], "skip": ["gpu"]}}))
+    for name, change in (("work", {"work": 10 * first["work"]}), ("fp32", {"dtype": "fp32"})):
+        (tmp_path.parent / f"{name}-report.json").write_text(json.dumps({**good, "measurements": [{**first, **change}, *rest]}))
+    (tmp_path.parent / "memory-report.json").write_text(json.dumps({**good, "device": {**good["device"], "memory_bytes": 0}}))
+    sample = dict(op="all_reduce", tier="intra", ranks=8, nodes=1, backend="nccl", nbytes=2**20, seconds=1e-4,
+                  algbw=1e10, busbw=1.75e10)
+    for name, change in (("op", {"op": "bogus"}), ("tier", {"tier": "weird"}), ("ranks", {"ranks": 1})):
+        (tmp_path.parent / f"{name}-report.json").write_text(json.dumps({**good, "collectives": [{**sample, **change}]}))
     r = paraplan(*[a.format(d=tmp_path) for a in args], env=env)
     assert r.returncode == 2, (r.stdout, r.stderr)
     lines = r.stderr.strip().splitlines()
@@ -377,3 +392,14 @@ def test_from_report_refits_the_bundled_h200_profile_exactly(tmp_path):
     strip = lambda p: p.__class__(**{**p.__dict__, "provenance": ()})  # noqa: E731 - the refit's date differs
     assert _same(strip(mine), strip(bundled))
     assert bundled.calibrated and bundled.arch == "hopper" and "NVIDIA H200" in dict(bundled.provenance)["calibration"]
+
+
+def test_from_report_writes_through_a_symlink_at_out(tmp_path):
+    real, link = tmp_path / "real.yaml", tmp_path / "link.yaml"
+    real.write_text("")
+    link.symlink_to(real.name)
+    r = paraplan("--from-report", str(ROOT / "benchmarks/data/gpu/h100-calibration-report.json"),
+                 "--out", str(link))
+    assert r.returncode == 0, r.stderr
+    assert link.is_symlink() and real.read_text().startswith("# GPU profile written by paraplan")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link.yaml", "real.yaml"]

@@ -124,7 +124,8 @@ def format_summary(o) -> str:
                          + (f"; {'/'.join(a['backend'])} -> {a['field']}" if a.get("backend") else ""))
             per_dim = [(k.rsplit(".d", 1)[1], v) for k, v in f.items() if k.startswith(f"attention.{d}.d")]
             if per_dim:
-                lines.append(f"              {d} per head dim (curves of their own): " + ", ".join(
+                lines.append(f"              {d} per head dim (curves of their own, which the simulator reads "
+                             "instead of the one above): " + ", ".join(
                     f"d{hd} held-out MAPE {_pct(v['test_mape'])} ({v['n_test']}), train {_pct(v['train_mape'])}"
                     for hd, v in per_dim))
     mb = [(k.split(".", 1)[1], v) for k, v in f.items() if k.startswith("memory_bound.")]
