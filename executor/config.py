@@ -20,6 +20,7 @@ from paraplan.specs import (
     ClusterSpec, InterNodeSpec, LinkSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario,
     TrainingSpec,
 )
+from simulator.schedules import holder, virtual_stage
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 """What training.optimizer may name (executor.optim builds each)."""
@@ -163,6 +164,14 @@ def executor_problems(sc: Scenario) -> list[str]:
         if v < lo or (hi and v > hi):
             want = f"exactly {lo}" if lo == hi else f"at least {lo}"
             out.append(f"plan.virtual_pipeline_stages: schedule {p.schedule} needs {want} stages per rank, got {v}")
+        else:
+            layers, last = stage_layers(sc), num_stages(sc) - 1
+            empty = [r for r in range(p.pp) if all(not layers[s] and s not in (0, last) for s in stages_of_rank(r, sc))]
+            if empty:  # its optimizer would get no parameters (torch refuses an empty parameter list)
+                out.append(f"plan.first_stage_layers / plan.last_stage_layers: pipeline rank"
+                           f"{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} would hold no layer, "
+                           "embedding or head, which the executor cannot train; give the middle stages at least one "
+                           "layer each")
         if info.min_microbatches_per_pp and p.dp * p.micro_batch_size and \
                 t.global_batch_size % (p.dp * p.micro_batch_size) == 0:
             n, need = sc.num_microbatches, info.min_microbatches_per_pp * p.pp
@@ -216,6 +225,46 @@ def executor_problems(sc: Scenario) -> list[str]:
     return out
 
 
+def num_stages(sc: Scenario) -> int:
+    return sc.plan.pp * (sc.plan.virtual_pipeline_stages if sc.plan.pp > 1 else 1)
+
+
+def v_shaped_plan(sc: Scenario) -> bool:
+    return sc.plan.pp > 1 and SCHEDULES[sc.plan.schedule].style == "v"
+
+
+def stages_of_rank(pp_rank: int, sc: Scenario) -> list[int]:
+    """The pipeline stages (virtual stages, in the simulator's words) this pipeline rank holds, in a
+    loop or in a V: the simulator's placement (simulator.schedules.virtual_stage)."""
+    p = sc.plan
+    if p.pp == 1:
+        return [0]
+    return [virtual_stage(pp_rank, c, p.pp, v_shaped_plan(sc)) for c in range(p.virtual_pipeline_stages)]
+
+
+def stage_rank(stage: int, sc: Scenario) -> int:
+    return holder(stage, sc.plan.pp, v_shaped_plan(sc))[0]
+
+
+def stage_layers(sc: Scenario) -> list[range]:
+    """Layers of each pipeline stage (in stage order), honouring first/last_stage_layers."""
+    p, n_layers, n = sc.plan, sc.model.num_layers, num_stages(sc)
+    counts = [None] * n
+    if p.first_stage_layers is not None:
+        counts[0] = p.first_stage_layers
+    if p.last_stage_layers is not None:
+        counts[-1] = p.last_stage_layers
+    fixed = sum(c for c in counts if c is not None)
+    free = [i for i, c in enumerate(counts) if c is None]
+    for i in free:
+        counts[i] = (n_layers - fixed) // len(free)
+    out, start = [], 0
+    for c in counts:
+        out.append(range(start, start + c))
+        start += c
+    return out
+
+
 def effective_zero_stage(plan: PlanSpec) -> int:
     """ZeRO stage the executor runs: 2 instead of 3 under a zero-bubble schedule.
 
@@ -243,8 +292,19 @@ def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
     elif sc.training.grad_reduce_dtype == "bf16" and p.dp * p.cp > 1:
         out.append("training.grad_reduce_dtype bf16: gradients are reduced in bf16 but accumulated and held in fp32 "
                    "(DDP's .grad, FSDP2's sharded gradient), where the simulator holds them in bf16")
+    zero = effective_zero_stage(p)
     if p.zero_stage and p.dp * p.cp == 1:
         out.append(f"zero_stage {p.zero_stage} has nothing to shard with dp x cp = 1")
+    elif zero == 1:
+        # executor.optim.ShardedOptimizer steps on full gradients (DDP's or replicate's all-reduce)
+        out.append("zero_stage 1: the executor all-reduces the gradients and keeps its shard, twice the bytes of the "
+                   "reduce-scatter the simulator prices (Megatron's distributed optimizer)")
+    elif zero >= 2 and p.pp > 1:
+        # torch.distributed.pipelining's PipelineStage.backward_maybe_with_nosync turns FSDP2's
+        # gradient sync (and resharding after backward) off for all but the last microbatch
+        out.append(f"zero_stage {zero} under a pipeline: PyTorch's pipeline stages reduce-scatter the gradients once, "
+                   "after the last microbatch's backward, and hold them whole until then, where the simulator "
+                   "reduces each microbatch's as its backward makes them")
     if p.tp > 1 and p.tp_backward_overlap and not p.tp_comm_overlap:
         out.append("plan.tp_backward_overlap: the executor's tensor-parallel backward (DTensor) reduces each input "
                    "gradient after its layer's weight gradient, not beside it")

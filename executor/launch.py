@@ -20,7 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from executor.config import scenario_to_json
-from paraplan.errors import ParaplanError
+from paraplan.errors import ConfigError, ParaplanError
+from paraplan.fileio import write_atomic
 from paraplan.specs import Scenario
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +57,30 @@ def torchrun_command(nproc: int, rendezvous: Rendezvous | None, job_file, out_di
     return cmd + ["-m", "executor.worker", str(job_file), "--out-dir", str(out_dir)]
 
 
+RUN_DIR_FILES = {"job.json", "torchrun.log", "out"}
+"""What a run leaves in its --run-dir: the job file, torchrun's log, the per-plan results."""
+
+
+def check_run_dir(path: str | os.PathLike) -> None:
+    """A --run-dir must be new, empty, or hold an earlier run and nothing else (its job.json one a
+    launch wrote): a run replaces the earlier run's files, and would otherwise delete or overwrite
+    files that are not its own."""
+    path = Path(path)
+    if not path.is_dir():
+        return
+    entries = {p.name for p in path.iterdir()}
+    if not entries:
+        return
+    try:
+        earlier = "runs" in json.loads((path / "job.json").read_text())
+    except (OSError, ValueError, TypeError):
+        earlier = False
+    if not earlier or not entries <= RUN_DIR_FILES:
+        others = sorted(entries - RUN_DIR_FILES) or sorted(entries)
+        raise ConfigError("--run-dir", f"{path} holds {', '.join(others[:3])}{', ...' if len(others) > 3 else ''}, "
+                                       "not an earlier run's files only; choose an empty or new folder")
+
+
 def launch(scenarios: list[Scenario], *, nproc: int, backend: str, timeout_s: float,
            run_dir: str | os.PathLike | None = None, rendezvous: Rendezvous | None = None,
            env: dict | None = None, echo=print, job_timeout_s: float | None = None,
@@ -68,15 +93,17 @@ def launch(scenarios: list[Scenario], *, nproc: int, backend: str, timeout_s: fl
     `cpu_bf16` runs bf16 plans in bf16 mixed precision on CPUs too (tests of the GPU code path).
     """
     own_dir = run_dir is None
+    if not own_dir:
+        check_run_dir(run_dir)
     run_dir = Path(tempfile.mkdtemp(prefix="paraplan-launch-")) if own_dir else Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     out_dir = run_dir / "out"
-    if out_dir.exists():
+    if out_dir.exists():  # an earlier run's (check_run_dir)
         shutil.rmtree(out_dir)
     out_dir.mkdir()
     job = {"backend": backend, "timeout_s": timeout_s, "cpu_bf16": cpu_bf16,
            "runs": [scenario_to_json(s) for s in scenarios]}
-    (run_dir / "job.json").write_text(json.dumps(job, indent=1))
+    write_atomic(run_dir / "job.json", json.dumps(job, indent=1), "--run-dir")
     cmd = torchrun_command(nproc, rendezvous, run_dir / "job.json", out_dir)
     full_env = dict(os.environ)
     full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), full_env.get("PYTHONPATH")]))

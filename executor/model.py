@@ -68,6 +68,8 @@ class Attention(nn.Module):
         self.selective_recompute = False
         self.cp_group = None
         """Context-parallel group: keys and values are all-gathered over it (Llama 3 style CP)."""
+        self.unfused = False
+        """training.attention unfused: the s x s scores as tensors of their own (_core_attention)."""
         self._rotary = rotary_ref  # [Rotary], shared by the stage's blocks
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -80,18 +82,27 @@ class Attention(nn.Module):
         if self.cp_group is not None:
             k, v, mask = _cp_gather_kv(k, v, rot.positions, self.cp_group)
         if self.selective_recompute:
-            out = checkpoint(_core_attention, q, k, v, mask, use_reentrant=False)
+            out = checkpoint(_core_attention, q, k, v, mask, self.unfused, use_reentrant=False)
         else:
-            out = _core_attention(q, k, v, mask)
+            out = _core_attention(q, k, v, mask, self.unfused)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-def _core_attention(q, k, v, mask):
-    """softmax(QK^T / sqrt(d)) V, causal; k/v heads repeated for GQA (flash-attention compatible)."""
+def _core_attention(q, k, v, mask, unfused: bool = False):
+    """softmax(QK^T / sqrt(d)) V, causal; k/v heads repeated for GQA (flash-attention compatible).
+    `unfused`: as Megatron's attention before fused kernels, the QK^T GEMM, a masked softmax in fp32
+    and the AV GEMM as ops of their own, autograd keeping the s x s probabilities for the backward
+    (Korthikanti et al. 2022, Sec. 4.1; the simulator's training.attention unfused)."""
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k = k.repeat_interleave(rep, dim=1)
         v = v.repeat_interleave(rep, dim=1)
+    if unfused:
+        if mask is None:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+        scores = torch.matmul(q, k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")).float(), dim=-1).to(v.dtype)
+        return torch.matmul(probs, v)
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)

@@ -29,12 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from executor.config import SCHEDULES, effective_zero_stage
+from executor.config import SCHEDULES, effective_zero_stage, num_stages, stage_layers, stage_rank, stages_of_rank
 from executor.model import Stage, init_parameters
 from executor.moe import MoE
 from paraplan.placement import ORDER, rank_to_coords
 from paraplan.specs import ModelSpec, Scenario
-from simulator.schedules import holder, virtual_stage
 
 
 # ----------------------------------------------------------------------------------------------
@@ -93,7 +92,7 @@ def build_groups(sc: Scenario, device_type: str) -> Groups:
         g.ep_group, g.edp_mesh = ep_mesh["ep"].get_group(), ep_mesh["edp"]
         g.ep_rank = b % p.ep
     if sc.model.tied_embeddings and p.pp > 1:
-        first, last = _stage_rank(0, sc), _stage_rank(num_stages(sc) - 1, sc)
+        first, last = stage_rank(0, sc), stage_rank(num_stages(sc) - 1, sc)
         if first != last:
             for dp in range(p.dp):
                 for cp in range(p.cp):
@@ -107,46 +106,6 @@ def build_groups(sc: Scenario, device_type: str) -> Groups:
 
 # ----------------------------------------------------------------------------------------------
 # 2. Pipeline stages
-
-
-def num_stages(sc: Scenario) -> int:
-    return sc.plan.pp * (sc.plan.virtual_pipeline_stages if sc.plan.pp > 1 else 1)
-
-
-def _v_shaped(sc: Scenario) -> bool:
-    return sc.plan.pp > 1 and SCHEDULES[sc.plan.schedule].style == "v"
-
-
-def stages_of_rank(pp_rank: int, sc: Scenario) -> list[int]:
-    """The pipeline stages (virtual stages, in the simulator's words) this pipeline rank holds, in a
-    loop or in a V: the simulator's placement (simulator.schedules.virtual_stage)."""
-    p = sc.plan
-    if p.pp == 1:
-        return [0]
-    return [virtual_stage(pp_rank, c, p.pp, _v_shaped(sc)) for c in range(p.virtual_pipeline_stages)]
-
-
-def _stage_rank(stage: int, sc: Scenario) -> int:
-    return holder(stage, sc.plan.pp, _v_shaped(sc))[0]
-
-
-def stage_layers(sc: Scenario) -> list[range]:
-    """Layers of each pipeline stage (in stage order), honouring first/last_stage_layers."""
-    p, n_layers, n = sc.plan, sc.model.num_layers, num_stages(sc)
-    counts = [None] * n
-    if p.first_stage_layers is not None:
-        counts[0] = p.first_stage_layers
-    if p.last_stage_layers is not None:
-        counts[-1] = p.last_stage_layers
-    fixed = sum(c for c in counts if c is not None)
-    free = [i for i, c in enumerate(counts) if c is None]
-    for i in free:
-        counts[i] = (n_layers - fixed) // len(free)
-    out, start = [], 0
-    for c in counts:
-        out.append(range(start, start + c))
-        start += c
-    return out
 
 
 def padded_vocab(spec: ModelSpec, tp: int) -> ModelSpec:

@@ -19,14 +19,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from executor import data
-from executor.config import SCHEDULES, effective_zero_stage, notes
+from executor.config import SCHEDULES, effective_zero_stage, notes, num_stages
 from executor.memory import LiveTensorTracker, static_bytes
 from executor.model import Stage, count_parameters
 from executor.moe import MoE
 from executor.optim import ShardedOptimizer, make_optimizer
 from executor.parallel import (
-    Groups, apply_dp, apply_tp, build_groups, build_stages, dp_style, finish_gradients, local_positions,
-    num_stages, padded_vocab,
+    Groups, apply_dp, apply_tp, build_groups, build_stages, dp_style, finish_gradients, local_positions, padded_vocab,
 )
 from paraplan.specs import Scenario
 
@@ -96,6 +95,7 @@ class _Job:
             st.set_recompute(p.recompute, p.recompute_modules)
             for block in st.layers.values():
                 block.attn.cp_group = cp_group
+                block.attn.unfused = sc.training.attention == "unfused"
             if p.tp > 1:
                 apply_tp(st, sc, self.g)
         # gradients reduced in training.grad_reduce_dtype: bf16 or fp32 (FSDP2's reduce_dtype)

@@ -89,6 +89,9 @@ def _run(job: dict, out_dir: Path) -> int:
 
 
 def _write_failure(out_dir: Path, rank: int, exc: BaseException) -> None:
+    from paraplan.errors import ParaplanError
+    from paraplan.fileio import write_atomic
+
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
         lines = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
@@ -96,8 +99,8 @@ def _write_failure(out_dir: Path, rank: int, exc: BaseException) -> None:
         msg = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else ""
         msg = msg if len(msg) <= 200 else msg[:197] + "..."
         text = json.dumps({"rank": rank, "error": type(exc).__name__, "message": msg, "time": time.time()})
-        (out_dir / f"failure-rank{rank}.json").write_text(text)
-    except OSError:
+        write_atomic(out_dir / f"failure-rank{rank}.json", text)
+    except (OSError, ParaplanError):
         pass
 
 

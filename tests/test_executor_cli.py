@@ -65,6 +65,11 @@ BAD_INPUT = [
     (["CONFIG", "--seed", "4294967296"], "--seed (run.seed): expected an integer from 0 to 2**32 - 1"),
     (["CONFIG", "--hidden", "131072", "--set", "run.num_layers=64"], "run.backend gloo: the 2 CPU process(es) need at least"),
     (["CONFIG", "--run-dir", "CONFIG/x"], "is a file, so nothing can be written under it"),
+    # a folder that holds files of its own: a run would replace out/ and overwrite job.json
+    (["CONFIG", "--run-dir", "CONFIGDIR"], "holds best_plan.yaml, not an earlier run's files only"),
+    (["CONFIG", "--set", "cluster.gpus_per_node=3", "--set", "plan.pp=3", "--set", "plan.first_stage_layers=2",
+      "--set", "plan.last_stage_layers=2", "--set", "training.global_batch_size=6"],
+     "pipeline rank 1 would hold no layer, embedding or head"),
     # a planner-written layout (the embedding and the loss alone on their stages) scaled by --layers
     (["CONFIG", "--set", "plan.schedule=interleaved-1f1b", "--set", "plan.virtual_pipeline_stages=3",
       "--set", "plan.first_stage_layers=0", "--set", "plan.last_stage_layers=0", "--set", "training.global_batch_size=16",
@@ -80,7 +85,7 @@ def test_bad_input_is_one_line_before_launch(config, args, message):
         if torch.cuda.is_available():
             pytest.skip("this host has CUDA")
     start = time.perf_counter()
-    r = paraplan(*[a.replace("CONFIG", str(config)) for a in args])
+    r = paraplan(*[a.replace("CONFIGDIR", str(Path(config).parent)).replace("CONFIG", str(config)) for a in args])
     assert r.returncode == 2, r.stderr
     assert r.stderr.startswith("error: ") and r.stderr.count("\n") == 1, r.stderr
     assert message in r.stderr
@@ -248,3 +253,22 @@ def test_a_plan_the_simulator_says_will_not_fit_is_named_before_it_starts(config
     r = paraplan(config, "--dry-run", *long)
     assert r.returncode == 2 and "Traceback" not in r.stderr and r.stderr.count("\n") == 1
     assert "as paraplan simulate predicts each rank's memory, activations included" in r.stderr
+
+
+def test_a_run_dir_may_hold_an_earlier_run_and_nothing_else(tmp_path):
+    from executor.launch import check_run_dir
+    from paraplan.errors import ConfigError
+
+    check_run_dir(tmp_path / "new")  # not there yet
+    check_run_dir(tmp_path)  # empty
+    (tmp_path / "job.json").write_text(json.dumps({"backend": "gloo", "runs": []}))
+    (tmp_path / "torchrun.log").write_text("")
+    (tmp_path / "out").mkdir()
+    check_run_dir(tmp_path)  # an earlier run's files: replaced by the next
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="holds notes.txt, not an earlier run's files only"):
+        check_run_dir(tmp_path)
+    (tmp_path / "notes.txt").unlink()
+    (tmp_path / "job.json").write_text("{}")  # not a job a launch wrote
+    with pytest.raises(ConfigError, match="--run-dir"):
+        check_run_dir(tmp_path)

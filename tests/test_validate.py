@@ -160,7 +160,7 @@ def test_cli_json_and_refit(profile, configs, tmp_path):
 
 
 @pytest.mark.parametrize("case", ["missing config", "unknown profile", "refit under a file", "refit is a folder",
-                                  "refit not yaml"])
+                                  "refit not yaml", "refit is the config"])
 def test_bad_input_is_one_line_exit_2_and_nothing_written(case, configs, tmp_path, capsys):
     cfg, prof, refit_out = str(configs["dp"]), "h100-sxm-80gb", str(tmp_path / "out.yaml")
     if case == "missing config":
@@ -173,6 +173,8 @@ def test_bad_input_is_one_line_exit_2_and_nothing_written(case, configs, tmp_pat
     elif case == "refit is a folder":
         (tmp_path / "dir.yaml").mkdir()
         refit_out, message = str(tmp_path / "dir.yaml"), "is a directory"
+    elif case == "refit is the config":
+        refit_out, message = cfg, "--refit: " + cfg + " is the same file as config"
     else:
         refit_out, message = str(tmp_path / "out.txt"), "must end in .yaml"
     before = sorted(os.listdir(tmp_path))

@@ -57,6 +57,7 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
     With `notes` (a dry run, which may check a GPU plan from a machine without GPUs), what this
     host lacks to run it is appended there instead of refused."""
     from executor.config import launch_problems, scaled_scenario
+    from executor.launch import check_run_dir
     from paraplan.fileio import check_distinct_files, check_output_dir, check_output_file
     from paraplan.loader import load_scenario
 
@@ -94,6 +95,8 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
     check_output_file(args.out, "--out")
     check_distinct_files({"config": args.config, "--out": args.out})
     check_output_dir(args.run_dir, "--run-dir")
+    if args.run_dir:
+        check_run_dir(args.run_dir)
     if not 0 <= args.node_rank < args.nnodes:
         raise ParaplanError(f"--node-rank {args.node_rank} is not in 0..{args.nnodes - 1}")
     if need_torch:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 from paraplan.cli.tables import model_shape
 
@@ -45,13 +46,15 @@ def run(args) -> int:
     from executor.launch import LaunchError
     from hwmodels.profile import write_profile
     from paraplan.errors import ParaplanError
-    from paraplan.fileio import check_profile_output
+    from paraplan.fileio import check_distinct_files, check_profile_output
     from simulator.simulate import simulate
 
     if args.tolerance is not None and not args.tolerance > 0:
         raise ParaplanError(f"--tolerance {args.tolerance:g}: expected a positive percentage")
     if args.refit:
         check_profile_output(args.refit, "--refit")
+        check_distinct_files({"config": args.config, "--refit": args.refit,
+                              **({"--profile": args.profile} if args.profile and Path(args.profile).exists() else {})})
     sc, nproc = prepare(args.config, profile=args.profile, overrides=args.overrides, backend=args.backend,
                         steps=args.steps, warmup=args.warmup, layers=args.layers, hidden=args.hidden,
                         timeout=args.timeout, nproc=args.nproc)
