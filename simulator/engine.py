@@ -62,11 +62,15 @@ class StageWork:
     param_gather_time: float  # ZeRO-1/2 all-gather after the step, exposed (not overlapped)
     grad_bucket_nic: dict = field(default_factory=dict)  # chunk -> seconds of each bucket on the NIC
     pairs: tuple[int, ...] = ()
-    """Merged pairs (schedules.merged_pairs: combined 1F1B, DualPipeV): indices of the forwards in
-    `ops` that run merged with the (whole) backward right after them, as one op that starts once both inputs are there, lasts
-    `pair_cost` and sends both outputs when it ends."""
+    """Pairs (schedules.merged_pairs: combined 1F1B, DualPipeV): indices of the forwards in `ops`
+    that run paired with the (whole) backward right after them. Overlapped (`pairs_overlapped`), a
+    pair is one op that starts once both inputs are there, lasts `pair_cost` and sends both outputs
+    when it ends; else the forward runs once its input is there, the backward after it once its
+    own is, and both outputs are sent when the backward ends (PyTorch's DualPipeV without an overlap
+    callback: schedules.py _add_send_recv after the pair)."""
+    pairs_overlapped: bool = True
     pair_cost: dict = field(default_factory=dict)
-    """(forward's chunk, backward's chunk) -> workload.Cost of a merged pair."""
+    """(forward's chunk, backward's chunk) -> workload.Cost of an overlapped pair."""
     param_gather_buckets: dict = field(default_factory=dict)
     """chunk -> [(seconds, seconds on the NIC, needed_from)] per bucket of the ZeRO-1/2 weight
     all-gather overlapped with the forward (Megatron --overlap-param-gather), launched when the step
@@ -185,7 +189,8 @@ def _link(stage: int, to: int, pp: int) -> int:
 
 
 def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: dict, launch_after: dict,
-             gates: dict, v_shaped: bool = False, pairs: tuple[int, ...] = ()) -> tuple[list[tuple], dict]:
+             gates: dict, v_shaped: bool = False, pairs: tuple[int, ...] = (),
+             overlapped: bool = True) -> tuple[list[tuple], dict]:
     """Per op of `stage`, what its stream needs besides the op's cost: the key of the input it
     waits for, its slot in the cost table, the output it sends (key, receiving stage, link; link
     None where the next virtual stage is on the same rank, the turn of a V), for
@@ -195,13 +200,14 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
     an immutable schedule's is kept (the planner and the balanced-router reference replay the same
     schedules again and again).
 
-    `pairs` (StageWork.pairs: combined 1F1B, DualPipeV): each forward at those indices and the backward after it
-    become one entry, which waits for both inputs and sends both outputs; its slot is the pair's
-    (`_pair_slot`), its count keyed ('FB', forward's chunk, backward's chunk), and its last field
-    (None for a single op) is (the backward's input key, the backward's output, the backward op).
-    Where the pair has specials, the backward's (gradient flow, launches) and the forward's gate
-    are the entry's."""
-    key = (id(ops), stage, pp, num_chunks, v_shaped, pairs, tuple(final_b.items()),
+    `pairs` (StageWork.pairs: combined 1F1B, DualPipeV), `overlapped`: each forward at those indices
+    and the backward after it become one entry, which waits for both inputs and sends both outputs;
+    its slot is the pair's (`_pair_slot`), its count keyed ('FB', forward's chunk, backward's chunk),
+    and its last field (None for a single op) is (the backward's input key, the backward's output,
+    the backward op). Where the pair has specials, the backward's (gradient flow, launches) and the
+    forward's gate are the entry's. Not overlapped, the two stay entries of their own, the
+    forward's output sent with the backward's (_sequential_pairs)."""
+    key = (id(ops), stage, pp, num_chunks, v_shaped, pairs, overlapped, tuple(final_b.items()),
            tuple((i, tuple(chunks)) for i, chunks in launch_after.items()), tuple(gates.items()))
     hit = _PLAN_CACHE.get(key)
     if hit is not None and hit[0] is ops:
@@ -242,7 +248,7 @@ def _op_plan(ops: Sequence[Op], stage: int, pp: int, num_chunks: int, final_b: d
         append((dep, slot, out, (final_b.get(i), launch_after.get(i, ()), gates.get(i)) if i in special else None,
                 op, None))
     if pairs:
-        plan = _merge_pairs(plan, counts, pairs, num_chunks)
+        plan = _merge_pairs(plan, counts, pairs, num_chunks) if overlapped else _sequential_pairs(plan, pairs)
     if isinstance(ops, tuple) and len(ops) <= _PLAN_CACHE_OPS:  # a list may change after the call
         with _PLAN_CACHE_LOCK:  # simulate() may run in several threads
             kept = sum(len(entry[0]) for entry in _PLAN_CACHE.values())
@@ -281,6 +287,22 @@ def _merge_pairs(plan: list[tuple], counts: dict, pairs: tuple[int, ...], num_ch
                        (b[0], b[2], b_op)))
         i += 2
     return merged
+
+
+def _sequential_pairs(plan: list[tuple], pairs: tuple[int, ...]) -> list[tuple]:
+    """The op plan with each pair (forward at i, backward at i + 1) run one op after the other: the
+    forward sends nothing, and the backward, once its own input is there, sends the forward's
+    output and its own when it ends (its last field (None, its output, itself): an entry of the
+    engine's pair form with no second input to wait for)."""
+    out = list(plan)
+    for i in pairs:
+        f, b = out[i], out[i + 1]
+        f_op, b_op = f[4], b[4]
+        if f_op.kind != "F" or b_op.kind not in ("B", "X"):
+            raise ValueError(f"paired ops at {i}: {f_op} and {b_op} are not a forward then a backward")
+        out[i] = (f[0], f[1], None, f[3], f_op, None)
+        out[i + 1] = (b[0], b[1], f[2], b[3], b_op, (None, b[2], b_op))
+    return out
 
 
 def clear_caches() -> None:
@@ -517,7 +539,7 @@ def run_iteration(
         gathered_events = gathered[stage]
         final_b, launch_after, _ = launches[stage]
         ops, counts = _op_plan(work.ops, stage, pp, num_chunks, final_b, launch_after, gate_ops[stage], v_shaped,
-                               work.pairs)
+                               work.pairs, work.pairs_overlapped)
         costs, nic_shares = op_costs(work)
         contended = [0.0] * len(costs)  # per slot, the delays its ops' traffic took from sharing the NIC
         prev_slot = None

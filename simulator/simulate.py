@@ -14,7 +14,7 @@ from paraplan.placement import (GroupLayout, expert_dispatch_layout, expert_grou
                                 pp_hop_layouts)
 from paraplan.specs import DTYPE_BYTES, Scenario
 from simulator.combined import LayerPhases, merged_cost, merged_layers_time
-from simulator.cost import Cost, concatenated
+from simulator.cost import Cost
 from simulator.engine import StageWork, run_iteration
 from simulator.feasibility import structural_problems
 from simulator.flops import flops_formula_for, hardware_flops, model_flops
@@ -237,23 +237,19 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
     return _Iteration(kinds=kinds, draw=draw, mems=mems, eng=eng)
 
 
-def _pair_costs(kinds: _Layers, chunk_kinds: list[list[str]], op_cost: dict, ops, pairs: tuple[int, ...],
-                overlap: bool) -> dict:
-    """(forward's chunk, backward's chunk) -> Cost of each merged pair the stage runs: a forward and
-    a whole backward (its input and weight gradients where the schedule splits them). `overlap`
-    (combined 1F1B; DualPipe's overlapped pairs): the two chunks' layers merged node by node
+def _pair_costs(kinds: _Layers, chunk_kinds: list[list[str]], op_cost: dict, ops, pairs: tuple[int, ...]) -> dict:
+    """(forward's chunk, backward's chunk) -> Cost of each overlapped pair the stage runs (combined
+    1F1B; DualPipe's overlapped pairs): a forward and a whole backward (its input and weight
+    gradients where the schedule splits them), the two chunks' layers merged node by node
     (simulator.combined), plus what is not a layer (embedding, LM head, multi-token prediction:
-    each chunk's pass minus its layers) alone; else one pass after the other (DualPipeV as PyTorch
-    runs its pairs without an overlap callback)."""
+    each chunk's pass minus its layers) alone. Pairs that are not overlapped (DualPipeV as PyTorch
+    runs them without an overlap callback) run as their two ops (engine.StageWork.pairs)."""
     out = {}
     for i in pairs:
         fc, bc = ops[i].chunk, ops[i + 1].chunk
         if (fc, bc) in out:
             continue
         f, b = op_cost[("F", fc)], op_cost[(ops[i + 1].kind, bc)]  # a whole backward: B or X
-        if not overlap:
-            out[(fc, bc)] = concatenated(f, b)
-            continue
         f_layers = [kinds.phases[k][0] for k in chunk_kinds[fc]]
         b_layers = [kinds.phases[k][1] for k in chunk_kinds[bc]]
         alone = (f.total - sum(kinds.fwd[k].total for k in chunk_kinds[fc])
@@ -372,8 +368,9 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
                             + collective_time(net, "all_gather", expert_params * w_bytes, edp_layout))
         works.append(StageWork(
             ops=schedule[s], op_cost=op_cost,
-            pairs=setup.pairs[s], pair_cost=_pair_costs(kinds_whole or kinds, chunk_kinds, op_cost, schedule[s],
-                                                        setup.pairs[s], p.overlap_moe_expert_parallel_comm),
+            pairs=setup.pairs[s], pairs_overlapped=p.overlap_moe_expert_parallel_comm,
+            pair_cost=_pair_costs(kinds_whole or kinds, chunk_kinds, op_cost, schedule[s], setup.pairs[s])
+            if p.overlap_moe_expert_parallel_comm else {},
             grad_buckets={c: [t for t, _ in bl] for c, bl in buckets.items() if bl},
             grad_bucket_nic={c: [nic for _, nic in bl] for c, bl in buckets.items() if bl},
             optimizer_time=optimizer_time(gpu, local_opt, buffer, tr.precision, ctx.grad_bytes),
