@@ -186,7 +186,11 @@ class ModelSpec:
         norms whole (every tensor-parallel rank keeps its own copy of a norm's weights: Megatron's
         sequence-parallel norms all-reduce their gradients over the TP group)."""
         linears = sum(k * n / (1 if mode == "replicated" else tp) for k, n, mode in self.attention_linears())
-        return linears + 4 * self.hidden_size + self.latent_channels
+        return linears + self.norm_params()
+
+    def norm_params(self) -> int:
+        """One layer's norm weights: its two norms' weights and biases, and MLA's latent norms."""
+        return 4 * self.hidden_size + self.latent_channels
 
     def expert_params(self) -> int:
         """One expert FFN (same activation as the model)."""

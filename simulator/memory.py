@@ -65,7 +65,9 @@ def state_bytes_per_param(precision: str, grad_dtype: str = "fp32") -> tuple[flo
 # Under fp8 Transformer Engine keeps, per weight of its linear layers, an fp8 copy and (Hopper's
 # fp8 GEMMs take TN layouts only) an fp8 transpose, cached across microbatches
 # (TransformerEngine module/base.py get_weight_workspace; Megatron passes is_first_microbatch):
-# 2 bytes on top of the bf16 weight. The embedding and the LM head are not TE modules: no cache.
+# 2 bytes on top of the bf16 weight. The embedding, the LM head and the MoE router are not TE
+# linears (Megatron-Core's TopKRouter multiplies by its weight with torch), and a norm's weights
+# are no GEMM operand: no cache.
 FP8_WEIGHT_CACHE_BYTES = 2.0
 
 
@@ -151,7 +153,7 @@ def stage_memory(
     activations: float,
     working_set: float = 0.0,
     prefetched_params: float | None = None,
-    embedding_params: float = 0.0,
+    uncached_params: float = 0.0,
 ) -> StageMemory:
     """Memory of one rank of a stage.
     `dense_params`: parameters this rank holds whose states shard over dp x cp (already divided by
@@ -163,7 +165,8 @@ def stage_memory(
     reduces (ZeRO-3: and gathers): a layer, or the embedding / LM head on the stages holding them;
     0 where nothing is sharded;
     `prefetched_params`: the unit gathered beside it (a layer; default the same size);
-    `embedding_params`: the part of `dense_params` that is the embedding / LM head (no fp8 cache);
+    `uncached_params`: the part of `dense_params` with no fp8 cache: the embedding / LM head, the
+    norms and the routers (FP8_WEIGHT_CACHE_BYTES);
     `grad_dtype`: training.grad_reduce_dtype, the gradients' dtype; 16-bit gradients get an fp32 copy
     of the rank's optimizer shard during the step (StageMemory.optimizer_step)."""
     w, g, o = state_bytes_per_param(precision, grad_dtype)
@@ -196,9 +199,9 @@ def stage_memory(
         # TE's fp8 caches of the linear weights: all of them, or under ZeRO-3 those of the two
         # gathered layers (a sharded weight is cast when gathered) and of the weights ZeRO-3 leaves
         # whole, which stay resident (experts whose expert-data-parallel group is one rank, every
-        # weight when dp x cp is 1); the embedding has none
-        resident = expert_params * (expert_shard == 1) + (dense_params - embedding_params) * (shard == 1)
-        cached = 2 * prefetched + resident if zero >= 3 else dense_params - embedding_params + expert_params
+        # weight when dp x cp is 1); the embedding, the norms and the routers have none
+        resident = expert_params * (expert_shard == 1) + (dense_params - uncached_params) * (shard == 1)
+        cached = 2 * prefetched + resident if zero >= 3 else dense_params - uncached_params + expert_params
         weights += cached * FP8_WEIGHT_CACHE_BYTES
     acts = activations + working_set
     reserved = RESERVED_BYTES + FRAGMENTATION * acts

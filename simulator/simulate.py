@@ -308,6 +308,9 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
     # of the input embedding there (Megatron-Core GPTModel builds it on the MTP stage)
     mtp_embedding = m.mtp_layers > 0 and p.pp > 1 and not m.tied_embeddings
     works, mems = [], []
+    # per layer, the weights with no fp8 copy (memory.FP8_WEIGHT_CACHE_BYTES): its norms and an MoE
+    # layer's router; a multi-token prediction module adds its three norms
+    not_te = {"dense": m.norm_params(), "moe": m.norm_params() + (m.hidden_size * m.moe.num_experts if m.moe else 0)}
     # the loss's fp32 softmax: an activation of the last chunk's microbatches in flight, which the
     # B pass frees (memory.logits_bytes)
     softmax = logits_bytes(m, p, tr.seq_length, CE_SOFTMAX_BYTES)
@@ -398,7 +401,9 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
             max_layer_params=gathered, working_set=working,
             activations=peak_in_flight(schedule[s], chunk_acts, freed_by_b=freed_by_b, rebuilt_by_b=chunk_rebuilt),
             prefetched_params=gathered_layer,
-            embedding_params=emb_params * ((s == 0) + (s == last_rank) * (own_head + mtp_embedding)),
+            uncached_params=emb_params * ((s == 0) + (s == last_rank) * (own_head + mtp_embedding))
+            + sum(not_te[k] for kinds_in_chunk in chunk_kinds for k in kinds_in_chunk)
+            + (m.mtp_layers * (not_te[_mtp_layer_kind(m)] + 3 * m.hidden_size) if s == last_rank else 0),
         ))
 
     return kinds, draw, works, mems

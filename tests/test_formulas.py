@@ -186,7 +186,7 @@ def test_fp8_weights_add_transformer_engines_cached_copy_and_transpose():
     layers; the embedding / LM head (not TE modules) stay at 2 bytes. Under ZeRO-3 only the
     gathered units carry the cache."""
     plan = PlanSpec(tp=1, pp=1, dp=8, zero_stage=1)
-    kw = dict(dense_params=1e9, expert_params=2e8, max_layer_params=1e7, activations=0.0, embedding_params=1e8)
+    kw = dict(dense_params=1e9, expert_params=2e8, max_layer_params=1e7, activations=0.0, uncached_params=1e8)
     bf16 = stage_memory(plan=plan, precision="bf16", **kw)
     fp8 = stage_memory(plan=plan, precision="fp8", **kw)
     assert bf16.weights == 2 * 1.2e9

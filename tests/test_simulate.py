@@ -857,7 +857,7 @@ def test_fp8_weight_caches_under_zero3_are_the_two_gathered_layers():
     from simulator.memory import FP8_WEIGHT_CACHE_BYTES, stage_memory
 
     sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml", ["plan.zero_stage=3"])
-    kw = dict(plan=sc.plan, dense_params=1e9, activations=0.0, embedding_params=4e8)
+    kw = dict(plan=sc.plan, dense_params=1e9, activations=0.0, uncached_params=4e8)
     fp8 = stage_memory(precision="fp8", max_layer_params=4e8, prefetched_params=1e8, **kw)
     bf16 = stage_memory(precision="bf16", max_layer_params=4e8, prefetched_params=1e8, **kw)
     assert fp8.weights - bf16.weights == pytest.approx(2 * 1e8 * FP8_WEIGHT_CACHE_BYTES)
@@ -866,7 +866,7 @@ def test_fp8_weight_caches_under_zero3_are_the_two_gathered_layers():
     assert sc.plan.tp * sc.plan.cp * sc.plan.dp == 4
     for ep, resident in ((4, 3e8), (2, 0.0)):
         plan = replace(sc.plan, ep=ep)
-        kw = dict(plan=plan, dense_params=1e9, expert_params=3e8, activations=0.0, embedding_params=4e8,
+        kw = dict(plan=plan, dense_params=1e9, expert_params=3e8, activations=0.0, uncached_params=4e8,
                   max_layer_params=4e8, prefetched_params=1e8)
         gap = stage_memory(precision="fp8", **kw).weights - stage_memory(precision="bf16", **kw).weights
         assert gap == pytest.approx((2 * 1e8 + resident) * FP8_WEIGHT_CACHE_BYTES)
@@ -1170,3 +1170,23 @@ def test_a_last_stage_with_only_the_mtp_module_holds_its_layers_working_set(monk
     assert kinds.working["moe"] > logits
     assert last["working_set"] == kinds.working["moe"]
     assert last["prefetched_params"] > 0
+
+
+def test_fp8_caches_only_transformer_engine_linears():
+    """fp8 adds FP8_WEIGHT_CACHE_BYTES per weight of the linears only: not the embedding or LM head,
+    the norms or an MoE layer's router (plain torch in Megatron-Core). DeepSeek-V3's first stage
+    (pp 16, its first 4 layers: 3 dense, 1 MoE; ZeRO-1): the gap is its linears' weights x 2 bytes."""
+    from simulator.memory import FP8_WEIGHT_CACHE_BYTES
+
+    sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml")
+    m, p, e = sc.model, sc.plan, sc.model.moe
+    assert p.first_stage_layers == 4 and sc.training.precision == "fp8"
+    fp8 = simulate(sc).stages[0].memory["weights"]
+    bf16 = simulate(replace(sc, training=replace(sc.training, precision="bf16"))).stages[0].memory["weights"]
+    first = range(p.first_stage_layers)
+    linears = sum(m.attention_params(p.tp) - m.norm_params() for _ in first)
+    linears += sum(m.ffn_matrices * m.hidden_size * m.ffn_hidden_size / p.tp for i in first if not m.is_moe_layer(i))
+    linears += sum((e.num_experts // p.ep / p.expert_tp + e.num_shared_experts / p.tp) * m.expert_params()
+                   for i in first if m.is_moe_layer(i))
+    assert [m.is_moe_layer(i) for i in first] == [False, False, False, True]
+    assert fp8 - bf16 == pytest.approx(linears * FP8_WEIGHT_CACHE_BYTES, rel=1e-9)
