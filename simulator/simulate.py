@@ -519,6 +519,11 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
         pieces.insert(0, (embedding_cost(ctx, backward=False), embedding_cost(ctx, backward=True),
                           per_unit.get("embedding", no_comm), 0.0))
         dense += emb_params
+        if ctx.model.dropout:
+            # the embedding dropout's 1-byte mask, on the sequence-parallel shard (Korthikanti et al.
+            # 2022, Sec. 4.3; Megatron-Core LanguageModelEmbedding scatters to the sequence-parallel
+            # region before its dropout)
+            acts += ctx.tokens * ctx.model.hidden_size / (ctx.plan.tp if ctx.plan.sequence_parallel else 1)
     if last:
         # a head without its own weights (own_head false) uses those gathered with the embedding
         head = {backward: head_cost(ctx, backward) for backward in (False, True)}

@@ -1190,3 +1190,19 @@ def test_fp8_caches_only_transformer_engine_linears():
                    for i in first if m.is_moe_layer(i))
     assert [m.is_moe_layer(i) for i in first] == [False, False, False, True]
     assert fp8 - bf16 == pytest.approx(linears * FP8_WEIGHT_CACHE_BYTES, rel=1e-9)
+
+
+@pytest.mark.parametrize("dropout, sp", [(0.1, True), (0.1, False), (0.0, True)])
+def test_the_embedding_dropout_mask_is_a_first_stage_activation(dropout, sp):
+    """Korthikanti et al. 2022, Sec. 4.3: the first stage also keeps the embedding dropout's mask,
+    1 byte per element of the (sequence-parallel) embedding output; none without dropout."""
+    from simulator.simulate import _chunk_work, _layer_kinds, _setup  # noqa: PLC2701
+
+    sc = load_scenario(ROOT / "scenarios" / "gpt3-175b-1024xa100.yaml",
+                       [f"model.dropout={dropout}", f"plan.sequence_parallel={str(sp).lower()}"])
+    setup = _setup(sc)
+    kinds, _ = _layer_kinds(setup.ctx, setup.dispatch_layout, setup.expert_layouts[0], balanced=False)
+    acts = {first: _chunk_work(setup.ctx, kinds, ["dense"], {}, first=first, last=False, emb_params=0.0,
+                               own_head=True)[5] for first in (True, False)}
+    tokens, h, tp = sc.training.seq_length * sc.plan.micro_batch_size, sc.model.hidden_size, sc.plan.tp
+    assert acts[True] - acts[False] == (tokens * h / (tp if sp else 1) if dropout else 0.0)
