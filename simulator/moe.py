@@ -450,15 +450,37 @@ def moe_activation_bytes(ctx, draw: RoutingDraw, *, recomputed: tuple[str, ...] 
         recomputed = p.recomputed_modules
     if "moe" in recomputed:
         return 0.0
-    h, f = m.hidden_size, _expert_width(ctx)
+    h = m.hidden_size
     routed = routed_tokens_per_rank(ctx)
     load = float(draw.rank_loads.max()) * p.expert_tp
     out = 2 * routed * m.moe.num_experts * 4 + draw.sent_per_rank * 4
-    kept_mats = m.ffn_matrices - ("moe_act" in recomputed)
-    out += load * h * b + load * f * kept_mats * b
+    out += load * h * b + _expert_output_bytes(ctx, draw) * (m.ffn_matrices - 1)
+    if "moe_act" not in recomputed:
+        out += _expert_output_bytes(ctx, draw)
     if "shared_experts" not in recomputed:
-        out += ctx.tokens * _shared_width(ctx) * m.ffn_matrices * b
+        out += _shared_expert_bytes(ctx)
     return out
+
+
+def _expert_output_bytes(ctx, draw: RoutingDraw) -> float:
+    """One of the busiest rank's expert intermediates (an up/gate output, the activation output):
+    its received tokens x the expert width."""
+    return float(draw.rank_loads.max()) * ctx.plan.expert_tp * _expert_width(ctx) * ctx.act_bytes
+
+
+def _shared_expert_bytes(ctx) -> float:
+    """The shared experts' stored tensors, like a dense MLP of their width."""
+    return ctx.tokens * _shared_width(ctx) * ctx.model.ffn_matrices * ctx.act_bytes
+
+
+def moe_rebuilt_bytes(ctx, draw: RoutingDraw) -> float:
+    """What selective recompute of `moe_act` or `shared_experts` re-creates during one MoE layer's
+    backward, on top of its stored activations: the activation outputs, or the shared experts'
+    tensors, one module at a time (each just before its own backward), so the larger of the two
+    recomputed. `moe` and full recompute rebuild the whole FFN instead (memory.recompute_working_bytes)."""
+    recomputed = ctx.plan.recomputed_modules
+    return max(_expert_output_bytes(ctx, draw) if "moe_act" in recomputed else 0.0,
+               _shared_expert_bytes(ctx) if "shared_experts" in recomputed else 0.0)
 
 
 def dispatch_buffer_bytes(ctx, draw: RoutingDraw) -> float:

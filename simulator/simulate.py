@@ -24,7 +24,7 @@ from simulator.memory import (
     state_bytes_per_param, unrecomputed_activation_bytes,
 )
 from simulator.moe import (
-    dispatch_buffer_bytes, draw_routing, moe_activation_bytes, moe_block, routed_tokens_per_rank,
+    dispatch_buffer_bytes, draw_routing, moe_activation_bytes, moe_block, moe_rebuilt_bytes, routed_tokens_per_rank,
 )
 from simulator.result import BREAKDOWN_KEYS, MoEReport, SimResult, StageResult
 from simulator.schedules import (SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES, WHOLE_AND_SPLIT_SCHEDULES, build_schedule,
@@ -485,7 +485,7 @@ def _layer_kinds(ctx, a2a_layout, etp_layout, *, balanced: bool):
             m, p, ctx.seq_length, ctx.attention_kernel, ffn_whole, ctx.act_bytes) - kinds.acts["moe"]
     kinds.working["moe"] = dispatch_buffer_bytes(ctx, draw) + recompute_working_bytes(
         m, p, ctx.seq_length, ctx.attention_kernel, ctx.act_bytes,
-        moe_ffn_bytes=ffn_whole if recomputed_ffn else 0.0)
+        moe_ffn_bytes=ffn_whole if recomputed_ffn else moe_rebuilt_bytes(ctx, draw))
     if p.overlap_moe_expert_parallel_comm:
         kinds.phases.update({
             "dense": (LayerPhases.of(kinds.fwd["dense"].total, None), LayerPhases.of(kinds.bwd["dense"].total, None)),

@@ -305,3 +305,23 @@ def test_core_attn_recompute_with_flash_frees_the_logsumexp(llama8b):
     recomputed = activation_bytes_per_layer(m, replace(p, recompute="selective", recompute_modules=("core_attn",)),
                                             s, "flash")
     assert kept - recomputed == pytest.approx(tokens * 4 * m.num_attention_heads / p.tp)
+
+
+@pytest.mark.parametrize("modules", [("moe_act",), ("shared_experts",), ("moe_act", "shared_experts")])
+def test_recomputed_moe_act_and_shared_experts_are_rebuilt_one_at_a_time(modules):
+    """Selective recompute of moe_act or shared_experts re-creates, in the MoE layer's backward, what
+    it did not store: the busiest rank's activation outputs (received tokens x expert width), or
+    the shared experts' tensors; the two modules one after the other, so the larger of them."""
+    from simulator.moe import dispatch_buffer_bytes
+    from simulator.simulate import _layer_kinds, _setup  # noqa: PLC2701
+
+    sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml",
+                       ["plan.recompute=selective", f"plan.recompute_modules=[{','.join(modules)}]"])
+    setup = _setup(sc)
+    kinds, draw = _layer_kinds(setup.ctx, setup.dispatch_layout, setup.expert_layouts[0], balanced=False)
+    m, p, b = sc.model, sc.plan, setup.ctx.act_bytes
+    act = float(draw.rank_loads.max()) * p.expert_tp * m.moe.expert_ffn_hidden_size / p.expert_tp * b
+    shared = setup.ctx.tokens * m.moe.num_shared_experts * m.moe.expert_ffn_hidden_size / p.tp * m.ffn_matrices * b
+    want = max(act if "moe_act" in modules else 0.0, shared if "shared_experts" in modules else 0.0)
+    assert kinds.working["moe"] - dispatch_buffer_bytes(setup.ctx, draw) == pytest.approx(want, rel=1e-12)
+    assert want > 0
