@@ -1,0 +1,203 @@
+"""Formulas at the settings the other tests leave at their neutral value (cp 1, no multi-token
+prediction, no shared experts, tp 1 under MoE, a capacity factor of 1, no barrier time), each
+checked against a hand-computed expectation: a term dropped or misplaced there fails here."""
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hwmodels.network import collective_time, spread_hop
+from paraplan.loader import load_scenario
+from paraplan.specs import ModelSpec, MoESpec, PlanSpec, RoutingSpec
+from simulator.cost import Cost
+from simulator.engine import StageWork, run_iteration
+from simulator.schedules import Op, build_schedule, peak_in_flight
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _setup(scenario: str, sets=()):
+    from simulator.simulate import _layer_kinds, _setup as setup_of  # noqa: PLC2701
+
+    sc = load_scenario(ROOT / "scenarios" / scenario, list(sets))
+    setup = setup_of(sc)
+    kinds, draw = _layer_kinds(setup.ctx, setup.dispatch_layout, setup.expert_layouts[0], balanced=False)
+    return sc, setup, kinds, draw
+
+
+# -- memory ----------------------------------------------------------------------------------------
+
+def test_zero_shards_the_model_states_over_dp_times_cp():
+    """ZeRO-1 shards the optimizer states over the data-parallel ranks, which include the
+    context-parallel ones (Megatron's distributed optimizer group is dp x cp): 12 bytes x 1e9
+    parameters over 2 x 2 ranks."""
+    from simulator.memory import stage_memory
+
+    mem = stage_memory(plan=PlanSpec(dp=2, cp=2, zero_stage=1), precision="bf16", dense_params=1e9, activations=0.0,
+                       max_layer_params=0.0)
+    assert mem.optimizer == pytest.approx(12e9 / 4)
+    assert mem.weights == pytest.approx(2e9) and mem.gradients == pytest.approx(4e9)
+
+
+def test_logits_count_each_multi_token_prediction_module():
+    """One microbatch's logits and one more per MTP module: 2 x 4,096 tokens x 51,200 / tp 2 x 4 bytes."""
+    from simulator.memory import logits_bytes
+
+    sc = load_scenario(ROOT / "scenarios" / "gpt3-175b-1024xa100.yaml")
+    model = replace(sc.model, mtp_layers=1)
+    plan = replace(sc.plan, tp=2, micro_batch_size=1, cp=1)
+    assert model.vocab_size == 51200
+    assert logits_bytes(model, plan, 4096, 4) == 2 * 4096 * 51200 / 2 * 4 == 838_860_800
+
+
+# -- FLOPs -----------------------------------------------------------------------------------------
+
+def test_moe_flops_count_the_router_the_active_and_the_shared_experts():
+    """Forward GEMM FLOPs per token of an MoE FFN: the router (h x E) and top_k + shared experts,
+    each ffn_matrices x h x f: 2 x (64 h + 9 x 3 h f) for 64 experts, top 8, one shared, SwiGLU."""
+    from simulator.flops import _ffn_flops_per_token  # noqa: PLC2701
+
+    h, f = 64, 32
+    model = ModelSpec(name="m", num_layers=2, hidden_size=h, num_attention_heads=4, num_kv_heads=4, head_dim=16,
+                      ffn_hidden_size=128, vocab_size=256, activation="swiglu",
+                      moe=MoESpec(num_experts=64, top_k=8, expert_ffn_hidden_size=f, num_shared_experts=1))
+    assert _ffn_flops_per_token(model, 0) == 2 * (h * 64 + 9 * 3 * h * f)
+    assert _ffn_flops_per_token(model, 0, shared_only=True) == 2 * 3 * h * f
+
+
+def test_selective_recompute_of_the_attention_core_adds_its_products_once():
+    """HFU under selective recompute of core_attn, GPT: 72BsLh^2 (1 + s/4.5h + V/12hL), the
+    attention products (4 s h per token and layer) run once more on top of model FLOPs."""
+    from simulator.flops import hardware_flops
+
+    sc = load_scenario(ROOT / "scenarios" / "gpt3-175b-1024xa100.yaml")
+    m, s = sc.model, sc.training.seq_length
+    h, L, V, tokens = m.hidden_size, m.num_layers, m.vocab_size, 4 * s
+    want = 72 * tokens * L * h * h * (1 + s / (4.5 * h) + V / (12 * h * L))
+    assert hardware_flops(m, s, tokens, "selective", ("core_attn",)) == pytest.approx(want, rel=1e-12)
+
+
+# -- schedules and the engine ----------------------------------------------------------------------
+
+def test_a_whole_backward_frees_what_its_microbatch_held():
+    """F0 X0 F1 B1 W1 with 1 byte per microbatch and 0.5 more (counted from its F) that a B frees:
+    the whole backward X0 frees all 1.5 of microbatch 0, so the peak is microbatch 1's 1.5, never
+    the two microbatches' 2.5 or 2.0."""
+    ops = [Op("F", 0, 0), Op("X", 0, 0), Op("F", 1, 0), Op("B", 1, 0), Op("W", 1, 0)]
+    assert peak_in_flight(ops, [1.0], [0.5]) == 1.5
+    assert peak_in_flight([Op("F", 0, 0), Op("F", 1, 0), Op("X", 0, 0), Op("X", 1, 0)], [1.0]) == 2.0
+
+
+def test_the_step_waits_for_the_barrier_time():
+    """One stage, 1F1B, F = 1, B = 2 per microbatch, one microbatch, 0.5 s at the end of the step
+    (the pipeline-embedding sync): the step is 3.5 s and none of it is bubble."""
+    ops = build_schedule("1f1b", 1, 1)[0]
+    work = StageWork(ops=ops, op_cost={("F", 0): Cost().add("compute", 1.0), ("B", 0): Cost().add("compute", 2.0)},
+                     grad_buckets={}, optimizer_time=0.0, param_gather_time=0.0)
+    res = run_iteration([work], num_chunks=1, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.5)
+    assert res.step_time == pytest.approx(3.5)
+    assert res.stages[0].breakdown.get("pp_bubble", 0.0) == pytest.approx(0.0)
+
+
+# -- MoE -------------------------------------------------------------------------------------------
+
+def test_a_tensor_parallel_rank_routes_its_sequence_parallel_shard():
+    """Megatron-Core requires sequence parallelism for MoE with TP: each TP rank routes tokens / tp
+    (Qwen3-235B bundled: TP 2)."""
+    from simulator.moe import routed_tokens_per_rank
+
+    sc, setup, _, draw = _setup("qwen3-235b-256xh100.yaml")
+    assert sc.plan.tp == 2 and sc.plan.sequence_parallel
+    assert routed_tokens_per_rank(setup.ctx) == setup.ctx.tokens / 2
+    assert draw.sent_per_rank == setup.ctx.tokens / 2 * sc.model.moe.top_k
+
+
+def test_the_busiest_receiver_sets_the_alltoall_time():
+    """Zipf routing on Mixtral (EP 8, one expert per rank, alltoall dispatcher): the most loaded rank
+    receives more than any rank sends, and the dispatch and the combine each move that many bytes."""
+    sc, setup, kinds, draw = _setup("mixtral-8x7b-64xh100.yaml",
+                                    ["model.moe.routing={distribution: zipf, s: 1.2}"])
+    assert sc.plan.moe_dispatcher == "alltoall" and setup.expert_layouts[0].size == 1
+    load = float(draw.rank_loads.max())
+    assert load > draw.sent_per_rank
+    b = setup.ctx.act_bytes
+    a2a = collective_time(setup.net, "all_to_all", load * sc.model.hidden_size * b, setup.dispatch_layout)
+    assert kinds.fwd["moe"].parts["ep_comm"] == pytest.approx(2 * a2a, rel=1e-12)
+
+
+def test_an_expert_capacity_above_one_keeps_that_many_copies():
+    """Capacity = factor x tokens x top_k / experts (Fedus et al. 2021, Eq. 3): factor 2, 1,024
+    tokens, top 2 of 8 experts -> 512 copies per expert; a steep zipf fills the popular ones and the
+    rest of their copies are dropped."""
+    from simulator.moe import draw_routing
+
+    moe = MoESpec(num_experts=8, top_k=2, expert_ffn_hidden_size=32, capacity_factor=2.0,
+                  routing=RoutingSpec(distribution="zipf", s=3.0))
+    draw = draw_routing(moe, 1, 1024.0)
+    assert draw.expert_tokens.max() == 512
+    assert draw.dropped > 0 and draw.expert_tokens.sum() + draw.dropped == 2048
+
+
+def test_a_steep_zipf_is_capped_at_one_copy_per_token():
+    """Top-k picks k distinct experts, so no expert takes more than 1/k of the copies."""
+    from simulator.moe import expert_probabilities
+
+    moe = MoESpec(num_experts=8, top_k=2, expert_ffn_hidden_size=32, routing=RoutingSpec(distribution="zipf", s=3.0))
+    p = expert_probabilities(moe, np.random.default_rng(0))
+    assert p.max() == pytest.approx(0.5) and p.sum() == pytest.approx(1.0)
+
+
+def test_deepep_sends_each_token_to_the_other_nodes_only():
+    """DeepEP across 2 nodes: a token goes over the network to the nodes it reaches other than its
+    own, nodes_reached x (2 - 1) / 2 of them."""
+    from simulator.moe import deepep_rank_share, deepep_time, nodes_reached
+
+    sc, setup, _, _ = _setup("qwen3-235b-256xh100.yaml", ["plan.tp=2", "plan.ep=16", "plan.moe_dispatcher=deepep"])
+    layout = setup.dispatch_layout
+    assert layout.num_nodes == 2
+    ctx, m = setup.ctx, sc.model
+    e, h, b, routed = m.moe, m.hidden_size, ctx.act_bytes, 1000.0
+    net = routed * nodes_reached(e.num_experts, e.top_k, 2, e.expert_groups, e.groups_per_token) * 0.5 * h * b
+    rdma = collective_time(ctx.network, "send_recv", net, spread_hop(ctx.network, layout))
+    from paraplan.placement import GroupLayout
+
+    ppn = layout.ranks_per_node
+    nvl = collective_time(ctx.network, "all_to_all", routed * e.top_k * deepep_rank_share(ctx) * h * b,
+                          GroupLayout(size=ppn, ranks_per_node=ppn, num_nodes=1))
+    assert deepep_time(ctx, routed, 1.0, layout) == pytest.approx(max(rdma, nvl), rel=1e-12)
+    assert rdma > nvl  # the network leg is the one this checks
+
+
+# -- layer pieces ----------------------------------------------------------------------------------
+
+def test_the_ffn_norm_and_residual_move_their_bytes():
+    """The pre-MLP norm reads and writes h; the bias-dropout-add reads 2h and writes h plus a 1-byte
+    mask: memory_bound_time of T x 2h x b and of T x (3h x b + h), T the h-wide tokens."""
+    from hwmodels.compute import memory_bound_time
+    from simulator.workload import ffn_norm_residual
+
+    sc, setup, _, _ = _setup("gpt3-175b-1024xa100.yaml")
+    ctx, h = setup.ctx, sc.model.hidden_size
+    assert sc.model.dropout > 0 and sc.plan.sequence_parallel
+    t, b = ctx.tokens / sc.plan.tp, ctx.act_bytes
+    want = memory_bound_time(ctx.gpu, t * 2 * h * b) + memory_bound_time(ctx.gpu, t * (3 * h * b + h))
+    assert ffn_norm_residual(ctx, False) == pytest.approx(want, rel=1e-12)
+
+
+def test_context_parallel_backward_sends_twice_the_kv_bytes():
+    """Ring attention's backward returns dK and dV with K and V: each step's send_recv moves twice
+    the forward's bytes (Llama-3 70B at CP 2 over two nodes, where every step's send holds the NIC)."""
+    from simulator.workload import _cp_ring  # noqa: PLC2701
+
+    sc, setup, _, _ = _setup("llama3-70b-1024xh100.yaml", ["plan.cp=2"])
+    ctx, m, p = setup.ctx, sc.model, sc.plan
+    kv = ctx.tokens * (m.k_channels + m.v_channels) // p.tp * ctx.act_bytes
+    for backward, factor in ((False, 1), (True, 2)):
+        step = collective_time(ctx.network, "send_recv", kv * factor, ctx.cp_layout)
+        cost = _cp_ring(ctx, backward)
+        if ctx.cp_layout.num_nodes > 1:
+            assert cost.nic == pytest.approx((p.cp - 1) * step, rel=1e-12)
+        else:
+            assert cost.total >= 0.0 and step > 0.0
+    assert ctx.cp_layout.num_nodes > 1, "the check above needs a group across nodes"
