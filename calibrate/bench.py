@@ -309,8 +309,9 @@ def flush_bytes(device: torch.device) -> int:
         return 64 * 2**20
 
 
-MAX_SETS = 512
-"""Buffer sets a copy rotates over: 512 x 3 x 64 KiB = 96 MiB, past an H100's 50 MB L2."""
+MAX_SETS = 1024
+"""Buffer sets a call rotates over, at most: 1,024 x 96 KiB (the smallest GEMM's, 128^3 in bf16: A, B
+and C) = 96 MiB, past an H100's 50 MB L2; 1,024 x 3 x 64 KiB for the smallest copy."""
 
 
 def _operands(pool: torch.Tensor, s: GemmShape, dtype: str, *, pool_b: torch.Tensor | None = None,
@@ -437,7 +438,7 @@ def run_gemm(shapes, dtype: str, *, device: torch.device, clock: Clock, timing: 
             progress.step(f"gemm {dtype} {s.m}x{s.n}x{s.k} ({s.origin})")
             sets = min(_sets((s.m * s.k + s.k * s.n) * elem + s.m * s.n * out_elem, span, budget),
                        pool_a.numel() // (s.m * s.k), pool_b.numel() // (s.k * s.n))
-            outs = None
+            fns = outs = None
             try:
                 outs = None if dtype == "fp8" else torch.empty(sets, s.m, s.n, device=device, dtype=out_dtype)
                 fns = [_gemm_fn(*_operands(pool_a, s, dtype, pool_b=pool_b, index=i), dtype,
@@ -446,13 +447,13 @@ def run_gemm(shapes, dtype: str, *, device: torch.device, clock: Clock, timing: 
             except Exception as exc:
                 if not _skippable(exc):
                     raise
-                del outs
+                fns = outs = None  # the closures hold the outputs and operand views: let them go
                 _free(device)
                 notes.append(f"gemm {dtype} {s.m}x{s.n}x{s.k}: out of memory, skipped")
                 continue
-            del fns, outs
+            fns = outs = None
             results.append(Measurement(kind="gemm", op="matmul" if dtype != "fp8" else "_scaled_mm", dtype=dtype,
-                                       params=dict(m=s.m, n=s.n, k=s.k), work=s.flops, seconds=t.seconds,
+                                       params=dict(m=s.m, n=s.n, k=s.k, buffers=sets), work=s.flops, seconds=t.seconds,
                                        spread=t.spread, repeats=timing.repeats, inner=t.inner, origin=s.origin,
                                        graph=t.graph))
     del pool_a, pool_b

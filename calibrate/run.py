@@ -291,10 +291,19 @@ def calibrate(opts: Options, *, env: Mapping[str, str] | None = None, stream=Non
         from calibrate.build import build_profile
 
         wall = time.monotonic() - t_start
-        built = _guarded("fitting", out, lambda: build_profile(
-            info=info, base=base, base_label=base_label, measurements=measurements, collectives=samples,
-            name=opts.name, mode="quick" if opts.quick else "full", timing=timing, notes=notes, wall_s=wall,
-            when=measured_at))
+        try:
+            built = _guarded("fitting", out, lambda: build_profile(
+                info=info, base=base, base_label=base_label, measurements=measurements, collectives=samples,
+                name=opts.name, mode="quick" if opts.quick else "full", timing=timing, notes=notes, wall_s=wall,
+                when=measured_at))
+        except CalibrationError as exc:
+            if opts.report is None:
+                raise
+            # the measurements outlive a fit that failed: --from-report refits them once it is fixed
+            _write_report(opts, Outcome(profile=None, path=out, info=info, wall_s=wall, fits={}, notes=notes,
+                                        plan_items=items, estimate_s=est, measurements=measurements,
+                                        collectives=samples, measured_at=measured_at))
+            raise CalibrationError(f"{exc}; the measurements are in {opts.report}") from exc
         outcome = Outcome(profile=built.profile, path=out, info=info, wall_s=wall, fits=built.fits, notes=built.notes,
                           plan_items=items, estimate_s=est, measurements=measurements, collectives=samples,
                           measured_at=measured_at)
@@ -424,12 +433,31 @@ def _same(a, b, rel: float = 1e-9) -> bool:
     return a == b
 
 
-def _write(outcome: Outcome, opts: Options) -> None:
-    """The profile, checked, then the report, then the profile moved into place: the profile's
-    appearance means the run completed, and a profile that fails its check leaves neither file."""
-    from hwmodels.profile import load_profile, write_profile
+def _write_report(opts: Options, outcome: Outcome) -> None:
+    """The run's --report: its device, options, fits, notes and every measurement."""
     from paraplan.fileio import write_atomic
 
+    report = {
+        "profile": str(outcome.path), "device": outcome.info.to_json(),
+        "measured_at": outcome.measured_at,
+        "options": {k: (sorted(v) if isinstance(v, frozenset) else str(v) if isinstance(v, Path) else v)
+                    for k, v in asdict(opts).items()},
+        "wall_s": outcome.wall_s, "estimate_s": outcome.estimate_s, "fits": outcome.fits, "notes": outcome.notes,
+        "measurements": [m.to_json() for m in outcome.measurements],
+        "collectives": [s.to_json() for s in outcome.collectives],
+    }
+    write_atomic(opts.report, json.dumps(_clean(report), indent=1) + "\n", "--report")
+
+
+def _write(outcome: Outcome, opts: Options) -> None:
+    """The report first (the measurements are kept whatever happens to the profile: `--from-report`
+    refits them), the profile last, checked: its appearance means the run completed."""
+    from hwmodels.profile import load_profile, write_profile
+
+    if opts.report is not None:
+        _write_report(opts, outcome)
+    kept = (f"; the measurements are in {opts.report} (refit them with --from-report)" if opts.report is not None
+            else "")
     # Written beside the target under a hidden name, loaded back (the format's round trip, checked
     # where the file is made), then renamed over the target: a profile that would not load is never
     # left where a scenario looks for it. A symlink at --out is written through, as every output is
@@ -441,19 +469,8 @@ def _write(outcome: Outcome, opts: Options) -> None:
         loaded = load_profile(str(tmp))
         if not _same(loaded, outcome.profile):
             raise CalibrationError(f"{outcome.path}: the profile does not load back as built (a bug; please report "
-                                   "it); nothing written")
+                                   f"it); not written{kept}")
         outcome.profile = loaded  # exactly what the file says (YAML units round the last bit)
-        if opts.report is not None:
-            report = {
-                "profile": str(outcome.path), "device": outcome.info.to_json(),
-                "measured_at": outcome.measured_at,
-                "options": {k: (sorted(v) if isinstance(v, frozenset) else str(v) if isinstance(v, Path) else v)
-                            for k, v in asdict(opts).items()},
-                "wall_s": outcome.wall_s, "estimate_s": outcome.estimate_s, "fits": outcome.fits,
-                "notes": outcome.notes, "measurements": [m.to_json() for m in outcome.measurements],
-                "collectives": [s.to_json() for s in outcome.collectives],
-            }
-            write_atomic(opts.report, json.dumps(_clean(report), indent=1) + "\n", "--report")
         os.replace(tmp, out)
     except BaseException:
         if tmp.exists():
@@ -604,6 +621,9 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
         if not isinstance(device.get("name"), str) or device.get("kind") not in ("cuda", "cpu"):
             raise TypeError(f"device.name must be a string and device.kind cuda or cpu, got {device.get('kind')!r}")
         _positive(device.get("memory_bytes"), "device.memory_bytes")
+        count = device.get("count", 0)
+        if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+            raise TypeError(f"device.count must be a whole number of GPUs (0: not recorded), got {count!r}")
         info = DeviceInfo(**device)
         measurements = [Measurement(**m) for m in data["measurements"]]
         collectives = [_checked_collective(CollectiveSample(**c)) for c in data.get("collectives") or []]

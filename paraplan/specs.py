@@ -209,8 +209,11 @@ class ModelSpec:
     def mtp_projection_params(self) -> int:
         """What a multi-token prediction module adds around its layer: the 2h -> h projection and
         three norms (embedding, hidden, final); its embedding and LM head are the model's."""
-        h = self.hidden_size
-        return 2 * h * h + 3 * h
+        return 2 * self.hidden_size * self.hidden_size + self.mtp_norm_params()
+
+    def mtp_norm_params(self) -> int:
+        """A multi-token prediction module's three norms (embedding, hidden, final), h each."""
+        return 3 * self.hidden_size
 
     def mtp_module_params(self) -> int:
         """One multi-token prediction module: a layer like the model's last, and its projection."""

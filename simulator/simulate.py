@@ -403,7 +403,7 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
             prefetched_params=gathered_layer,
             uncached_params=emb_params * ((s == 0) + (s == last_rank) * (own_head + mtp_embedding))
             + sum(not_te[k] for kinds_in_chunk in chunk_kinds for k in kinds_in_chunk)
-            + (m.mtp_layers * (not_te[_mtp_layer_kind(m)] + 3 * m.hidden_size) if s == last_rank else 0),
+            + (m.mtp_layers * (not_te[_mtp_layer_kind(m)] + m.mtp_norm_params()) if s == last_rank else 0),
         ))
 
     return kinds, draw, works, mems
@@ -552,7 +552,9 @@ def _chunk_work(ctx, kinds: _Layers, kinds_in_chunk: list[str], per_unit: dict, 
                 module[backward] += head[backward]
             module_wgrad = kinds.wgrad[kind] + mtp_weight_grad(ctx) + head_weight_grad(ctx)
             pieces += [(module[False], module[True], per_unit.get(kind, no_comm), module_wgrad)] * m.mtp_layers
-            dense += m.mtp_layers * (kinds.params[kind][0] + m.mtp_projection_params() / p.tp)
+            # the projection split over TP (Megatron-Core's eh_proj is column-parallel), the norms whole
+            norms = m.mtp_norm_params()
+            dense += m.mtp_layers * (kinds.params[kind][0] + (m.mtp_projection_params() - norms) / p.tp + norms)
             expert += m.mtp_layers * kinds.params[kind][1]
             # its layer's activations, the saved 2h projection input, the inputs of its two norms
             # (enorm, hnorm), of its final norm and of the head (MultiTokenPredictionLayer), all

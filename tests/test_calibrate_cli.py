@@ -207,6 +207,7 @@ BAD_INPUT = [
     (["--from-report", "{d}/../work-report.json", "--out", "{d}/p.yaml"], {}, "work is 4.1943e+07, but its params do 4.1943e+06"),
     (["--from-report", "{d}/../fp32-report.json", "--out", "{d}/p.yaml"], {}, "gemm measurement in 'fp32'; calibrate"),
     (["--from-report", "{d}/../memory-report.json", "--out", "{d}/p.yaml"], {}, "device.memory_bytes is 0; expected"),
+    (["--from-report", "{d}/../count-report.json", "--out", "{d}/p.yaml"], {}, "device.count must be a whole number"),
     (["--from-report", "{d}/../op-report.json", "--out", "{d}/p.yaml"], {}, "collective op 'bogus'; known:"),
     (["--from-report", "{d}/../tier-report.json", "--out", "{d}/p.yaml"], {}, "collective tier 'weird'; expected"),
     (["--from-report", "{d}/../ranks-report.json", "--out", "{d}/p.yaml"], {}, "collective's ranks is 1; expected"),
@@ -232,6 +233,7 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, env, message):
     for name, change in (("work", {"work": 10 * first["work"]}), ("fp32", {"dtype": "fp32"})):
         (tmp_path.parent / f"{name}-report.json").write_text(json.dumps({**good, "measurements": [{**first, **change}, *rest]}))
     (tmp_path.parent / "memory-report.json").write_text(json.dumps({**good, "device": {**good["device"], "memory_bytes": 0}}))
+    (tmp_path.parent / "count-report.json").write_text(json.dumps({**good, "device": {**good["device"], "count": "8"}}))
     sample = dict(op="all_reduce", tier="intra", ranks=8, nodes=1, backend="nccl", nbytes=2**20, seconds=1e-4,
                   algbw=1e10, busbw=1.75e10)
     for name, change in (("op", {"op": "bogus"}), ("tier", {"tier": "weird"}), ("ranks", {"ranks": 1})):
@@ -292,6 +294,28 @@ def test_a_failure_midway_writes_nothing(tmp_path, monkeypatch, capsys):
     assert err == [f"error: attention fwd/bwd benchmark failed: CUDA error: an illegal memory access was encountered "
                    f"(simulated); nothing written to {out}"]
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_fit_that_fails_keeps_the_measurements_in_the_report(tmp_path, monkeypatch, capsys):
+    """Fitting runs after every measurement: if it fails (a bug), the run's --report still holds
+    them, so `--from-report` can refit once the fit is fixed; no profile is written."""
+    import calibrate.build
+    from paraplan.cli.main import main
+
+    def broken(**kwargs):
+        raise ValueError("a fit that fails (simulated)")
+
+    monkeypatch.setattr(calibrate.build, "build_profile", broken)
+    out, report = tmp_path / "p.yaml", tmp_path / "r.json"
+    rc = main(["calibrate", *QUICK_CPU, "--skip", "attention,elementwise", "--base", "h100-sxm-80gb", "--no-progress",
+               "--out", str(out), "--report", str(report)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2
+    assert err == [f"error: fitting failed: a fit that fails (simulated); nothing written to {out}; the measurements "
+                   f"are in {report}"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["r.json"]
+    kept = json.loads(report.read_text())
+    assert kept["measurements"] and kept["fits"] == {}
 
 
 # ----------------------------------------------------------------------------- GPU only
