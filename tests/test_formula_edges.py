@@ -201,3 +201,23 @@ def test_context_parallel_backward_sends_twice_the_kv_bytes():
         else:
             assert cost.total >= 0.0 and step > 0.0
     assert ctx.cp_layout.num_nodes > 1, "the check above needs a group across nodes"
+
+
+def test_an_mtp_module_splits_its_projection_over_tp_and_keeps_its_norms_whole():
+    """DeepSeek-V3 at TP 2, bf16: the last stage's weights with one MTP module less are 2 bytes x
+    (a layer like the last: its attention and router, shared experts / tp, its local experts; the
+    2h -> h projection / tp (Megatron-Core's column-parallel eh_proj); its three norms whole; the
+    copy of the untied input embedding the module embeds with, V x h / tp)."""
+    sets = ["plan.tp=2", "plan.sequence_parallel=true", "training.precision=bf16", "plan.recompute=full"]
+    one = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml", sets)
+    m, p = one.model, one.plan
+    assert m.mtp_layers == 1 and not m.tied_embeddings and m.is_moe_layer(m.num_layers - 1)
+    none = replace(one, model=replace(m, mtp_layers=0))
+    from simulator.simulate import simulate
+
+    gap = simulate(one).stages[-1].memory["weights"] - simulate(none).stages[-1].memory["weights"]
+    e, h = m.moe, m.hidden_size
+    layer = (m.attention_params(p.tp) + h * e.num_experts + e.num_shared_experts * m.expert_params() / p.tp
+             + e.num_experts // p.ep * m.expert_params() / p.expert_tp)
+    want = 2 * (layer + 2 * h * h / p.tp + 3 * h + m.vocab_size * h / p.tp)
+    assert gap == pytest.approx(want, rel=1e-12)
