@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -149,17 +150,64 @@ def _copy_lines(stream, log, echo) -> None:
             echo(line.rstrip("\n"))
 
 
-def _terminate(proc: subprocess.Popen) -> None:
+def _terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop the torchrun we started and its workers: SIGTERM to its process group (torchrun passes it
+    on to the workers), and whatever still runs after `grace_s` is killed. torchrun starts its
+    workers in sessions of their own (torch.distributed.elastic's subprocess_handler,
+    start_new_session=True), out of reach of a signal to its group: a worker that outlives it is
+    killed by its pid."""
     import signal
 
+    workers = _descendants(proc.pid)
+    deadline = time.monotonic() + grace_s
     try:
         os.killpg(proc.pid, signal.SIGTERM)
-        proc.wait(timeout=10)
+        proc.wait(timeout=grace_s)
     except (ProcessLookupError, subprocess.TimeoutExpired):
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+        proc.wait()
+    for pid in workers:
+        while _running(pid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        if _running(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie waiting to be reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def _descendants(pid: int) -> list[int]:
+    """The processes under `pid`, read from Linux's /proc (none where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state
+        except (OSError, ValueError, IndexError):
+            continue  # gone meanwhile
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def _failure(out_dir: Path, log_path: Path, code: int, world: int) -> LaunchError:

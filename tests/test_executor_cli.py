@@ -272,3 +272,35 @@ def test_a_run_dir_may_hold_an_earlier_run_and_nothing_else(tmp_path):
     (tmp_path / "job.json").write_text("{}")  # not a job a launch wrote
     with pytest.raises(ConfigError, match="--run-dir"):
         check_run_dir(tmp_path)
+
+
+def test_a_worker_that_ignores_sigterm_is_killed_with_its_launcher(tmp_path):
+    """torchrun starts its workers in sessions of their own: one that ignores SIGTERM is out of
+    reach of a signal to torchrun's group, and is killed by its pid once the grace time is over."""
+    import signal
+
+    from executor.launch import _descendants, _terminate  # noqa: PLC2701
+
+    pid_file = tmp_path / "worker.pid"
+    worker = ("import os, signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+              f"open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(120)")
+    launcher = (f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {worker!r}], "
+                "start_new_session=True); time.sleep(120)")
+    proc = subprocess.Popen([sys.executable, "-c", launcher], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 30
+        while not pid_file.exists() or not pid_file.read_text():
+            assert time.monotonic() < deadline, "the worker did not start"
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        assert pid in _descendants(proc.pid)
+        _terminate(proc, grace_s=1.0)
+        from executor.launch import _running  # noqa: PLC2701
+
+        deadline = time.monotonic() + 10
+        while _running(pid):  # killed, it may stay a zombie until init reaps it
+            assert time.monotonic() < deadline, "the worker outlived its launcher"
+            time.sleep(0.05)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
