@@ -474,23 +474,15 @@ def run_hbm(sizes, *, device: torch.device, clock: Clock, timing: Timing, progre
         n = max(1, size // 4)
         sets = _sets(3 * size, span, budget)
         bufs = torch.empty(sets, 3, n, device=device).fill_(1.0)
-        state = {"i": 0}
-
-        def copy():
-            i = state["i"] = (state["i"] + 1) % sets
-            bufs[i, 1].copy_(bufs[i, 0])
-
-        def triad():
-            i = state["i"] = (state["i"] + 1) % sets
-            torch.add(bufs[i, 1], bufs[i, 2], alpha=2.0, out=bufs[i, 0])
-
+        copy = _rotating([lambda a=a, b=b: b.copy_(a) for a, b, _ in bufs])
+        triad = _rotating([lambda a=a, b=b, c=c: torch.add(b, c, alpha=2.0, out=a) for a, b, c in bufs])
         for kind, fn, passes in (("copy", copy, 2), ("triad", triad, 3)):
             progress.step(f"hbm {kind} {size / 2**20:.2f} MiB")
             t = clock.time(fn, timing, graph=True, cycle=sets)
             results.append(Measurement(kind=kind, op=kind, dtype="fp32", params=dict(bytes=4 * n, buffers=sets),
                                        work=float(passes * 4 * n), seconds=t.seconds, spread=t.spread,
                                        repeats=timing.repeats, inner=t.inner, graph=t.graph))
-        del bufs
+        del bufs, copy, triad
     _free(device)
     return results
 

@@ -33,7 +33,6 @@ from scipy.optimize import least_squares
 from hwmodels.compute import KERNEL_OVERHEAD, attention_time, gemm_bytes, gemm_time
 from hwmodels.curves import Curve
 from hwmodels.profile import GpuProfile
-from paraplan.specs import InterNodeSpec
 
 __all__ = ["AlphaBeta", "FitResult", "choose_knots", "fit_alpha_beta", "fit_attention", "fit_gemm", "fit_hbm",
            "holdout_split", "mape"]

@@ -107,6 +107,11 @@ def _unknown_benchmarks(names) -> list[str]:
     return sorted(set(names) - set(BENCHMARKS))
 
 
+def _check_name(name: str | None) -> None:
+    if name is not None and not name.strip():
+        raise CalibrationError("--name: expected a non-empty name")
+
+
 def check_options(opts: Options, env: Mapping[str, str] | None = None) -> None:
     """Everything that can be wrong with the request before a device is touched."""
     from hwmodels.profile import DTYPES
@@ -116,8 +121,7 @@ def check_options(opts: Options, env: Mapping[str, str] | None = None) -> None:
     check_profile_suffix(out, "--out")
     if opts.report is not None and Path(opts.report).resolve() == out.resolve():
         raise CalibrationError("--report must be another file than --out")
-    if opts.name is not None and not opts.name.strip():
-        raise CalibrationError("--name: expected a non-empty name")
+    _check_name(opts.name)
     if opts.device not in ("cuda", "cpu"):
         raise CalibrationError(f"--device {opts.device!r}: expected cuda or cpu")
     unknown = _unknown_benchmarks(opts.skip)
@@ -558,12 +562,10 @@ def _checked_collective(s):
             raise ValueError(f"a collective's {what} is {value!r}; expected an integer of at least {least}")
     if s.tier == "inter" and s.nodes < 2:
         raise ValueError(f"an inter-node collective on {s.nodes} node; expected at least 2")
-    nbytes = _positive(s.nbytes, "a collective's nbytes")
-    seconds = _positive(s.seconds, "a collective's seconds")
-    if nbytes / seconds > MAX_RATE:
-        raise ValueError(f"a collective moves {nbytes / seconds:.3g} bytes per second, above the {MAX_RATE:.0e} "
+    algbw = _positive(s.nbytes, "a collective's nbytes") / _positive(s.seconds, "a collective's seconds")
+    if algbw > MAX_RATE:
+        raise ValueError(f"a collective moves {algbw:.3g} bytes per second, above the {MAX_RATE:.0e} "
                          "no network reaches")
-    algbw = nbytes / seconds
     return replace(s, algbw=algbw, busbw=algbw * busbw_factor(s.op, s.ranks))
 
 
@@ -582,8 +584,7 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
     from calibrate.results import CollectiveSample, Measurement
 
     report, out = Path(report), Path(out)
-    if name is not None and not name.strip():
-        raise CalibrationError("--name: expected a non-empty name")
+    _check_name(name)
     check_profile_suffix(out, "--out")
     check_output_file(out, "--out")
     check_output_file(new_report, "--report")

@@ -179,13 +179,20 @@ def _terminate(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
                 pass
 
 
-def _running(pid: int) -> bool:
-    """Whether `pid` is a live process (not gone, not a zombie waiting to be reaped)."""
+def _stat(pid: int | str) -> list[str] | None:
+    """The fields of Linux's /proc/PID/stat after the command name (state, parent pid, ...); None
+    where the process is gone or there is no /proc."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+            return f.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return False
+        return None
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is a live process (not gone, not a zombie waiting to be reaped)."""
+    fields = _stat(pid)
+    return bool(fields) and fields[0] != "Z"
 
 
 def _descendants(pid: int) -> list[int]:
@@ -196,12 +203,9 @@ def _descendants(pid: int) -> list[int]:
     except OSError:
         return []
     for entry in entries:
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])  # the field after the state
-        except (OSError, ValueError, IndexError):
-            continue  # gone meanwhile
-        children.setdefault(ppid, []).append(int(entry))
+        fields = _stat(entry)
+        if fields and len(fields) > 1:  # else gone meanwhile
+            children.setdefault(int(fields[1]), []).append(int(entry))
     found, todo = [], [pid]
     while todo:
         for child in children.get(todo.pop(), []):
