@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from itertools import accumulate
 
 from paraplan.cli.torch_check import torch_version
 from paraplan.errors import ConfigError
@@ -20,7 +21,8 @@ from paraplan.specs import (
     ClusterSpec, InterNodeSpec, LinkSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario,
     TrainingSpec,
 )
-from simulator.schedules import holder, virtual_stage
+from simulator.layout import layers_per_virtual_stage
+from simulator.schedules import holder, v_shaped, virtual_stage
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 """What training.optimizer may name (executor.optim builds each)."""
@@ -229,40 +231,27 @@ def num_stages(sc: Scenario) -> int:
     return sc.plan.pp * (sc.plan.virtual_pipeline_stages if sc.plan.pp > 1 else 1)
 
 
-def v_shaped_plan(sc: Scenario) -> bool:
-    return sc.plan.pp > 1 and SCHEDULES[sc.plan.schedule].style == "v"
-
-
 def stages_of_rank(pp_rank: int, sc: Scenario) -> list[int]:
     """The pipeline stages (virtual stages, in the simulator's words) this pipeline rank holds, in a
     loop or in a V: the simulator's placement (simulator.schedules.virtual_stage)."""
     p = sc.plan
     if p.pp == 1:
         return [0]
-    return [virtual_stage(pp_rank, c, p.pp, v_shaped_plan(sc)) for c in range(p.virtual_pipeline_stages)]
+    return [virtual_stage(pp_rank, c, p.pp, v_shaped(sc.plan)) for c in range(p.virtual_pipeline_stages)]
 
 
 def stage_rank(stage: int, sc: Scenario) -> int:
-    return holder(stage, sc.plan.pp, v_shaped_plan(sc))[0]
+    return holder(stage, sc.plan.pp, v_shaped(sc.plan))[0]
 
 
 def stage_layers(sc: Scenario) -> list[range]:
-    """Layers of each pipeline stage (in stage order), honouring first/last_stage_layers."""
-    p, n_layers, n = sc.plan, sc.model.num_layers, num_stages(sc)
-    counts = [None] * n
-    if p.first_stage_layers is not None:
-        counts[0] = p.first_stage_layers
-    if p.last_stage_layers is not None:
-        counts[-1] = p.last_stage_layers
-    fixed = sum(c for c in counts if c is not None)
-    free = [i for i, c in enumerate(counts) if c is None]
-    for i in free:
-        counts[i] = (n_layers - fixed) // len(free)
-    out, start = [], 0
-    for c in counts:
-        out.append(range(start, start + c))
-        start += c
-    return out
+    """Layers of each pipeline stage (in stage order), honouring first/last_stage_layers: the
+    simulator's split (simulator.layout.layers_per_virtual_stage)."""
+    p = sc.plan
+    counts = layers_per_virtual_stage(sc.model.num_layers, p.pp, num_stages(sc) // p.pp, p.first_stage_layers,
+                                      p.last_stage_layers)
+    starts = [0, *accumulate(counts)]
+    return [range(a, b) for a, b in zip(starts, starts[1:])]
 
 
 def effective_zero_stage(plan: PlanSpec) -> int:

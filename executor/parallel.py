@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from executor.config import SCHEDULES, effective_zero_stage, num_stages, stage_layers, stage_rank, stages_of_rank
+from executor.config import effective_zero_stage, num_stages, stage_layers, stage_rank, stages_of_rank
 from executor.model import Stage, init_parameters
 from executor.moe import MoE
 from paraplan.placement import ORDER, rank_to_coords

@@ -263,6 +263,11 @@ V_SHAPED_SCHEDULES = ("zbv", "dualpipev")
 """Schedules whose two chunks per rank sit in a V (`virtual_stage`) instead of in a loop."""
 
 
+def v_shaped(plan) -> bool:
+    """Whether the plan's chunks sit in a V on the pipeline ranks (virtual_stage)."""
+    return plan.pp > 1 and plan.schedule in V_SHAPED_SCHEDULES
+
+
 def virtual_stage(stage: int, chunk: int, num_stages: int, v_shaped: bool) -> int:
     """The model's virtual stage that `chunk` of pipeline rank `stage` holds: chunk x p + stage
     in Megatron's looped layout; stage, then 2p - 1 - stage in a V (ZB-V, DualPipeV)."""

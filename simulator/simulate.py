@@ -27,8 +27,8 @@ from simulator.moe import (
     dispatch_buffer_bytes, draw_routing, moe_activation_bytes, moe_block, moe_rebuilt_bytes, routed_tokens_per_rank,
 )
 from simulator.result import BREAKDOWN_KEYS, MoEReport, SimResult, StageResult
-from simulator.schedules import (SPLIT_BACKWARD_SCHEDULES, V_SHAPED_SCHEDULES, WHOLE_AND_SPLIT_SCHEDULES, build_schedule,
-                                 holder, merged_pairs, peak_in_flight, virtual_stage)
+from simulator.schedules import (SPLIT_BACKWARD_SCHEDULES, WHOLE_AND_SPLIT_SCHEDULES, build_schedule,
+                                 holder, merged_pairs, peak_in_flight, v_shaped, virtual_stage)
 from simulator.workload import (
     MAIN_GRAD_BYTES, LayerContext, embedding_cost, head_cost, head_weight_grad, layer_backward, layer_forward,
     layer_weight_grad, mtp_projection, mtp_weight_grad,
@@ -65,11 +65,6 @@ def optimizer_time(gpu, shard_params: float, buffer_params: float, precision: st
 
 MFU_PEAK_DTYPE = {"fp8": "bf16"}
 """The peak MFU is quoted against, by GEMM dtype where it differs from that dtype's own."""
-
-
-def v_shaped(plan) -> bool:
-    """Whether the plan's chunks sit in a V on the pipeline ranks (schedules.virtual_stage)."""
-    return plan.pp > 1 and plan.schedule in V_SHAPED_SCHEDULES
 
 
 def compute_dtype(precision: str) -> str:

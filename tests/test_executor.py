@@ -448,7 +448,7 @@ def test_stage_layout():
 def test_each_rank_builds_the_layers_the_simulator_placed_on_it(schedule, first):
     from executor.parallel import stage_layers, stages_of_rank
     from simulator.layout import layers_per_chunk
-    from simulator.simulate import v_shaped
+    from simulator.schedules import v_shaped
 
     sc = scenario("x", "dense", pp=2, schedule=schedule, virtual_pipeline_stages=2, micro_batch_size=1,
                   first_stage_layers=first, last_stage_layers=first)
