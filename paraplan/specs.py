@@ -188,6 +188,10 @@ class ModelSpec:
         linears = sum(k * n / (1 if mode == "replicated" else tp) for k, n, mode in self.attention_linears())
         return linears + self.norm_params()
 
+    def router_params(self) -> int:
+        """An MoE layer's router: an h x E linear (0 for a dense model)."""
+        return 0 if self.moe is None else self.hidden_size * self.moe.num_experts
+
     def norm_params(self) -> int:
         """One layer's norm weights: its two norms' weights and biases, and MLA's latent norms."""
         return 4 * self.hidden_size + self.latent_channels
@@ -202,7 +206,7 @@ class ModelSpec:
         and the shared experts when it is an MoE layer."""
         if self.is_moe_layer(index):
             e = self.moe
-            return (self.attention_params() + self.hidden_size * e.num_experts
+            return (self.attention_params() + self.router_params()
                     + (e.num_experts + e.num_shared_experts) * self.expert_params())
         return self.attention_params() + self.ffn_matrices * self.hidden_size * self.ffn_hidden_size
 

@@ -270,9 +270,7 @@ def _merge_pairs(plan: list[tuple], counts: dict, pairs: tuple[int, ...], num_ch
             i += 1
             continue
         f, b = entry, plan[i + 1]
-        f_op, b_op = f[4], b[4]
-        if f_op.kind != "F" or b_op.kind not in ("B", "X"):
-            raise ValueError(f"merged pair at op {i}: {f_op} and {b_op} are not a forward then a backward")
+        f_op, b_op = _pair_ops(f, b, i)
         for key in (("F", f_op.chunk), (b_op.kind, b_op.chunk)):
             counts[key] -= 1
             if not counts[key]:
@@ -289,6 +287,14 @@ def _merge_pairs(plan: list[tuple], counts: dict, pairs: tuple[int, ...], num_ch
     return merged
 
 
+def _pair_ops(f: tuple, b: tuple, i: int) -> tuple:
+    """The two ops of the pair at op `i` (op-plan entries `f`, `b`): a forward, then a backward."""
+    f_op, b_op = f[4], b[4]
+    if f_op.kind != "F" or b_op.kind not in ("B", "X"):
+        raise ValueError(f"pair at op {i}: {f_op} and {b_op} are not a forward then a backward")
+    return f_op, b_op
+
+
 def _sequential_pairs(plan: list[tuple], pairs: tuple[int, ...]) -> list[tuple]:
     """The op plan with each pair (forward at i, backward at i + 1) run one op after the other: the
     forward sends nothing, and the backward, once its own input is there, sends the forward's
@@ -297,9 +303,7 @@ def _sequential_pairs(plan: list[tuple], pairs: tuple[int, ...]) -> list[tuple]:
     out = list(plan)
     for i in pairs:
         f, b = out[i], out[i + 1]
-        f_op, b_op = f[4], b[4]
-        if f_op.kind != "F" or b_op.kind not in ("B", "X"):
-            raise ValueError(f"paired ops at {i}: {f_op} and {b_op} are not a forward then a backward")
+        f_op, b_op = _pair_ops(f, b, i)
         out[i] = (f[0], f[1], None, f[3], f_op, None)
         out[i + 1] = (b[0], b[1], f[2], b[3], b_op, (None, b[2], b_op))
     return out

@@ -87,6 +87,9 @@ class _Layers:
     rebuilt: dict = field(default_factory=dict)
     """kind -> bytes per microbatch that recompute rebuilds in a split backward's B pass and that
     stay until its W pass (split-backward schedules with recompute only; none elsewhere)."""
+    uncached: dict = field(default_factory=dict)
+    """kind -> the part of its params[kind][0] with no fp8 copy (memory.FP8_WEIGHT_CACHE_BYTES): its
+    norms and an MoE layer's router."""
 
 
 @dataclass(frozen=True)
@@ -303,9 +306,6 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
     # of the input embedding there (Megatron-Core GPTModel builds it on the MTP stage)
     mtp_embedding = m.mtp_layers > 0 and p.pp > 1 and not m.tied_embeddings
     works, mems = [], []
-    # per layer, the weights with no fp8 copy (memory.FP8_WEIGHT_CACHE_BYTES): its norms and an MoE
-    # layer's router; a multi-token prediction module adds its three norms
-    not_te = {"dense": m.norm_params(), "moe": m.norm_params() + (m.hidden_size * m.moe.num_experts if m.moe else 0)}
     # the loss's fp32 softmax: an activation of the last chunk's microbatches in flight, which the
     # B pass frees (memory.logits_bytes)
     softmax = logits_bytes(m, p, tr.seq_length, CE_SOFTMAX_BYTES)
@@ -397,8 +397,8 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
             activations=peak_in_flight(schedule[s], chunk_acts, freed_by_b=freed_by_b, rebuilt_by_b=chunk_rebuilt),
             prefetched_params=gathered_layer,
             uncached_params=emb_params * ((s == 0) + (s == last_rank) * (own_head + mtp_embedding))
-            + sum(not_te[k] for kinds_in_chunk in chunk_kinds for k in kinds_in_chunk)
-            + (m.mtp_layers * (not_te[_mtp_layer_kind(m)] + m.mtp_norm_params()) if s == last_rank else 0),
+            + sum(kinds.uncached[k] for kinds_in_chunk in chunk_kinds for k in kinds_in_chunk)
+            + (m.mtp_layers * (kinds.uncached[_mtp_layer_kind(m)] + m.mtp_norm_params()) if s == last_rank else 0),
         ))
 
     return kinds, draw, works, mems
@@ -456,6 +456,7 @@ def _layer_kinds(ctx, a2a_layout, etp_layout, *, balanced: bool):
         params={"dense": (attn_params + m.ffn_matrices * m.hidden_size * m.ffn_hidden_size / p.tp, 0.0)},
         acts={"dense": dense_acts},
         working={"dense": recompute_working_bytes(m, p, ctx.seq_length, ctx.attention_kernel, ctx.act_bytes)},
+        uncached={"dense": m.norm_params()},
     )
     rebuilds = p.schedule in SPLIT_BACKWARD_SCHEDULES and (p.recompute == "full" or p.recomputed_modules)
     if rebuilds:
@@ -470,7 +471,8 @@ def _layer_kinds(ctx, a2a_layout, etp_layout, *, balanced: bool):
     kinds.wgrad["moe"] = layer_weight_grad(ctx, block)
     shared = e.num_shared_experts * m.expert_params() / p.tp
     local_experts = e.num_experts // p.ep * m.expert_params() / p.expert_tp
-    kinds.params["moe"] = (attn_params + m.hidden_size * e.num_experts + shared, local_experts)
+    kinds.params["moe"] = (attn_params + m.router_params() + shared, local_experts)
+    kinds.uncached["moe"] = m.norm_params() + m.router_params()
     ffn = moe_activation_bytes(ctx, draw)
     kinds.acts["moe"] = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, ffn, ctx.act_bytes)
     recomputed_ffn = p.recompute == "full" or "moe" in p.recomputed_modules
