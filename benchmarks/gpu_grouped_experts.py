@@ -32,7 +32,8 @@ sys.path.insert(0, str(ROOT))
 SHAPES = ((8, 2048, 2048, 5632), (64, 512, 2048, 768), (16, 512, 4096, 1536))
 
 
-def counts_for(experts: int, per_expert: int, gen) -> "torch.Tensor":
+def counts_for(experts: int, per_expert: int, gen):
+    """Uneven tokens per expert (a torch tensor) summing to about experts x per_expert."""
     import torch
 
     raw = torch.rand(experts, generator=gen) + 0.5

@@ -521,14 +521,14 @@ def run_attention(configs: tuple[AttentionConfig, ...], *, device: torch.device,
                     out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                     grad = torch.randn_like(out)
 
-                    def fn(out=out, grad=grad):
-                        return torch.autograd.grad(out, (q, k, v), grad, retain_graph=True)
+                    def fn(out=out, grad=grad, inputs=(q, k, v)):
+                        return torch.autograd.grad(out, inputs, grad, retain_graph=True)
 
                     t = clock.time(fn, timing)
                     del out, grad
                 else:
                     with torch.no_grad():
-                        t = clock.time(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), timing,
+                        t = clock.time(lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v, is_causal=True), timing,
                                        graph=True)
                 flops = attention_flops(**c.kwargs(), backward=backward)
                 results.append(Measurement(kind="attention_bwd" if backward else "attention_fwd", op="sdpa",

@@ -34,7 +34,7 @@ from paraplan.errors import ConfigError
 from paraplan.fileio import read_text, yaml_problem
 from paraplan.specs import (
     ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, GRAD_REDUCE_DTYPES, MOE_DISPATCHERS, ROUTING_DISTRIBUTIONS, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
-    ClusterSpec, InterNodeSpec, LinkSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
+    ClusterSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
 )
 
 # ----------------------------------------------------------------------------------------------

@@ -351,7 +351,7 @@ def megatron_launch_command(sc: Scenario) -> str:
         env = "CUDA_DEVICE_MAX_CONNECTIONS=1 "
     # several nodes: each runs the line with its own NODE_RANK and node 0's address (torchrun's
     # static defaults, node rank 0 at 127.0.0.1, would make every node node 0)
-    nodes = (f" --node-rank \"$NODE_RANK\" --rdzv-backend c10d --rdzv-endpoint \"$MASTER_ADDR:29500\""
+    nodes = (" --node-rank \"$NODE_RANK\" --rdzv-backend c10d --rdzv-endpoint \"$MASTER_ADDR:29500\""
              if c.num_nodes > 1 else "")
     return (f"grep -v '^#' megatron_args.txt | {env}xargs torchrun --nnodes {c.num_nodes}{nodes} "
             f"--nproc-per-node {c.gpus_per_node} pretrain_gpt.py")

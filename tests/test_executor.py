@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from executor.config import (  # noqa: E402
-    executor_problems, launch_problems, notes, scaled_model, scaled_scenario, scenario_from_json, scenario_to_json,
+    launch_problems, notes, scaled_model, scaled_scenario, scenario_from_json, scenario_to_json,
 )
 from paraplan.errors import ConfigError  # noqa: E402
 from paraplan.specs import (  # noqa: E402

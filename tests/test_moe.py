@@ -1,5 +1,4 @@
 """Mixture-of-experts: routing draws, all-to-all costs, imbalance, expert placement, bad input."""
-import itertools
 import math
 from dataclasses import replace
 from pathlib import Path

@@ -10,7 +10,6 @@ from hwmodels.profile import load_profile
 from paraplan.errors import ConfigError
 from paraplan.loader import load_scenario
 from paraplan.placement import expert_group_layouts, group_layout
-from paraplan.published import record_to_scenario
 from paraplan.serialize import plan_to_mapping
 from simulator.feasibility import structural_problems
 from simulator.flops import hardware_flops, model_flops
@@ -266,7 +265,6 @@ def test_a_hidden_context_parallel_ring_costs_its_sm_share():
     """Llama-3 8B, cp 2 inside a node: each K/V exchange hides behind its ring step's attention,
     which it slows by COMM_SM_SHARE of the exchange (it cost nothing before SM sharing)."""
     from hwmodels.network import COMM_SM_SHARE, collective_time
-    from paraplan.placement import group_layout
     from simulator.workload import _attention_step, _cp_ring
 
     sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml", ["plan.cp=2", "plan.dp=32"])

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import sys
 
 from paraplan.errors import ParaplanError
 from paraplan.cli.tables import elided
