@@ -100,6 +100,25 @@ def test_the_step_waits_for_the_barrier_time():
     assert res.stages[0].breakdown.get("pp_bubble", 0.0) == pytest.approx(0.0)
 
 
+
+def test_a_send_contended_at_both_ends_waits_for_the_busier_end():
+    """1F1B on 2 stages, 2 microbatches, sends of 0.5 s all on the NICs. Stage 1 (F = B = 1 s)
+    sends B1's output at 5.5 s while its first gradient bucket (2 s on the NIC, ready mid-B1 at
+    5.0 s) holds its NIC for 0.5 s of the send, and stage 0's B0 (2 s, all NIC traffic, 4.0-6.0 s)
+    moves 0.5 s over the send's window. The two ends share at once, so the send is late by the
+    busier end's 0.5 s, not by the sum: it lands at 6.5 s, stage 0's B1 pays its 0.5 s share of the
+    send and ends at 9.0 s."""
+    ops = build_schedule("1f1b", 2, 2)
+    first = StageWork(ops=ops[0], op_cost={("F", 0): Cost().add("compute", 1.0),
+                                            ("B", 0): Cost().add("ep_comm", 2.0).add_nic("ep_comm", 2.0)},
+                      grad_buckets={}, optimizer_time=0.0, param_gather_time=0.0)
+    last = StageWork(ops=ops[1], op_cost={("F", 0): Cost().add("compute", 1.0), ("B", 0): Cost().add("compute", 1.0)},
+                     grad_buckets={0: [2.0, 0.1]}, grad_bucket_nic={0: [2.0, 0.1]}, optimizer_time=0.0,
+                     param_gather_time=0.0)
+    res = run_iteration([first, last], num_chunks=1, p2p_time=0.5, p2p_nic=0.5, overlap_grad_reduce=True,
+                        sync_time=0.0)
+    assert res.stages[0].compute_end == pytest.approx(9.0)
+
 # -- MoE -------------------------------------------------------------------------------------------
 
 def test_a_tensor_parallel_rank_routes_its_sequence_parallel_shard():
