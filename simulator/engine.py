@@ -9,11 +9,14 @@ after the producer finishes, and where the framework waits for its sends (`block
 sending stage starts its next op only then. At the end every stage waits for the global gradient-norm sync
 (Megatron clips gradients with a norm reduced over all ranks), then runs its optimizer step.
 
-NIC sharing (flow-level, max-min fair): an op whose traffic crosses nodes (an MoE all-to-all), a
-gradient bucket reduced over the network and a pipeline send between stages on different nodes
-each get an equal share of the GPU's NIC while they overlap, so two overlapping flows are each
-delayed by the traffic they both move in the overlap (an op's traffic is taken as spread evenly
-over the op; buckets and sends saturate the NIC while they run). A pipeline send uses the
+NIC sharing (flow level): an op whose traffic crosses nodes (an MoE all-to-all), a gradient
+bucket reduced over the network and a pipeline send between stages on different nodes share the
+GPU's NIC while they overlap: each of two overlapping flows is delayed by the other's traffic in
+the overlap (an op's traffic is taken as spread evenly over the op, buckets and sends saturate the
+NIC while they run; not max-min fair: an op that moves little is slowed too). A flow's delay
+lengthens its hold on the NIC at once, so a later flow meets the traffic it deferred. A stage's
+pipeline sends leave one after another (one communicator's point-to-point operations run in
+order), and a combined pair's two sends, issued in one batch, land together. A pipeline send uses the
 sender's NIC and the receiver's: it shares with the sender's gradient bucket and with the
 receiver's running op and bucket, and arrives late by the larger of the two sides' delays (the
 running op's share is added to the receiver's next op, which saves an event per send and moves
@@ -372,6 +375,7 @@ def run_iteration(
     # until when a pipeline send (out) or receive (in) holds each stage's NIC; the share a send
     # took from the receiver's running op, paid when that op's successor starts
     link_nic_until = [0.0] * pp
+    sent_until = [0.0] * pp  # until when each stage's last pipeline send holds its outgoing link
     owed_next = [0.0] * pp
     # SM sharing: until when the current bucket runs and the current op is expected to end, and
     # the slowdown a bucket that started mid-op owes that op
@@ -424,12 +428,14 @@ def run_iteration(
             overlap = (t + nic if t + nic < op_end else op_end) - (t if t > op_start else op_start)
             if overlap > 0 and op_dur:
                 with_op = op_nic_s * overlap / op_dur
-        if sender:
+        if sender:  # the bucket holds the NIC that much longer (it pays when its transfer ends)
             owed_grad[stage] += sender
+            bucket_nic_until[stage] += sender
         if with_op:
             owed_next[to] += with_op
         if with_bucket:
             owed_grad[to] += with_bucket
+            bucket_nic_until[to] += with_bucket
         delay = sender if sender > with_op + with_bucket else with_op + with_bucket
         until = t + nic + delay
         if until > link_nic_until[stage]:
@@ -438,19 +444,31 @@ def run_iteration(
             link_nic_until[to] = until
         return t + seconds + delay
 
-    def deliver(stage: int, out: tuple, end: float) -> float:
-        """Send an op's output (key, receiving stage, link; link None: the next virtual stage is on
-        this rank, nothing is sent) at `end`; its arrival, which wakes a consumer already waiting."""
-        key, to, hop = out
+    def transfer(stage: int, out: tuple, end: float) -> float:
+        """When an op's output (key, receiving stage, link; link None: the next virtual stage is on
+        this rank, nothing is sent), ready at `end`, arrives. A stage's sends leave one after
+        another: NCCL runs the point-to-point operations of one communicator in issue order on its
+        stream, so a send issued while an earlier one is still on the link starts when it ends."""
+        _, to, hop = out
         if hop is None:
-            arrival = arrives_at[key] = end
-        else:
-            hop_nic = link_nic[hop]
-            arrival = arrives_at[key] = send(stage, to, end, link_time[hop], hop_nic) if hop_nic \
-                else end + link_time[hop]
+            return end
+        leave = end if end > sent_until[stage] else sent_until[stage]
+        hop_nic = link_nic[hop]
+        arrival = send(stage, to, leave, link_time[hop], hop_nic) if hop_nic else leave + link_time[hop]
+        sent_until[stage] = arrival
+        return arrival
+
+    def land(key: int, arrival: float) -> None:
+        """An output's arrival, which wakes a consumer already waiting for it."""
+        arrives_at[key] = arrival
         ev = waiting.pop(key, None)
         if ev is not None:
             ev.succeed(arrival)
+
+    def deliver(stage: int, out: tuple, end: float) -> float:
+        """Send an op's output at `end` (transfer); its arrival."""
+        arrival = transfer(stage, out, end)
+        land(out[0], arrival)
         return arrival
 
     blocking = {"none": (), "forward": ("F",), "all": ("F", "B", "X")}[blocking_sends]
@@ -608,6 +626,7 @@ def run_iteration(
                 if busy > 0 and (gate is None or gathered_events[gate].triggered):
                     with_bucket = nic * (busy if busy < duration else duration) / duration
                     owed_grad[stage] += with_bucket
+                    bucket_nic_until[stage] += with_bucket
                 busy = link_nic_until[stage] - start
                 if busy > 0:
                     shared += with_bucket + nic * (busy if busy < duration else duration) / duration
@@ -624,6 +643,9 @@ def run_iteration(
                 extra_sm, owed_sm[stage] = owed_sm[stage], 0.0
                 shared += extra
                 sm += extra_sm
+                if extra:  # the traffic it gave up still crosses the NIC: a later bucket meets it
+                    s0, e0, n0, d0 = op_nic[stage]
+                    op_nic[stage] = (s0, e0 + extra, n0, d0)
                 yield timeout(extra + extra_sm)
             if gate is not None:  # the first forward of a chunk computes on weights still being gathered
                 t_wait = env.now
@@ -658,13 +680,20 @@ def run_iteration(
                     if record_spans:
                         spans.append((stage, ~produces[0], end, arrival))  # named when the timeline is read
                 continue
-            # a combined pair: the forward's output and the backward's
+            # a combined pair: the forward's output and the backward's, sent in one batch
+            # (torch.distributed.batch_isend_irecv: PyTorch's schedules.py _add_send_recv,
+            # Megatron-Core's p2p_communication), so they share the link and both land when the
+            # second is through
+            outs = [(out, kind) for out, kind in ((produces, "F"), (pair[1], "B")) if out is not None]
+            arrivals = [transfer(stage, out, end) for out, _ in outs]
+            together = max((a for (out, _), a in zip(outs, arrivals) if out[2] is not None), default=end)
             waits = []  # the sends this stage waits for before its next op: (arrival, key)
-            for out, kind in ((produces, "F"), (pair[1], "B")):  # an X waits for its send as a B does
-                if out is not None:
-                    arrival = deliver(stage, out, end)
-                    if arrival > end and kind in blocking:
-                        waits.append((arrival, out[0]))
+            for (out, kind), arrival in zip(outs, arrivals):  # an X waits for its send as a B does
+                if out[2] is not None:
+                    arrival = together
+                land(out[0], arrival)
+                if arrival > end and kind in blocking:
+                    waits.append((arrival, out[0]))
             if special is not None:
                 for c in launched_after:
                     ready_events[c].succeed((end, end))

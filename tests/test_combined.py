@@ -119,6 +119,25 @@ def test_a_merged_pair_waits_for_both_inputs_and_sends_both_outputs():
     assert res.stages[1].breakdown["compute"] == pytest.approx(3 * 1.0 + 2.5 + 3 * 2.0)
 
 
+
+def test_a_pairs_two_sends_share_the_link_and_land_together():
+    """pp 2 x 2 chunks, 4 microbatches, F 1 s, B 2 s, pairs 2.5 s, sends of 0.5 s. Stage 1's pair
+    F2.0+B1.1 ends at 10.5 and sends both outputs to stage 0 in one batch: they land together at
+    11.5, one send after the other, not both at 11.0; stage 0's F3.0+B0.1 likewise sends both to
+    stage 1 at 11.0, which has them at 12.0. The step ends at 30.5 (29.5 with each send alone on
+    the link)."""
+    orders = build_schedule("interleaved-1f1b", 2, 4, 2, True)
+    pairs = combined_pairs("interleaved-1f1b", 2, 4, 2)
+    cost = lambda t: Cost().add("compute", t)  # noqa: E731
+    works = [StageWork(ops=o, pairs=p, op_cost={(k, c): cost(t) for k, t in (("F", 1.0), ("B", 2.0)) for c in range(2)},
+                       pair_cost={(fc, bc): cost(2.5) for fc in range(2) for bc in range(2)}, grad_buckets={},
+                       optimizer_time=0.0, param_gather_time=0.0) for o, p in zip(orders, pairs)]
+    res = run_iteration(works, num_chunks=2, p2p_time=0.5, overlap_grad_reduce=True, sync_time=0.0)
+    recv = {(sp.stage, sp.name, sp.start): sp.end for sp in res.spans if sp.stream == "pp-comm"}
+    assert recv[(0, "recv F2", 11.0)] == recv[(0, "recv B1", 11.0)] == pytest.approx(11.5)
+    assert recv[(1, "recv F3", 11.0)] == recv[(1, "recv B0", 11.0)] == pytest.approx(12.0)
+    assert res.step_time == pytest.approx(30.5)
+
 def test_no_combined_order_deadlocks():
     rng = random.Random(3)
     for pp in (2, 3, 4, 8):

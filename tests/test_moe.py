@@ -231,6 +231,52 @@ def test_nic_sharing_slows_overlapping_traffic():
     assert (quiet.step_time, shared.step_time) == (5.5, 6.0)
 
 
+
+def test_traffic_an_op_gives_up_to_a_bucket_still_meets_the_next_bucket(monkeypatch):
+    """One stage: a 1 s backward that holds the NIC throughout (an all-to-all) and four gradient
+    buckets of 0.5 s, all on the NIC, the first ready at 0.25 s (SM sharing off, to see the NIC
+    alone). The NIC carries 1 + 4 x 0.5 = 3 s of traffic, so the last bucket ends at 3.0 s, as
+    processor sharing has it: b0 and the backward share 0.25-1.25 s; the backward's 0.25 s left
+    shares with b1 (backward ends 1.75, b1 2.0); b2 and b3 run alone to 3.0. (A bucket starting
+    after the backward's undelayed end had seen an idle NIC: 2.75 s, more than the NIC can carry.)"""
+    import simulator.engine as engine
+    from simulator.cost import Cost
+    from simulator.engine import StageWork, run_iteration
+    from simulator.schedules import Op
+
+    monkeypatch.setattr(engine, "COMM_SM_SHARE", 0.0)
+    work = StageWork(ops=(Op("F", 0, 0), Op("B", 0, 0)),
+                     op_cost={("F", 0): Cost(), ("B", 0): Cost().add("ep_comm", 1.0).add_nic("ep_comm", 1.0)},
+                     grad_buckets={0: [0.5] * 4}, grad_bucket_nic={0: [0.5] * 4}, optimizer_time=0.0,
+                     param_gather_time=0.0)
+    res = run_iteration([work], num_chunks=1, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0)
+    assert res.step_time == pytest.approx(3.0)
+    assert res.stages[0].compute_end == pytest.approx(1.75)
+
+
+def test_a_bucket_delayed_by_one_op_still_meets_the_next(monkeypatch):
+    """One stage, two chunks, two microbatches; chunk 1's backwards (1 s, no traffic) run first,
+    then chunk 0's (0.2 s each, all NIC traffic). Chunk 1's first bucket (1 s on the NIC) starts
+    mid-way through its last backward, at 1.5 s, with 0.5 s left when B0.0 starts at 2.0: they share,
+    B0.0 ends at 2.4 and the bucket has 0.3 s left, which B1.0 shares (ends 2.8, the bucket 2.9), as
+    processor sharing has it (0.9 s of traffic from 2.0 s). (Had the bucket's hold on the NIC kept
+    its undelayed end, 2.5 s, until its transfer ended, B1.0 would have shared 0.1 s: 2.7 s.)"""
+    import simulator.engine as engine
+    from simulator.cost import Cost
+    from simulator.engine import StageWork, run_iteration
+    from simulator.schedules import Op
+
+    monkeypatch.setattr(engine, "COMM_SM_SHARE", 0.0)
+    ops = [Op("F", m, c) for m in range(2) for c in range(2)] + [Op("B", m, c) for c in (1, 0) for m in range(2)]
+    costs = {("F", 0): Cost(), ("F", 1): Cost(), ("B", 1): Cost().add("compute", 1.0),
+             ("B", 0): Cost().add("ep_comm", 0.2).add_nic("ep_comm", 0.2)}
+    work = StageWork(ops=ops, op_cost=costs, grad_buckets={1: [1.0, 0.01]}, grad_bucket_nic={1: [1.0, 0.0]},
+                     optimizer_time=0.0, param_gather_time=0.0)
+    res = run_iteration([work], num_chunks=2, p2p_time=0.0, overlap_grad_reduce=True, sync_time=0.0)
+    assert res.stages[0].compute_end == pytest.approx(2.8)
+    reduce = next(s for s in res.spans if s.name == "grad-reduce c1 b0")
+    assert (reduce.start, reduce.end) == (pytest.approx(1.5), pytest.approx(2.9))
+
 def test_nic_sharing_delays_are_booked_under_the_ops_own_traffic():
     """The same op and bucket as above, its NIC time half all-to-all and half a ZeRO-3 transfer:
     the 0.5 s it loses to the bucket is booked half as ep_comm, half as dp_comm; a dense ZeRO-3

@@ -223,6 +223,16 @@ def test_exact_gpipe_timeline_and_bubble():
     assert res.stages[1].breakdown["pp_bubble"] == pytest.approx(3.0)
 
 
+
+def test_a_stages_sends_leave_one_after_another():
+    # GPipe on 2 stages, F = 1 s, B = 2 s, sends of 2 s: stage 0's F1 is ready at 2 while F0's
+    # send holds the link until 3, so it arrives at 5 (not 4); likewise B1's send leaves stage 1
+    # when B0's lands at 10 and arrives at 12 (NCCL runs one communicator's sends in order).
+    works = uniform_works(build_schedule("gpipe", 2, 2))
+    res = run_iteration(works, num_chunks=1, p2p_time=2.0, overlap_grad_reduce=True, sync_time=0.0)
+    assert compute_log(res, 1) == [(3.0, "F0"), (5.0, "F1"), (6.0, "B0"), (8.0, "B1"), (14.0, "optimizer")]
+    assert compute_log(res, 0) == [(0.0, "F0"), (1.0, "F1"), (10.0, "B0"), (12.0, "B1"), (14.0, "optimizer")]
+
 def test_breakdown_sums_to_stage_end():
     works = uniform_works(build_schedule("interleaved-1f1b", 2, 4, 2), buckets={0: [0.3, 0.3], 1: [0.3]}, opt=0.2)
     res = run_iteration(works, num_chunks=2, p2p_time=0.1, overlap_grad_reduce=True, sync_time=0.05)
