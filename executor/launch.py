@@ -96,7 +96,8 @@ def launch(scenarios: list[Scenario], *, nproc: int, backend: str, timeout_s: fl
     own_dir = run_dir is None
     if not own_dir:
         check_run_dir(run_dir)
-    run_dir = Path(tempfile.mkdtemp(prefix="paraplan-launch-")) if own_dir else Path(run_dir)
+    # absolute: torchrun and its workers run from the package root, not from the caller's directory
+    run_dir = Path(tempfile.mkdtemp(prefix="paraplan-launch-")) if own_dir else Path(run_dir).absolute()
     run_dir.mkdir(parents=True, exist_ok=True)
     out_dir = run_dir / "out"
     if out_dir.exists():  # an earlier run's (check_run_dir)

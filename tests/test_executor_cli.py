@@ -36,10 +36,10 @@ def config(tmp_path):
     return str(path)
 
 
-def paraplan(*args, env=None, timeout=300):
+def paraplan(*args, env=None, timeout=300, cwd=ROOT):
     full_env = dict(os.environ, **(env or {}))
     return subprocess.run([sys.executable, "-m", "paraplan", "launch", *args], capture_output=True, text=True,
-                          cwd=ROOT, env=full_env, timeout=timeout)
+                          cwd=cwd, env=full_env, timeout=timeout)
 
 
 BAD_INPUT = [
@@ -157,9 +157,11 @@ def test_sigterm_stops_the_job_and_its_workers(config, tmp_path):
 
 
 def test_dead_rank_is_named(config, tmp_path):
+    """(Run from another directory with a relative --run-dir, which the workers, started from the
+    package root, must still find.)"""
     start = time.perf_counter()
-    r = paraplan(config, "--timeout", "20", "--run-dir", str(tmp_path / "run"),
-                 env={"PARAPLAN_EXECUTOR_FAULT": "1:1:raise"})
+    r = paraplan(config, "--timeout", "20", "--run-dir", "run", env={"PARAPLAN_EXECUTOR_FAULT": "1:1:raise"},
+                 cwd=tmp_path)
     assert r.returncode == 1
     assert r.stderr.startswith("error: rank 1 failed: RuntimeError: injected fault at step 1")
     assert r.stderr.count("\n") == 1
