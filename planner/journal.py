@@ -50,13 +50,41 @@ class JournalFile(JournalFileBackend):
         self._durable = durable
 
     def append_logs(self, logs: list[dict]) -> None:
+        """Append the operations, one JSON line each. A last line without its newline is a write
+        that never finished (a full disk, a killed process): Optuna's reader skips it, and it is
+        cut off before appending, since the next line would otherwise be glued onto it and turn
+        it into a corrupt line mid-file. A failed write names the journal."""
         text = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs)
         self._lock.acquire()
         try:
             with open(self._file_path, "ab") as f:
+                _drop_unfinished_line(f)
                 f.write(text.encode("utf-8"))
                 f.flush()
                 if self._durable:
                     os.fsync(f.fileno())
+        except OSError as e:
+            raise OSError(e.errno, f"cannot write the study journal: {e.strerror or e}", self._file_path) from e
         finally:
             self._lock.release()
+
+
+def _drop_unfinished_line(f, block: int = 1 << 16) -> None:
+    """Truncate a file open for appending after its last newline (to empty if it has none)."""
+    size = f.seek(0, os.SEEK_END)
+    if size == 0:
+        return
+    with open(f.name, "rb") as r:
+        end = size
+        r.seek(end - 1)
+        if r.read(1) == b"\n":
+            return
+        while end > 0:  # look back for the last complete line's newline
+            start = max(0, end - block)
+            r.seek(start)
+            cut = r.read(end - start).rfind(b"\n")
+            if cut >= 0:
+                f.truncate(start + cut + 1)
+                return
+            end = start
+    f.truncate(0)

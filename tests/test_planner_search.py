@@ -186,6 +186,39 @@ def _journal_counts(path):
     return study.get_trials(deepcopy=False)
 
 
+
+def test_a_journal_cut_mid_line_resumes_and_stays_readable(tmp_path):
+    """A full disk or a kill mid-write leaves a journal whose last line has no newline: `--resume`
+    drops that unfinished operation instead of gluing its next one onto it, so the journal still
+    reads after every resume (it had become unreadable after the second). The trial whose
+    completion was cut off is marked failed, as after a kill."""
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "paraplan", "plan", str(TINY), "--out", str(out), "--strategy", "tpe",
+           "--quiet", "--no-plots", *[a for s in SMALL for a in ("--set", s)]]
+    assert subprocess.run(cmd + ["--trials", "12"], cwd=ROOT, capture_output=True).returncode == 0
+    journal = out / "study.journal"
+    journal.write_bytes(journal.read_bytes()[:-40])  # the last operation, cut 40 bytes short
+    for trials in (16, 20):
+        r = subprocess.run(cmd + ["--trials", str(trials), "--resume"], cwd=ROOT, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert journal.read_bytes().endswith(b"\n")
+        states = [t.state for t in _journal_counts(journal)]
+        assert states.count(TrialState.COMPLETE) + states.count(TrialState.PRUNED) == trials
+        assert states.count(TrialState.FAIL) == 1 and TrialState.RUNNING not in states
+
+
+def test_a_journal_write_that_fails_names_the_journal(tmp_path):
+    from planner.journal import JournalFile
+
+    path = tmp_path / "j"
+    journal = JournalFile(str(path))
+    path.unlink()
+    path.mkdir()  # a folder where the journal was: it cannot be written
+    with pytest.raises(OSError) as e:
+        journal.append_logs([{"op_code": 0}])
+    assert e.value.filename == str(path) and "cannot write the study journal" in e.value.strerror
+
+
 def test_kill_9_then_resume_loses_and_recomputes_nothing(tmp_path):
     """A search killed with SIGKILL mid-run, then `--resume`: every trial finished before the kill
     is kept as it was, the interrupted one is marked failed, and only the missing trials run."""
