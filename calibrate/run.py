@@ -599,7 +599,7 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
         data = json.loads(report.read_text())
     except FileNotFoundError:
         raise CalibrationError(f"--from-report {report}: not found") from None
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise bad(exc) from None
     if not isinstance(data, dict) or not isinstance(data.get("options"), dict) or not isinstance(data.get("device"), dict):
         raise bad("expected an object with 'device', 'options' and 'measurements'")

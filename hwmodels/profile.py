@@ -24,8 +24,11 @@ import yaml
 
 from hwmodels.curves import Curve, to_unit
 from paraplan.errors import ConfigError
-from paraplan.fileio import read_text, write_atomic, yaml_problem
-from paraplan.specs import TOPOLOGIES, InterNodeSpec, LinkSpec
+from paraplan.fileio import parse_yaml, read_text, write_atomic, yaml_problem
+from paraplan.specs import (
+    BANDWIDTH_RANGE, CAPACITY_RANGE, EFFICIENCY_FLOOR, FLOPS_RANGE, LATENCY_RANGE, OVERSUBSCRIPTION_RANGE, TOPOLOGIES,
+    InterNodeSpec, LinkSpec,
+)
 
 __all__ = ["ARCHS", "BUNDLED", "Curve", "DTYPES", "HEAD_DIM_FIELDS", "GpuProfile", "load_profile", "write_profile"]
 
@@ -152,7 +155,7 @@ def load_profile(name_or_path: str) -> GpuProfile:
 def _load_cached(path: str, _mtime_ns: int, _size: int) -> GpuProfile:
     """Parsed once per file version (mtime and size in the key: a re-calibrated file is re-read)."""
     try:
-        raw = yaml.safe_load(read_text(path, "cluster.gpu"))
+        raw = parse_yaml(read_text(path, "cluster.gpu"))
     except yaml.YAMLError as exc:
         raise ConfigError("cluster.gpu", f"{path}: invalid YAML: {yaml_problem(exc)}") from None
     try:
@@ -179,24 +182,30 @@ def _keys(raw: Any, path: str, required: tuple[str, ...], optional: tuple[str, .
     return raw
 
 
-def _num(raw: Any, path: str, scale: float = 1.0, *, fraction: bool = False, integer: bool = False) -> float:
-    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or raw <= 0 or raw != raw:
-        raise ConfigError(path, f"expected a positive number, got {raw!r}")
+def _num(raw: Any, path: str, scale: float = 1.0, *, fraction: bool = False, integer: bool = False,
+         within: tuple[float, float] | None = None) -> float:
+    """A positive finite number times `scale`; a fraction in [EFFICIENCY_FLOOR, 1]; with `within`,
+    its SI value (raw x scale) in that range (paraplan.specs), the bounds named in the file's unit."""
+    if isinstance(raw, bool) or not isinstance(raw, (int, float)) or not raw > 0 or raw == float("inf"):
+        raise ConfigError(path, f"expected a positive finite number, got {raw!r}")
     if integer and not isinstance(raw, int):
         raise ConfigError(path, f"expected a whole number, got {raw!r}")
-    if fraction and raw > 1:
-        raise ConfigError(path, f"expected a fraction in (0, 1], got {raw!r}")
+    if fraction and not EFFICIENCY_FLOOR <= raw <= 1:
+        raise ConfigError(path, f"expected a fraction in [{EFFICIENCY_FLOOR:g}, 1], got {raw!r}")
+    if within is not None and not within[0] <= raw * scale <= within[1]:
+        raise ConfigError(path, f"expected a number from {within[0] / scale:g} to {within[1] / scale:g}, got {raw!r}")
     return raw * scale if scale != 1.0 else raw
 
 
-def _curve(raw: Any, path: str, xkey: str, xscale: float, ykey: str, yscale: float = 1.0, *, fraction=True) -> Curve:
+def _curve(raw: Any, path: str, xkey: str, xscale: float, ykey: str, yscale: float = 1.0, *, fraction=True,
+           within: tuple[float, float] | None = None) -> Curve:
     raw = _keys(raw, path, (xkey, ykey))
     xs, ys = raw[xkey], raw[ykey]
     for key, vals in ((xkey, xs), (ykey, ys)):
         if not isinstance(vals, list) or not vals:
             raise ConfigError(f"{path}.{key}", "expected a non-empty list of numbers")
     xs = [_num(v, f"{path}.{xkey}", xscale) for v in xs]
-    ys = [_num(v, f"{path}.{ykey}", yscale, fraction=fraction) for v in ys]
+    ys = [_num(v, f"{path}.{ykey}", yscale, fraction=fraction, within=within) for v in ys]
     try:
         return Curve(tuple(xs), tuple(ys))
     except ValueError as exc:
@@ -236,7 +245,7 @@ def _from_dict(raw: Any) -> GpuProfile:
         raise ConfigError("calibrated", f"expected true or false, got {calibrated!r}")
 
     peaks_raw = _keys(top["peak_tflops"], "peak_tflops", ("tf32", "fp16", "bf16"), ("fp32", "fp8"))
-    peaks = tuple((d, _num(peaks_raw[d], f"peak_tflops.{d}", TFLOPS)) for d in DTYPES if peaks_raw.get(d) is not None)
+    peaks = tuple((d, _num(peaks_raw[d], f"peak_tflops.{d}", TFLOPS, within=FLOPS_RANGE)) for d in DTYPES if peaks_raw.get(d) is not None)
     if top["arch"] == "ampere" and "fp8" in dict(peaks):
         raise ConfigError("peak_tflops.fp8", "Ampere has no fp8 tensor cores")
 
@@ -247,8 +256,8 @@ def _from_dict(raw: Any) -> GpuProfile:
     hbm = _keys(top["hbm"], "hbm", ("bandwidth_GBps", "efficiency"), ("capacity_GiB", "capacity_GB"))
     if ("capacity_GiB" in hbm) == ("capacity_GB" in hbm):
         raise ConfigError("hbm", "give exactly one of capacity_GiB, capacity_GB")
-    capacity = (_num(hbm["capacity_GiB"], "hbm.capacity_GiB", GIB) if "capacity_GiB" in hbm
-                else _num(hbm["capacity_GB"], "hbm.capacity_GB", GB))
+    capacity = (_num(hbm["capacity_GiB"], "hbm.capacity_GiB", GIB, within=CAPACITY_RANGE) if "capacity_GiB" in hbm
+                else _num(hbm["capacity_GB"], "hbm.capacity_GB", GB, within=CAPACITY_RANGE))
 
     attn = _keys(top["attention_efficiency"], "attention_efficiency", ("fwd", "bwd"), ("by_head_dim",))
     flash3, flash3_head_dims = None, ()
@@ -262,7 +271,7 @@ def _from_dict(raw: Any) -> GpuProfile:
                                             "oversubscription", "latency_us", "nodes_per_leaf"))
     if net["topology"] not in TOPOLOGIES:
         raise ConfigError("network.topology", f"expected one of {', '.join(TOPOLOGIES)}, got {net['topology']!r}")
-    oversub = _num(net["oversubscription"], "network.oversubscription")
+    oversub = _num(net["oversubscription"], "network.oversubscription", within=OVERSUBSCRIPTION_RANGE)
     if oversub < 1:
         raise ConfigError("network.oversubscription", f"expected >= 1, got {oversub!r}")
 
@@ -275,7 +284,7 @@ def _from_dict(raw: Any) -> GpuProfile:
         arch=top["arch"],
         peak_flops=peaks,
         hbm_capacity=capacity,
-        hbm_bandwidth=_num(hbm["bandwidth_GBps"], "hbm.bandwidth_GBps", GBPS),
+        hbm_bandwidth=_num(hbm["bandwidth_GBps"], "hbm.bandwidth_GBps", GBPS, within=BANDWIDTH_RANGE),
         hbm_efficiency=_curve(hbm["efficiency"], "hbm.efficiency", "MB", MB, "efficiency"),
         gemm_efficiency=gemm,
         attention_fwd_efficiency=_curve(attn["fwd"], "attention_efficiency.fwd", "gflops", GFLOP, "efficiency"),
@@ -283,17 +292,17 @@ def _from_dict(raw: Any) -> GpuProfile:
         attention_flash3_efficiency=flash3,
         attention_head_dims=_head_dim_curves(attn.get("by_head_dim"), "attention_efficiency.by_head_dim"),
         attention_flash3_head_dims=flash3_head_dims,
-        nvlink_bandwidth=_num(nvl["bandwidth_GBps"], "nvlink.bandwidth_GBps", GBPS),
-        nvlink_ring_busbw=_num(nvl["ring_busbw_GBps"], "nvlink.ring_busbw_GBps", GBPS),
+        nvlink_bandwidth=_num(nvl["bandwidth_GBps"], "nvlink.bandwidth_GBps", GBPS, within=BANDWIDTH_RANGE),
+        nvlink_ring_busbw=_num(nvl["ring_busbw_GBps"], "nvlink.ring_busbw_GBps", GBPS, within=BANDWIDTH_RANGE),
         nvlink_busbw=_curve(nvl["allreduce_busbw"], "nvlink.allreduce_busbw", "bytes", 1.0, "busbw_GBps", GBPS,
-                            fraction=False),
-        nvlink_latency=_num(nvl["latency_us"], "nvlink.latency_us", US),
+                            fraction=False, within=BANDWIDTH_RANGE),
+        nvlink_latency=_num(nvl["latency_us"], "nvlink.latency_us", US, within=LATENCY_RANGE),
         node_network=InterNodeSpec(
             nics_per_node=_num(net["nics_per_node"], "network.nics_per_node", integer=True),
-            nic_bandwidth=_num(net["nic_bandwidth_Gbps"], "network.nic_bandwidth_Gbps", GBITPS),
+            nic_bandwidth=_num(net["nic_bandwidth_Gbps"], "network.nic_bandwidth_Gbps", GBITPS, within=BANDWIDTH_RANGE),
             topology=net["topology"],
             oversubscription=oversub,
-            latency=_num(net["latency_us"], "network.latency_us", US),
+            latency=_num(net["latency_us"], "network.latency_us", US, within=LATENCY_RANGE),
             nodes_per_leaf=_num(net["nodes_per_leaf"], "network.nodes_per_leaf", integer=True),
         ),
         nic_efficiency=_num(net["nic_efficiency"], "network.nic_efficiency", fraction=True),

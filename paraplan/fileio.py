@@ -4,8 +4,10 @@ line naming the argument."""
 from __future__ import annotations
 
 import os
+import re
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -175,3 +177,62 @@ def _check_parent(parent: Path, what: str) -> None:
         raise ConfigError(what, f"cannot write under {probe}: {exc.strerror or exc}") from None
     os.close(fd)
     os.unlink(tmp)
+
+
+# ----------------------------------------------------------------------------------------------
+# Parsing YAML.
+
+
+class _StrictSafeLoader(yaml.SafeLoader):
+    """yaml.SafeLoader (plain data only, no object construction) that also rejects a key given
+    twice in one mapping: plain safe_load keeps the last one silently, so `tp: 8 ... tp: 4` would
+    quietly mean tp=4."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                key = self.construct_object(key_node)
+                if key in seen:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key {key!r}", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
+# YAML 1.2's floats without a dot (1e-5, 3E8), which PyYAML's YAML 1.1 rules read as strings
+_StrictSafeLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
+
+
+def parse_yaml(text: str) -> Any:
+    """Plain data from YAML text, strictly: a key given twice is an error, YAML 1.2 floats
+    without a dot (1e-5) are numbers, and a self-referencing or too deeply nested document is a
+    yaml.YAMLError, not a RecursionError."""
+    try:
+        value = yaml.load(text, Loader=_StrictSafeLoader)  # noqa: S506  a SafeLoader subclass
+        _check_acyclic(value)
+        return value
+    except RecursionError:
+        raise yaml.YAMLError("nested too deeply (or an alias refers to itself)") from None
+
+
+def _check_acyclic(value: Any, open_: set[int] | None = None, done: set[int] | None = None) -> None:
+    """Raise RecursionError for a self-referencing value (an anchor used inside itself, `&a [*a]`),
+    which PyYAML builds as a cyclic list or dict, and for nesting deeper than the recursion limit.
+    Each node is visited once, however often aliases share it (a "billion laughs" document costs
+    its distinct nodes)."""
+    if not isinstance(value, (list, dict)):
+        return
+    open_ = set() if open_ is None else open_
+    done = set() if done is None else done
+    key = id(value)
+    if key in done:
+        return
+    if key in open_:
+        raise RecursionError
+    open_.add(key)
+    for item in (value.values() if isinstance(value, dict) else value):
+        _check_acyclic(item, open_, done)
+    open_.discard(key)
+    done.add(key)

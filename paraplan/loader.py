@@ -20,7 +20,6 @@ import difflib
 import json
 import math
 import os
-import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from importlib import resources
@@ -31,9 +30,11 @@ from typing import Any
 import yaml
 
 from paraplan.errors import ConfigError
-from paraplan.fileio import read_text, yaml_problem
+from paraplan.fileio import parse_yaml, read_text, yaml_problem
 from paraplan.specs import (
-    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, GRAD_REDUCE_DTYPES, MOE_DISPATCHERS, ROUTING_DISTRIBUTIONS, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
+    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, BANDWIDTH_RANGE, GRAD_REDUCE_DTYPES, LATENCY_RANGE, MOE_DISPATCHERS,
+    OVERSUBSCRIPTION_RANGE, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, ROUTING_DISTRIBUTIONS, SCHEDULES, TOPOLOGIES,
+    ZERO_STAGES,
     ClusterSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
 )
 
@@ -112,8 +113,9 @@ def _probability(value):
     return value
 
 
-def _number(*, positive: bool = False, minimum: float | None = None) -> Check:
-    """A finite int or float (not a bool), > 0 if `positive`, >= `minimum` if given; returned as float."""
+def _number(*, positive: bool = False, minimum: float | None = None, maximum: float | None = None) -> Check:
+    """A finite int or float (not a bool), > 0 if `positive`, >= `minimum` and <= `maximum` if
+    given; returned as float."""
     def check(value):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise _Invalid(f"expected a number, got {_show(value)}")
@@ -121,10 +123,22 @@ def _number(*, positive: bool = False, minimum: float | None = None) -> Check:
             raise _Invalid(f"expected a finite number, got {value}")
         if positive and value <= 0:
             raise _Invalid(f"expected a positive number, got {value}")
-        if minimum is not None and value < minimum:
-            raise _Invalid(f"expected a number >= {minimum}, got {value}")
+        if (minimum is not None and value < minimum) or (maximum is not None and value > maximum):
+            low = f"{minimum:g}" if minimum is not None else "0"
+            raise _Invalid(f"expected a number from {low} to {maximum:g}, got {value:g}" if maximum is not None
+                           else f"expected a number >= {minimum:g}, got {value:g}")
         return float(value)
     return check
+
+
+def _physical(si_range: tuple[float, float], per_unit: float) -> Check:
+    """A figure in a unit of `per_unit` SI units, its SI value within `si_range` (paraplan.specs)."""
+    return _number(minimum=si_range[0] / per_unit, maximum=si_range[1] / per_unit)
+
+
+LINK_GBPS = _physical(BANDWIDTH_RANGE, 1e9)
+NIC_GBITPS = _physical(BANDWIDTH_RANGE, 1e9 / 8)
+LATENCY_US = _physical(LATENCY_RANGE, 1e-6)
 
 
 def _boolean(value):
@@ -249,7 +263,7 @@ MODEL = _schema(
     qk_layernorm=Key(_boolean),
     moe=Key(_anything),
     mla=Key(_anything),
-    mtp_layers=Key(_integer(minimum=0)),
+    mtp_layers=Key(_integer(minimum=0, maximum=MAX_LAYERS)),
 )
 MLA = _schema(
     q_lora_rank=Key(_optional(WIDTH), required=True),
@@ -287,16 +301,16 @@ CLUSTER = _schema(
 )
 
 INTRA_NODE = _schema(
-    bandwidth_GBps=Key(_number(positive=True), field="bandwidth", to_si=_gigabytes_per_s),
-    latency_us=Key(_number(minimum=0), field="latency", to_si=_microseconds),
+    bandwidth_GBps=Key(LINK_GBPS, field="bandwidth", to_si=_gigabytes_per_s),
+    latency_us=Key(LATENCY_US, field="latency", to_si=_microseconds),
 )
 
 INTER_NODE = _schema(
     nics_per_node=Key(POSITIVE),
-    nic_bandwidth_Gbps=Key(_number(positive=True), field="nic_bandwidth", to_si=_gigabits_per_s),
+    nic_bandwidth_Gbps=Key(NIC_GBITPS, field="nic_bandwidth", to_si=_gigabits_per_s),
     topology=Key(_one_of(TOPOLOGIES)),
-    oversubscription=Key(_number(minimum=1)),
-    latency_us=Key(_number(minimum=0), field="latency", to_si=_microseconds),
+    oversubscription=Key(_number(minimum=OVERSUBSCRIPTION_RANGE[0], maximum=OVERSUBSCRIPTION_RANGE[1])),
+    latency_us=Key(LATENCY_US, field="latency", to_si=_microseconds),
     nodes_per_leaf=Key(POSITIVE),
 )
 
@@ -384,65 +398,13 @@ def _validate(raw: Any, path: str, schema: Schema, *, also_known: Iterable[str] 
 # Reading files.
 
 
-class _StrictSafeLoader(yaml.SafeLoader):
-    """yaml.SafeLoader (plain data only, no object construction) that also rejects a key given
-    twice in one mapping: plain safe_load keeps the last one silently, so `tp: 8 ... tp: 4` would
-    quietly mean tp=4."""
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
-                key = self.construct_object(key_node)
-                if key in seen:
-                    raise yaml.constructor.ConstructorError(
-                        None, None, f"duplicate key {key!r}", key_node.start_mark)
-                seen.add(key)
-        return super().construct_mapping(node, deep=deep)
-
-
-# YAML 1.2's floats without a dot (1e-5, 3E8), which PyYAML's YAML 1.1 rules read as strings
-_StrictSafeLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*[eE][-+]?[0-9]+$"), list("-+0123456789"))
-
-
-def _parse_yaml(text: str) -> Any:
-    try:
-        value = yaml.load(text, Loader=_StrictSafeLoader)  # noqa: S506  a SafeLoader subclass
-        _check_acyclic(value)
-        return value
-    except RecursionError:
-        raise yaml.YAMLError("nested deeper than a scenario can be (or an alias refers to itself)") from None
-
-
-def _check_acyclic(value: Any, open_: set[int] | None = None, done: set[int] | None = None) -> None:
-    """Raise RecursionError for a self-referencing value (an anchor used inside itself, `&a [*a]`),
-    which PyYAML builds as a cyclic list or dict, and for nesting deeper than the recursion limit.
-    Each node is visited once, however often aliases share it (a "billion laughs" document costs
-    its distinct nodes)."""
-    if not isinstance(value, (list, dict)):
-        return
-    open_ = set() if open_ is None else open_
-    done = set() if done is None else done
-    key = id(value)
-    if key in done:
-        return
-    if key in open_:
-        raise RecursionError
-    open_.add(key)
-    for item in (value.values() if isinstance(value, dict) else value):
-        _check_acyclic(item, open_, done)
-    open_.discard(key)
-    done.add(key)
-
-
 def read_scenario_file(path: Path) -> dict:
     """A scenario file's top-level mapping, parsed as load_scenario parses it (no validation)."""
     if not path.exists():
         raise ConfigError("", f"scenario file not found: {path}")
     text = read_text(path, "scenario")
     try:
-        raw = _parse_yaml(text)
+        raw = parse_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError(str(path), f"invalid YAML: {yaml_problem(exc)}") from None
     if not isinstance(raw, Mapping):
@@ -453,7 +415,7 @@ def read_scenario_file(path: Path) -> dict:
 def _bundled_presets(filename: str) -> dict:
     """name -> mapping from paraplan/presets/<filename> (read afresh: callers may mutate it)."""
     text = resources.files("paraplan.presets").joinpath(filename).read_text(encoding="utf-8")
-    return _parse_yaml(text)
+    return parse_yaml(text)
 
 
 def _preset(kind: str, name: Any, path: str) -> dict:
@@ -499,7 +461,7 @@ def _hf_llama(cfg: Mapping, need: Callable[[str], Any]) -> dict:
         "num_layers": need("num_hidden_layers"),
         "hidden_size": need("hidden_size"),
         "num_attention_heads": heads,
-        "num_kv_heads": cfg.get("num_key_value_heads") or heads,  # absent in Llama 1 / Llama 2 7B
+        "num_kv_heads": _hf_or(cfg, "num_key_value_heads", heads),  # absent in Llama 1 / Llama 2 7B
         "ffn_hidden_size": need("intermediate_size"),
         "vocab_size": need("vocab_size"),
         "activation": "swiglu",
@@ -508,7 +470,7 @@ def _hf_llama(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     }
     if cfg.get("head_dim") is not None:
         out["head_dim"] = cfg["head_dim"]
-    if cfg.get("num_local_experts"):  # Mixtral: every layer MoE, intermediate_size is per expert
+    if cfg.get("num_local_experts") is not None:  # Mixtral: every layer MoE, intermediate_size is per expert
         out["moe"] = {"num_experts": cfg["num_local_experts"], "top_k": need("num_experts_per_tok"),
                       "expert_ffn_hidden_size": need("intermediate_size")}
     return out
@@ -535,7 +497,7 @@ def _hf_qwen3_moe(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     out = _hf_qwen3(cfg, need)
     out["moe"] = {"num_experts": need("num_experts"), "top_k": need("num_experts_per_tok"),
                   "expert_ffn_hidden_size": need("moe_intermediate_size"),
-                  "moe_layer_freq": cfg.get("decoder_sparse_step") or 1}
+                  "moe_layer_freq": _hf_or(cfg, "decoder_sparse_step", 1)}
     if cfg.get("mlp_only_layers"):
         raise ConfigError(HF_PATH, "mlp_only_layers (dense layers between MoE layers) is not supported")
     return out
@@ -548,7 +510,7 @@ def _hf_deepseek_v3(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     return {
         "num_layers": need("num_hidden_layers"), "hidden_size": need("hidden_size"),
         "num_attention_heads": heads,
-        "mtp_layers": cfg.get("num_nextn_predict_layers") or 0,
+        "mtp_layers": _hf_or(cfg, "num_nextn_predict_layers", 0),
         "mla": {"q_lora_rank": cfg.get("q_lora_rank"), "kv_lora_rank": need("kv_lora_rank"),
                 "qk_head_dim": need("qk_nope_head_dim"), "qk_rope_head_dim": need("qk_rope_head_dim"),
                 "v_head_dim": need("v_head_dim")},
@@ -557,12 +519,12 @@ def _hf_deepseek_v3(cfg: Mapping, need: Callable[[str], Any]) -> dict:
         "dropout": _hf_number(cfg, "attention_dropout", 0.0),
         "moe": {"num_experts": need("n_routed_experts"), "top_k": need("num_experts_per_tok"),
                 "expert_ffn_hidden_size": need("moe_intermediate_size"),
-                "num_shared_experts": cfg.get("n_shared_experts") or 0,
-                "first_dense_layers": cfg.get("first_k_dense_replace") or 0,
-                "moe_layer_freq": cfg.get("moe_layer_freq") or 1,
+                "num_shared_experts": _hf_or(cfg, "n_shared_experts", 0),
+                "first_dense_layers": _hf_or(cfg, "first_k_dense_replace", 0),
+                "moe_layer_freq": _hf_or(cfg, "moe_layer_freq", 1),
                 # group-limited routing (DeepseekV3Config n_group / topk_group)
-                "expert_groups": cfg.get("n_group") or 1,
-                "groups_per_token": cfg.get("topk_group") or cfg.get("n_group") or 1},
+                "expert_groups": _hf_or(cfg, "n_group", 1),
+                "groups_per_token": _hf_or(cfg, "topk_group", _hf_or(cfg, "n_group", 1))},
     }
 
 
@@ -586,6 +548,13 @@ def _hf_gpt2(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     if cfg.get("n_inner") is not None:
         out["ffn_hidden_size"] = cfg["n_inner"]
     return out
+
+
+def _hf_or(cfg: Mapping, key: str, default: Any) -> Any:
+    """The config's value, or `default` where the key is absent or null (transformers' defaults);
+    a 0 or false stays, for the model schema to refuse where it is not allowed."""
+    value = cfg.get(key)
+    return default if value is None else value
 
 
 def _hf_number(cfg: Mapping, key: str, default: float) -> float:
@@ -615,6 +584,8 @@ def _hf_model(value: Any, base_dir: Path) -> tuple[dict, str]:
         cfg = json.loads(text)
     except json.JSONDecodeError as exc:
         raise ConfigError(HF_PATH, f"{path}: invalid JSON at line {exc.lineno}: {exc.msg}") from None
+    except RecursionError:
+        raise ConfigError(HF_PATH, f"{path}: invalid JSON: nested too deeply") from None
     if not isinstance(cfg, dict):
         raise ConfigError(HF_PATH, f"{path}: expected a JSON object")
     model_type = cfg.get("model_type")
@@ -705,6 +676,9 @@ def _moe(raw: Any, num_layers: int) -> MoESpec:
         raise ConfigError("model.moe.routing.s", f"is the zipf exponent, but distribution is "
                                                  f"{routing.get('distribution', 'uniform')}")
     hist = routing.get("tokens_per_expert")
+    if hist is not None and routing.get("distribution", "uniform") != "histogram":
+        raise ConfigError("model.moe.routing.tokens_per_expert", f"is the histogram's counts, but distribution is "
+                                                                 f"{routing.get('distribution', 'uniform')}")
     if hist is not None:
         path = "model.moe.routing.tokens_per_expert"
         if not isinstance(hist, list) or not all(
@@ -925,7 +899,7 @@ def _parse_override(item: Any) -> tuple[list[str], Any]:
     if not all(keys):
         raise ConfigError("--set", f"expected dotted.path=value, got {item!r}")
     try:
-        value = _parse_yaml(text)
+        value = parse_yaml(text)
     except yaml.YAMLError as exc:
         raise ConfigError("--set", f"cannot parse the value in {item!r}: {yaml_problem(exc)}") from None
     return keys, value

@@ -363,12 +363,12 @@ def record_to_scenario(rec: dict) -> dict:
 
 
 def load_records(path: str) -> list[dict]:
-    from paraplan.fileio import read_text, yaml_problem
+    from paraplan.fileio import parse_yaml, read_text, yaml_problem
 
     if not os.path.exists(path):
         raise ConfigError("", f"published-runs file not found: {path}")
     try:
-        data = yaml.safe_load(read_text(path, "published-runs file"))
+        data = parse_yaml(read_text(path, "published-runs file"))
     except yaml.YAMLError as e:
         raise ConfigError("", f"{path}: invalid YAML: {yaml_problem(e)}") from None
     if not isinstance(data, list):

@@ -17,6 +17,17 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "shared_
 MOE_RECOMPUTE_MODULES = ("moe_act", "moe", "shared_experts")
 ZERO_STAGES = (0, 1, 2, 3)
 TOPOLOGIES = ("fat-tree", "rail-optimized")
+
+# The physical figures a scenario or a GPU profile may give, in SI units: about a thousand times past
+# today's hardware either way (NVLink 5 moves 1.8e12 B/s per GPU, an H100 runs about 1e15 FLOP/s,
+# a B200 holds 1.9e11 bytes), so a typo is refused instead of pricing a collective at 1e-300 s or
+# giving a GPU unbounded memory.
+BANDWIDTH_RANGE = (1e6, 1e15)  # bytes/s (links, NICs, HBM)
+LATENCY_RANGE = (0.0, 1.0)  # seconds
+FLOPS_RANGE = (1e9, 1e19)  # FLOP/s
+CAPACITY_RANGE = (2.0**20, 2.0**50)  # bytes
+OVERSUBSCRIPTION_RANGE = (1.0, 1e3)
+EFFICIENCY_FLOOR = 1e-6  # the least efficiency a curve may give (calibrated curves reach 7e-4)
 ATTENTION_KERNELS = ("flash", "flash3", "unfused")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16", "fp16")
 

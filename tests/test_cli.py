@@ -370,3 +370,25 @@ def test_sigterm_during_calibration_says_terminated(monkeypatch, tmp_path, capsy
                               name=None, dtypes=None, skip=[], report=None, threads=None, progress=False)
     assert cli.run(args) == 143
     assert capsys.readouterr().err == f"error: calibration terminated; nothing written to {tmp_path / 'p.yaml'}\n"
+
+
+@pytest.mark.parametrize("kind", ["profile", "records", "hf_config", "report"])
+def test_a_file_nested_past_the_recursion_limit_is_one_line(tmp_path, kind):
+    """Each file paraplan reads: a document nested 100,000 deep is a one-line error naming the
+    file, not a RecursionError traceback."""
+    deep = "[" * 100_000 + "]" * 100_000
+    if kind == "profile":
+        (tmp_path / "g.yaml").write_text("name: " + deep + "\n")
+        args = ("simulate", TINY, "--set", f"cluster.gpu={tmp_path / 'g.yaml'}")
+    elif kind == "records":
+        (tmp_path / "r.yaml").write_text("- " + deep + "\n")
+        args = ("validate-published", str(tmp_path / "r.yaml"))
+    elif kind == "hf_config":
+        (tmp_path / "config.json").write_text(deep)
+        args = ("simulate", TINY, "--set", f"model={{hf_config: {tmp_path / 'config.json'}}}")
+    else:
+        (tmp_path / "report.json").write_text(deep)
+        args = ("calibrate", "--from-report", str(tmp_path / "report.json"), "--out", str(tmp_path / "p.yaml"))
+    r = paraplan(*args)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and str(tmp_path) in r.stderr, r.stderr

@@ -308,15 +308,29 @@ def test_number_keys_take_ints_and_floats_and_reject_the_rest():
     raw["cluster"]["intra_node"] = {"bandwidth_GBps": False}
     assert error_of(raw).path == "cluster.intra_node.bandwidth_GBps"
     raw["cluster"]["intra_node"] = {"bandwidth_GBps": 0}
-    assert "positive" in str(error_of(raw))
+    assert str(error_of(raw)) == "cluster.intra_node.bandwidth_GBps: expected a number from 0.001 to 1e+06, got 0"
     raw["cluster"]["intra_node"] = {"bandwidth_GBps": float("inf")}
     assert "finite" in str(error_of(raw))
+
+
+@pytest.mark.parametrize("key,value,allowed", [
+    ("intra_node.bandwidth_GBps", 1e300, "0.001 to 1e+06"),  # had failed in the network model's log
+    ("intra_node.bandwidth_GBps", 1e-300, "0.001 to 1e+06"),  # had simulated to an infinite step time
+    ("inter_node.nic_bandwidth_Gbps", 1e-9, "0.008 to 8e+06"),
+    ("inter_node.latency_us", 1.7e308, "0 to 1e+06"),
+    ("inter_node.oversubscription", 1e9, "1 to 1000"),
+])
+def test_link_figures_beyond_any_hardware_are_refused(key, value, allowed):
+    raw = tiny()
+    section, name = key.split(".")
+    raw["cluster"][section] = {name: value}
+    assert str(error_of(raw)) == f"cluster.{key}: expected a number from {allowed}, got {value:g}"
 
 
 def test_oversubscription_below_one_rejected():
     raw = tiny()
     raw["cluster"]["inter_node"] = {"oversubscription": 0.5}
-    assert str(error_of(raw)) == "cluster.inter_node.oversubscription: expected a number >= 1, got 0.5"
+    assert str(error_of(raw)) == "cluster.inter_node.oversubscription: expected a number from 1 to 1000, got 0.5"
 
 
 def test_bool_key_rejects_strings():
@@ -782,6 +796,9 @@ def test_mla_bad_input_names_the_key(extra, key, words):
 def test_negative_mtp_layers_is_rejected():
     err = error_of({**tiny(), "model": {"preset": "deepseek-v3", "mtp_layers": -1}})
     assert err.path == "model.mtp_layers"
+    # bounded as the layers are (it had overflowed at 2**63, and run for minutes at 3e7)
+    err = error_of({**tiny(), "model": {"preset": "deepseek-v3", "mtp_layers": 2**63}})
+    assert str(err) == f"model.mtp_layers: expected an integer from 0 to 100000, got {2**63}"
 
 
 def test_dropout_defaults_to_megatrons_and_the_presets_say_theirs():
@@ -836,6 +853,27 @@ def test_hf_mixtral_config_takes_transformers_expert_defaults(tmp_path):
     assert (moe.num_experts, moe.top_k, moe.expert_ffn_hidden_size) == (8, 2, 14336)
 
 
+MIXTRAL_HF = {"model_type": "mixtral", "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "intermediate_size": 14336, "vocab_size": 32000}
+DEEPSEEK_HF = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_size": 7168, "num_attention_heads": 128,
+               "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
+               "qk_rope_head_dim": 64, "v_head_dim": 128, "intermediate_size": 18432, "moe_intermediate_size": 2048,
+               "vocab_size": 129280, "n_routed_experts": 256, "num_experts_per_tok": 8, "n_group": 8, "topk_group": 4}
+
+
+@pytest.mark.parametrize("cfg, key", [
+    ({**MIXTRAL_HF, "num_local_experts": 0}, "model.moe.num_experts"),  # had become a dense model
+    ({**MIXTRAL_HF, "model_type": "llama", "num_key_value_heads": 0}, "model.num_kv_heads"),  # had become MHA
+    ({**DEEPSEEK_HF, "n_group": 0}, "model.moe.expert_groups"),  # had become 1
+    ({**DEEPSEEK_HF, "moe_layer_freq": 0}, "model.moe.moe_layer_freq"),
+    ({**DEEPSEEK_HF, "num_nextn_predict_layers": 1e20}, "model.mtp_layers"),  # had overflowed
+])
+def test_hf_config_zeros_and_nonsense_are_refused_not_defaulted(tmp_path, cfg, key):
+    """transformers' defaults stand in for absent or null keys only."""
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert error_of({**tiny(), "model": {"hf_config": str(tmp_path)}}).path == key
+
+
 @pytest.mark.parametrize("key, value, limit", [
     ("model.hidden_size", 10**9, "2**20"), ("model.vocab_size", 10**13, "2**24"),
     ("cluster.num_nodes", 10**8, "2**20"), ("training.seq_length", 10**9, "2**26"),
@@ -850,9 +888,9 @@ def test_sizes_beyond_any_model_or_cluster_are_refused_at_once(key, value, limit
 def test_yaml_nested_too_deep_or_self_referencing_is_one_error(tmp_path):
     for text in ("x: " + "[" * 500 + "]" * 500 + "\n", "a: &a [*a]\n"):
         err = error_of(write(tmp_path, text))
-        assert "invalid YAML: nested deeper than a scenario can be" in str(err)
+        assert "invalid YAML: nested too deeply" in str(err)
     err = error_of(tiny(), ["search=&a {x: *a}"])
-    assert err.path == "--set" and "nested deeper" in str(err)
+    assert err.path == "--set" and "nested too deeply" in str(err)
     # an anchor used twice side by side is not a cycle
     assert load_scenario(tiny(), ["plan={tp: &t 2, pp: *t}"]).plan.pp == 2
 

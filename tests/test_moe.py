@@ -430,6 +430,16 @@ def test_a_zipf_exponent_with_another_distribution_is_refused():
     assert sc.model.moe.routing.s == 1.5
 
 
+@pytest.mark.parametrize("distribution", ["uniform", "zipf"])
+def test_a_histogram_with_another_distribution_is_refused(distribution):
+    """(It had been ignored: the uniform step time, where the histogram's skew does not fit.)"""
+    with pytest.raises(ConfigError, match="model.moe.routing.tokens_per_expert: is the histogram's counts, "
+                                          f"but distribution is {distribution}"):
+        load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml",
+                      [f"model.moe.routing.distribution={distribution}",
+                       "model.moe.routing.tokens_per_expert=[100,1,1,1,1,1,1,1]"])
+
+
 @pytest.mark.parametrize("shared_experts", [1, 4])
 def test_shared_expert_overlap_hides_both_exchanges_minus_their_sm_share(h100_net, shared_experts):
     """--moe-shared-expert-overlap runs the shared experts on their own stream: the up projection
