@@ -304,6 +304,7 @@ def record_to_scenario(rec: dict) -> dict:
     # Megatron's tensor-parallel layers as of early 2022 (LinearWithGradAccumulationAndAsyncCommunication,
     # ported to apex in NVIDIA/apex PR #1297, 2022-02): fused wgrad accumulation, async backward collectives
     megatron_2022 = date >= "2022" and "deepspeed" not in str(rec.get("framework")).lower()
+    m = {**m, **{k: int(v) for k, v in m.items() if k in _MODEL_INTS and v is not None}}  # 24.0 -> 24
     model = {
         "num_layers": m["num_layers"], "hidden_size": m["hidden_size"],
         "num_attention_heads": m["num_attention_heads"],
@@ -320,10 +321,10 @@ def record_to_scenario(rec: dict) -> dict:
         model["head_dim"] = m["head_dim"]
     if m.get("moe"):
         e = m["moe"]
-        model["moe"] = {"num_experts": e["num_experts"], "top_k": e["top_k"],
-                        "expert_ffn_hidden_size": e["expert_ffn_hidden_size"],
-                        "num_shared_experts": e.get("num_shared_experts") or 0,
-                        "first_dense_layers": e.get("num_dense_layers") or 0}
+        model["moe"] = {"num_experts": int(e["num_experts"]), "top_k": int(e["top_k"]),
+                        "expert_ffn_hidden_size": int(e["expert_ffn_hidden_size"]),
+                        "num_shared_experts": int(e.get("num_shared_experts") or 0),
+                        "first_dense_layers": int(e.get("num_dense_layers") or 0)}
     gpn = int(h.get("gpus_per_node") or 8)
     precision, grad_reduce_dtype = _precision(rec, script)
     return {
@@ -331,7 +332,7 @@ def record_to_scenario(rec: dict) -> dict:
         "model": model,
         "cluster": {"gpu": _gpu_name(h["gpu"]), "num_nodes": int(h["num_gpus"]) // gpn,
                     "gpus_per_node": gpn, "inter_node": _inter_node(h.get("inter_node"))},
-        "training": {"seq_length": m["seq_length"], "global_batch_size": b["global_batch_size"],
+        "training": {"seq_length": m["seq_length"], "global_batch_size": int(b["global_batch_size"]),
                      "precision": precision, "grad_reduce_dtype": grad_reduce_dtype,
                      "attention": _attention_kernel(rec, modern)},
         "plan": {
@@ -416,6 +417,13 @@ _MOE_INT_FIELDS = (("model.moe.num_experts", True), ("model.moe.top_k", True),
                    ("model.moe.expert_ffn_hidden_size", True), ("model.moe.num_shared_experts", False),
                    ("model.moe.num_dense_layers", False))
 _NUMBER_FIELDS = ("metrics.iteration_time_s", "metrics.derived_iteration_time_s", "metrics.tflops_per_gpu")
+# integers that may be 0; every other integer field is a count or a degree, at least 1
+_ZERO_ALLOWED = ("parallelism.zero_stage", "model.moe.num_shared_experts", "model.moe.num_dense_layers")
+_MODEL_INTS = ("num_layers", "hidden_size", "num_attention_heads", "vocab_size", "seq_length", "num_kv_heads",
+               "ffn_hidden_size", "head_dim")
+_BOOL_FIELDS = ("parallelism.sequence_parallel", "model.tied_embeddings")
+# sections the mapping reads: a mapping where given (model.moe and hardware.inter_node: or null, text)
+_SECTIONS = ("model", "hardware", "parallelism", "batch", "metrics")
 
 
 def _field(rec: dict, dotted: str) -> tuple[bool, object]:
@@ -432,8 +440,22 @@ def check_record_fields(rec: dict) -> None:
     """Every field the mapping reads has the type it needs, or a ConfigError names the record, the
     field's dotted path and what is allowed (before any conversion could fail somewhere deeper)."""
     where = f"record {rec.get('id')}"
-    if not isinstance(_field(rec, "hardware.gpu")[1], str):
-        raise ConfigError(where, "hardware.gpu: expected the GPU's name as text, e.g. 'H100-80GB'")
+    for section in _SECTIONS:
+        if not isinstance(rec.get(section), dict):
+            raise ConfigError(where, f"{section}: expected a mapping, got {rec.get(section)!r}")
+    if not isinstance(_field(rec, "model.moe")[1], (dict, type(None))):
+        raise ConfigError(where, f"model.moe: expected a mapping or null, got {_field(rec, 'model.moe')[1]!r}")
+    if not isinstance(rec.get("source", {}), dict):
+        raise ConfigError(where, f"source: expected a mapping, got {rec.get('source')!r}")
+    for dotted in ("hardware.gpu", "hardware.inter_node", "framework"):
+        value = _field(rec, dotted)[1]
+        if not isinstance(value, str) and (dotted == "hardware.gpu" or value is not None):
+            raise ConfigError(where, f"{dotted}: expected text{'' if dotted == 'hardware.gpu' else ' or null'}, "
+                                     f"got {value!r}")
+    for dotted in _BOOL_FIELDS:
+        value = _field(rec, dotted)[1]
+        if value is not None and not isinstance(value, bool):
+            raise ConfigError(where, f"{dotted}: expected true, false or null, got {value!r}")
     fields = _INT_FIELDS + (_MOE_INT_FIELDS if _field(rec, "model.moe")[1] else ())
     for dotted, required in fields:
         present, value = _field(rec, dotted)
@@ -441,10 +463,15 @@ def check_record_fields(rec: dict) -> None:
             if required:
                 raise ConfigError(where, f"{dotted}: {'required' if present else 'missing'}, expected an integer")
             continue
+        least = 0 if dotted in _ZERO_ALLOWED else 1
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-                or value != int(value) or value < 0:
-            allowed = "an integer" if required else "an integer or null"
+                or value != int(value) or value < least:
+            allowed = f"an integer >= {least}" + ("" if required else " or null")
             raise ConfigError(where, f"{dotted}: expected {allowed}, got {value!r}")
+    gpus, per_node = _field(rec, "hardware.num_gpus")[1], _field(rec, "hardware.gpus_per_node")[1] or 8
+    if gpus % per_node:
+        raise ConfigError(where, f"hardware.num_gpus: {gpus} is not whole nodes of {per_node} GPUs "
+                                 f"(hardware.gpus_per_node, 8 when null)")
     for dotted in _NUMBER_FIELDS:
         value = _field(rec, dotted)[1]
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))
@@ -469,7 +496,9 @@ def evaluate(records: list[dict], *, include_moe: bool = True, profiles: dict[st
 
     rows = []
     for rec in records:
-        if (include_moe or is_dense(rec)) and any(_field(rec, f)[1] is not None for f in _NUMBER_FIELDS):
+        given = any(_field(rec, f)[1] is not None for f in _NUMBER_FIELDS) or \
+            not isinstance(rec.get("metrics", {}), (dict, type(None)))
+        if (include_moe or is_dense(rec)) and given:
             check_record_fields(rec)  # a record that gives a step time or a rate is about to be mapped
         try:
             usable = (include_moe or is_dense(rec)) and _incomparable(rec) is None
@@ -479,6 +508,8 @@ def evaluate(records: list[dict], *, include_moe: bool = True, profiles: dict[st
             bundled = gpu
             if usable and gpu in profiles:
                 scenario["cluster"]["gpu"], gpu = profiles[gpu], labels[gpu]
+        except ConfigError as exc:  # a field the mapping cannot read (an unknown GPU): named with its record
+            raise ConfigError(f"record {rec.get('id')}", str(exc)) from None
         except KeyError as exc:
             raise ConfigError(f"record {rec.get('id')}", f"malformed: missing key {exc.args[0]!r}") from None
         except (TypeError, ValueError, AttributeError, ZeroDivisionError) as exc:

@@ -281,15 +281,15 @@ def test_validate_published_bad_files_are_one_line(tmp_path):
         ([str(tmp_path)], f"error: published-runs file: {tmp_path} is a directory"),
         ([str(one)], f"error: {one}: no record publishes a step time"),
         ([str(numbers)], f"error: {numbers}: record 1 is not a mapping with an 'id'"),
-        ([str(bad)], "error: record megatron_sc21_t1_1.7B: parallelism.tp: expected an integer, got 'eight'\n"),
-        ([str(bad_mbs)], "error: record megatron_sc21_t1_1.7B: batch.micro_batch_size: expected an integer or null, "
-                         "got 1.5\n"),
-        ([str(infinite)], "error: record megatron_sc21_t1_1.7B: parallelism.tp: expected an integer, got inf\n"),
+        ([str(bad)], "error: record megatron_sc21_t1_1.7B: parallelism.tp: expected an integer >= 1, got 'eight'\n"),
+        ([str(bad_mbs)], "error: record megatron_sc21_t1_1.7B: batch.micro_batch_size: expected an integer >= 1 or "
+                         "null, got 1.5\n"),
+        ([str(infinite)], "error: record megatron_sc21_t1_1.7B: parallelism.tp: expected an integer >= 1, got inf\n"),
         ([str(nan_time)], "error: record korthikanti_t5_22B_sp_selective: metrics.iteration_time_s: expected a positive "
                           "number or null, got nan\n"),
         ([str(broken)], f"error: {broken}: invalid YAML: line 2, column 1: expected ',' or ']', but got '<stream end>'\n"),
         ([str(twice)], f"error: {twice}: record 2: id {records[0]['id']!r} is used twice"),
-        ([str(no_model)], f"error: record {records[0]['id']}: model.num_layers: missing, expected an integer\n"),
+        ([str(no_model)], f"error: record {records[0]['id']}: model: expected a mapping, got None\n"),
         (["--json", "--markdown"], "error: argument --markdown: not allowed with argument --json"),
         (["--profile", "h100=mine.yaml"], "error: --profile h100=mine.yaml: expected BUNDLED=PROFILE with BUNDLED one of"),
         (["--profile", "h100-sxm-80gb-calibrated=nope"], "error: --profile nope: not found"),
@@ -304,6 +304,48 @@ def test_validate_published_bad_files_are_one_line(tmp_path):
         r = paraplan("validate-published", *args)
         assert r.returncode == 2 and "Traceback" not in r.stderr, (args, r.stderr)
         assert r.stderr.count("\n") == 1 and r.stderr.startswith(message), (args, r.stderr)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    # each had been read some other way: a string as true, a partial node dropped, 0 as the default
+    ("parallelism.sequence_parallel", "false", "parallelism.sequence_parallel: expected true, false or null, got 'false'"),
+    ("model.tied_embeddings", "no", "model.tied_embeddings: expected true, false or null, got 'no'"),
+    ("hardware.num_gpus", 12, "hardware.num_gpus: 12 is not whole nodes of 8 GPUs"),
+    ("hardware.gpus_per_node", 0, "hardware.gpus_per_node: expected an integer >= 1 or null, got 0"),
+    ("parallelism.virtual_pipeline_stages", 0, "parallelism.virtual_pipeline_stages: expected an integer >= 1 or null"),
+    ("metrics", [1], "metrics: expected a mapping, got [1]"),
+    ("batch", 5, "batch: expected a mapping, got 5"),
+    ("hardware.inter_node", 5, "hardware.inter_node: expected text or null, got 5"),
+    ("source", "x", "source: expected a mapping, got 'x'"),
+    ("hardware.gpu", "TPU v4", "hardware.gpu: no bundled profile for 'TPU v4'"),
+])
+def test_validate_published_names_the_record_and_field_it_cannot_read(tmp_path, field, value, message):
+    import yaml
+
+    records = yaml.safe_load((ROOT / "paraplan" / "data" / "public_runs.yaml").read_text())
+    rec = next(r for r in records if r["id"] == "korthikanti_t5_22B_full_recompute")
+    *path, last = field.split(".")
+    node = rec
+    for key in path:
+        node = node[key]
+    node[last] = value
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump([rec]))
+    r = paraplan("validate-published", str(tmp_path / "r.yaml"))
+    assert r.returncode == 2 and r.stderr.startswith(f"error: record korthikanti_t5_22B_full_recompute: {message}"), \
+        r.stderr
+    assert r.stderr.count("\n") == 1
+
+
+def test_validate_published_reads_integers_written_as_floats(tmp_path):
+    import yaml
+
+    records = yaml.safe_load((ROOT / "paraplan" / "data" / "public_runs.yaml").read_text())
+    rec = next(r for r in records if r["id"] == "korthikanti_t5_22B_full_recompute")
+    (tmp_path / "a.yaml").write_text(yaml.safe_dump([rec]))
+    rec["model"]["num_layers"] = float(rec["model"]["num_layers"])  # 8.0 for 8, as check_record_fields allows
+    (tmp_path / "b.yaml").write_text(yaml.safe_dump([rec]))
+    a, b = (json.loads(paraplan("validate-published", str(tmp_path / f), "--json").stdout) for f in ("a.yaml", "b.yaml"))
+    assert a["rows"] == b["rows"] and a["rows"][0]["predicted_step_time_s"] > 0
 
 
 @pytest.mark.parametrize("args,message", [
