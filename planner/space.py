@@ -67,7 +67,8 @@ sequence_parallel takes its first candidate when tp = 1 (there is nothing to spl
 its first candidate when dp x cp = 1 and, for an MoE model, expert-dp = 1 (nothing to shard over),
 and gpipe and 1f1b are one schedule when pp = 1, 1f1b (gpipe when 1f1b is not listed; see
 `one_stage_schedule`: one stage has no pipeline to schedule, and GPipe's order there only holds more
-activations). With ep x expert_tp = 1 no token leaves its rank, so the dispatcher is alltoall
+activations), and likewise when a pipeline runs one microbatch (both orders are then its forward,
+then its backward, on every stage). With ep x expert_tp = 1 no token leaves its rank, so the dispatcher is alltoall
 (Megatron-Core's flex dispatcher, which runs DeepEP over the expert-TP x EP group, refuses ep x
 expert_tp = 1; with expert_tp > 1 and ep 1 it exchanges over the expert-TP ranks, which the
 all-to-all dispatcher gathers and scatters), and moe_shared_expert_overlap is
@@ -469,7 +470,8 @@ def one_stage_schedule(schedules: tuple[str, ...]) -> str | None:
     (megatron/core/pipeline_parallel/schedules.py, get_forward_backward_func), which is 1F1B's order
     on one stage. GPipe's order (every forward, then every backward) does the same work with no
     pipeline to wait for, so the same step time, but holds every microbatch's activations instead
-    of one: never better, so the space keeps one plan there, not two."""
+    of one: never better, so the space keeps one plan there, not two. The same schedule stands for
+    both on more stages when a pipeline runs one microbatch, where the two orders are the same."""
     return next((s for s in ONE_STAGE_SCHEDULES if s in schedules), None)
 
 
@@ -518,7 +520,7 @@ class PlanSpace:
         return self._make(v, dp)
 
     def _make(self, v: Mapping[str, Any], dp: int) -> Candidate:
-        schedule = self._schedule(v["pp"], v["schedule"])
+        schedule = self._schedule(v["pp"], v["schedule"], self._microbatches(dp, v["micro_batch_size"]))
         vpp = EXACT_VIRTUAL.get(schedule, v["virtual_pipeline_stages"])  # zbv: 2, whatever was sampled
         virtual = schedule in VIRTUAL_SCHEDULES and vpp >= VIRTUAL_SCHEDULES[schedule]
         interleaved = virtual and vpp > 1
@@ -583,15 +585,22 @@ class PlanSpace:
         plan = dataclasses.replace(cand.plan, first_stage_layers=first, last_stage_layers=rest - first)
         return Candidate(num_nodes=cand.num_nodes, plan=plan)
 
-    def _schedule(self, pp: int, schedule: str) -> str:
-        """The canonical schedule: with pp = 1, gpipe and 1f1b are the one-stage schedule."""
-        if pp == 1 and self._one_stage_schedule and schedule in ONE_STAGE_SCHEDULES:
+    def _schedule(self, pp: int, schedule: str, microbatches: int | None = None) -> str:
+        """The canonical schedule: on one stage, or with one microbatch per pipeline (each stage
+        runs its forward, then its backward), gpipe and 1f1b are one, the one-stage schedule."""
+        if (pp == 1 or microbatches == 1) and self._one_stage_schedule and schedule in ONE_STAGE_SCHEDULES:
             return self._one_stage_schedule
         return schedule
 
-    def _schedules(self, pp: int) -> tuple[str, ...]:
-        """The candidate schedules, canonical for plans with `pp` stages (each once)."""
-        return tuple(dict.fromkeys(self._schedule(pp, s) for s in self._cands["schedule"]))
+    def _schedules(self, pp: int, microbatches: int | None = None) -> tuple[str, ...]:
+        """The candidate schedules, canonical for plans with `pp` stages and `microbatches` (each once)."""
+        return tuple(dict.fromkeys(self._schedule(pp, s, microbatches) for s in self._cands["schedule"]))
+
+    def _microbatches(self, dp: int | None, mbs: int) -> int | None:
+        """Microbatches per pipeline at data parallelism `dp` and micro-batch size `mbs`; None where
+        dp is not known or the global batch does not divide (the plan is refused for that)."""
+        gbs = self.scenario.training.global_batch_size
+        return gbs // (dp * mbs) if dp and gbs % (dp * mbs) == 0 else None
 
     def baseline(self) -> Candidate:
         """The scenario's own plan, exactly as written."""
@@ -712,7 +721,7 @@ class PlanSpace:
         for ep, etp, dispatcher, overlap in self._expert_settings():
             zeros = c["zero_stage"] if self._zero_matters(tp, dp, cp, ep, etp) else c["zero_stage"][:1]
             for mbs in c["micro_batch_size"]:
-                for schedule in self._schedules(pp):
+                for schedule in self._schedules(pp, self._microbatches(dp, mbs)):
                     for vpp in self._vpps(schedule):
                         for sp in sps:
                             for zero in zeros:
@@ -784,19 +793,20 @@ class PlanSpace:
         the EP-overlap candidates again where that knob acts (it acts on a product of conditions,
         _ep_overlap_matters, so the combinations where it does multiply out)."""
         c = self._cands
-        scheds = [(s, v) for s in self._schedules(pp) for v in self._vpps(s)]
         n_sp = len(c["sequence_parallel"]) if tp > 1 else 1
         extra = len(c["overlap_moe_expert_parallel_comm"]) - 1
         rcs = [recompute_choice(rc) for rc in c["recompute"]]
         total = 0
-        for ep, etp, _, overlap in self._expert_settings():
-            zeros = c["zero_stage"] if self._zero_matters(tp, dp, cp, ep, etp) else c["zero_stage"][:1]
-            n = len(zeros) * len(scheds) * len(rcs)
-            if extra and self._ep_overlap_matters(ep, overlap, 1, "1f1b", 1, 0, "none", ()):
-                n += extra * (sum(z <= 1 for z in zeros)
-                              * sum(_overlap_schedule(pp, s, v) for s, v in scheds)
-                              * sum(_overlap_recompute(r, self._modules(mods)) for r, mods in rcs))
-            total += len(c["micro_batch_size"]) * n_sp * n
+        for mbs in c["micro_batch_size"]:
+            scheds = [(s, v) for s in self._schedules(pp, self._microbatches(dp, mbs)) for v in self._vpps(s)]
+            for ep, etp, _, overlap in self._expert_settings():
+                zeros = c["zero_stage"] if self._zero_matters(tp, dp, cp, ep, etp) else c["zero_stage"][:1]
+                n = len(zeros) * len(scheds) * len(rcs)
+                if extra and self._ep_overlap_matters(ep, overlap, 1, "1f1b", 1, 0, "none", ()):
+                    n += extra * (sum(z <= 1 for z in zeros)
+                                  * sum(_overlap_schedule(pp, s, v) for s, v in scheds)
+                                  * sum(_overlap_recompute(r, self._modules(mods)) for r, mods in rcs))
+                total += n_sp * n
         return total
 
     def _layouts(self) -> Iterator[tuple[int, int, int, int]]:

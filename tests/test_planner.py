@@ -503,6 +503,27 @@ def test_one_pipeline_stage_is_one_plan_whatever_the_schedule():
     assert runs["gpipe"].peak_memory_bytes > runs["1f1b"].peak_memory_bytes
 
 
+
+def test_one_microbatch_per_pipeline_is_one_plan_whatever_the_schedule():
+    """A pipeline that runs one microbatch does each stage's forward, then its backward, under
+    gpipe and 1f1b alike (the same step time and memory): one plan, 1f1b, in the sampler's view and
+    the enumeration's. (Both had been searched, simulated and ranked, 5% of the tiny model's space.)"""
+    sp = space("search.tp=[1]", "search.pp=[2]", "search.cp=[1]", "search.micro_batch_size=[4, 1]",
+               "search.schedule=[gpipe, 1f1b]", "search.zero_stage=[1]", "search.recompute=[none]")
+    base = {"tp": 1, "pp": 2, "cp": 1, "zero_stage": 1, "recompute": "none"}  # dp 4: 16 / (4 x mbs)
+    one = {sp.candidate({**base, "micro_batch_size": 4, "schedule": s}) for s in ("gpipe", "1f1b")}
+    assert len(one) == 1 and next(iter(one)).plan.schedule == "1f1b"
+    four = {sp.candidate({**base, "micro_batch_size": 1, "schedule": s}).plan.schedule for s in ("gpipe", "1f1b")}
+    assert four == {"gpipe", "1f1b"}  # four microbatches: two schedules
+    valid = sp.enumerate().valid
+    assert sorted((c.plan.micro_batch_size, c.plan.schedule) for c in valid) == [(1, "1f1b"), (1, "gpipe"), (4, "1f1b")]
+    assert sp.count_combinations() == 3
+    sc = sp.scenario_for(next(iter(one)))
+    runs = {s: simulate(dataclasses.replace(sc, plan=dataclasses.replace(sc.plan, schedule=s))) for s in ("gpipe", "1f1b")}
+    assert runs["1f1b"].num_microbatches == 1
+    assert runs["gpipe"].step_time_s == pytest.approx(runs["1f1b"].step_time_s, rel=1e-12)
+    assert runs["gpipe"].peak_memory_bytes == runs["1f1b"].peak_memory_bytes
+
 # -- the scenario's own plan on another cluster ---------------------------------------------------
 
 
