@@ -65,7 +65,9 @@ def build_report(scenario: str, result: SearchResult, objective: Objective, *, t
                 examples.setdefault(k, r)
     pool = [e for e in evals.values() if e.fits]
     base = result.baseline
-    base_added = result.baseline_in_space and base.fits and base.candidate not in evals
+    # the scenario's plan, or the same plan as the space writes it (its twin), ranks once
+    own = {base.candidate, result.baseline_twin or base.candidate}
+    base_added = result.baseline_in_space and base.fits and not own & evals.keys()
     if base_added:
         pool.append(base)
     if objective.multi:
@@ -74,7 +76,7 @@ def build_report(scenario: str, result: SearchResult, objective: Objective, *, t
         chosen = sorted(pool, key=objective.sort_key)[:top]
     plans = tuple(
         Ranked(rank=i + 1, evaluation=e, trial=first_trial.get(e.candidate),
-               baseline=e.candidate == base.candidate)
+               baseline=e.candidate in own)
         for i, e in enumerate(chosen)
     )
     ooms = [e for e in evals.values() if e.status == "oom"]

@@ -51,7 +51,6 @@ WORKER_ATTR = "worker"
 STRUCTURE_VIOLATION = 10.0
 UNTAGGED_GRACE_S = 3.0
 STRATEGIES = ("auto", "exhaustive", "tpe")
-_STUDY_ATTRS = ("paraplan_fingerprint", "paraplan_strategy", "paraplan_baseline")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,6 +90,10 @@ class SearchResult:
     """Every finished trial of the study (complete and pruned), by trial number."""
     baseline: Evaluation
     baseline_in_space: bool
+    baseline_twin: Any = None
+    """The scenario's plan as the space writes it (a Candidate; knobs that cannot act on it, such as
+    sequence parallelism at tp 1, at the space's canonical values): the plan the search evaluates
+    for it, which the report ranks as the scenario's own. None when the plan is not in the space."""
     budget: int
     wall_time_s: float
     simulations: int
@@ -307,6 +310,7 @@ def run_search(req: SearchRequest, *, progress: Callable[[int, int, Evaluation |
         strategy=strategy_name, study_name=req.study_name, storage=mask_url(req.storage),
         enumeration=enum, combinations=combos, records=records, baseline=baseline,
         baseline_in_space=space.valid(baseline_cand) and baseline.simulated,
+        baseline_twin=space.candidate(space.params_of(baseline_cand)) if space.in_space(baseline_cand) else None,
         budget=budget, wall_time_s=time.perf_counter() - t0, simulations=sims,
         trials_before=before, trials_failed=failed, study=study,
     )

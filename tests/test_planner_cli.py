@@ -294,3 +294,15 @@ def test_the_launch_line_is_judged_on_the_scaled_down_model_launch_runs(tmp_path
     assert "launch it:" not in r.stdout
     assert "do not split evenly" in r.stdout and "(run.num_layers 3 sets model.num_layers; this layout splits" in r.stdout
     assert json.loads((out / "top_plans.json").read_text())["best_plan"]["launch"] is None
+
+
+def test_the_scenarios_plan_ranks_once_when_written_otherwise_than_the_space_writes_it(tmp_path):
+    """sequence_parallel: true at tp 1 is the same plan as the space's (off): one row, marked as the
+    scenario's plan (it had been ranked twice, once from the search and once as the baseline)."""
+    r = paraplan("plan", TINY, "--out", str(tmp_path / "o"), "--no-plots", "--quiet", "--set", "plan.tp=1",
+                 "--set", "plan.pp=1", "--set", "plan.sequence_parallel=true", "--set", "search.tp=[1]",
+                 "--set", "search.pp=[1]", "--set", "search.cp=[1]", "--set", "search.micro_batch_size=[2]",
+                 "--set", "search.zero_stage=[1]", "--set", "search.recompute=[none]")
+    assert r.returncode == 0, r.stderr
+    top = json.loads((tmp_path / "o" / "top_plans.json").read_text())
+    assert len(top["plans"]) == 1 and top["plans"][0]["scenario_plan"], top["plans"]
