@@ -37,8 +37,14 @@ def comment(text: str) -> str:
     return "\n".join(f"# {line}" for line in (str(text).splitlines() or [""]))
 
 
-def launch_command(config_path: str) -> str:
-    return f"paraplan launch {shlex.quote(config_path)}"
+def launch_command(config_path: str, num_nodes: int = 1) -> str:
+    """The `paraplan launch` line for the config; on several nodes, the line each node runs with its
+    own NODE_RANK and node 0's address (as megatron_launch_command: `paraplan launch` alone starts
+    every rank on the one node it runs on)."""
+    line = f"paraplan launch {shlex.quote(config_path)}"
+    if num_nodes > 1:
+        line += f' --nnodes {num_nodes} --node-rank "$NODE_RANK" --rdzv-endpoint "$MASTER_ADDR:29500"'
+    return line
 
 
 def executor_config_yaml(sc: Scenario, ev: Evaluation, *, launch: str, header: str = "") -> str:

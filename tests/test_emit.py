@@ -241,6 +241,15 @@ def test_megatron_fsdp_gets_the_flags_megatron_requires(zero, strategy):
     assert "env -u CUDA_DEVICE_MAX_CONNECTIONS" in megatron_launch_command(sc)
 
 
+def test_paraplan_launch_line_rendezvous_on_several_nodes():
+    """`paraplan launch CONFIG` alone starts every rank on the node it runs on."""
+    from planner.emit import launch_command
+
+    assert launch_command("/o/best_plan.yaml") == "paraplan launch /o/best_plan.yaml"
+    assert launch_command("/o/best plan.yaml", 8) == \
+        "paraplan launch '/o/best plan.yaml' --nnodes 8 --node-rank \"$NODE_RANK\" --rdzv-endpoint \"$MASTER_ADDR:29500\""
+
+
 def test_megatron_launch_line_rendezvous_on_several_nodes():
     """torchrun's static defaults (node rank 0, master 127.0.0.1) would make every node node 0."""
     one = megatron_launch_command(load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml"))

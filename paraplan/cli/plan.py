@@ -248,7 +248,7 @@ def _write_outputs(scenario, result, objective, out: Path, args) -> int:
                 refused = with_layer_hint(scaled, refused, "run.num_layers")
         except ConfigError as exc:
             refused = [str(exc)]
-        launch = None if refused else emit.launch_command(str(config))
+        launch = None if refused else emit.launch_command(str(config), sc.cluster.num_nodes)
         data["best_plan"] = {"config": str(config), "launch": launch, "executor_refuses": refused}
         files["best_plan.yaml"] = emit.executor_config_yaml(
             sc, best, launch=launch or "not with the bundled executor, which refuses it: " + "; ".join(refused))
