@@ -137,9 +137,6 @@ class Evaluator:
         self._memo.setdefault(ev.candidate, ev)
         self._memo.setdefault(self.space.candidate(self.space.params_of(ev.candidate)), ev)
 
-    def known(self, cand: Candidate) -> bool:
-        return cand in self._memo
-
     def evaluate(self, cand: Candidate) -> Evaluation:
         ev = self._memo.get(cand)
         if ev is None:

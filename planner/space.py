@@ -778,7 +778,10 @@ class PlanSpace:
 
     def _zero_matters(self, tp: int, dp: int | None, cp: int, ep: int, expert_tp: int) -> bool:
         """ZeRO shards over dp x cp and, for an MoE model, expert states over expert-dp =
-        tp x cp x dp / (ep x expert_tp): with both groups of one every stage is the same plan."""
+        tp x cp x dp / (ep x expert_tp): with both groups of one there is nothing to shard, and the
+        space keeps the first (lowest) candidate stage. The stages are not quite the same plan there
+        (ZeRO-2/3 accumulate gradients outside the GEMMs, a little slower), but the lowest is never
+        the slower one."""
         if dp is None or dp * cp != 1:
             return True
         return self.scenario.model.moe is not None and tp * cp * dp > ep * expert_tp

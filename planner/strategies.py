@@ -141,14 +141,13 @@ class RefiningSampler(BaseSampler):
     """
 
     def __init__(self, tpe: BaseSampler, space: PlanSpace, *, choices: dict[str, tuple], fixed: dict[str, Any],
-                 refine_from: int, seed: int, max_radius: int = 2):
+                 refine_from: int, seed: int):
         self._tpe = tpe
         self._space = space
         self._choices = choices
         self._fixed = fixed
         self._refine_from = refine_from
         self._rng = np.random.RandomState(seed)
-        self._max_radius = max_radius
         self._proposal: dict[str, Any] | None = None
 
     def reseed_rng(self) -> None:

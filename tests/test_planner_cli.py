@@ -306,3 +306,15 @@ def test_the_scenarios_plan_ranks_once_when_written_otherwise_than_the_space_wri
     assert r.returncode == 0, r.stderr
     top = json.loads((tmp_path / "o" / "top_plans.json").read_text())
     assert len(top["plans"]) == 1 and top["plans"][0]["scenario_plan"], top["plans"]
+
+
+def test_a_resume_without_plots_removes_the_earlier_runs_plots(tmp_path):
+    """The plots beside the new report would be an earlier run's (fewer trials) read as this one's."""
+    out = tmp_path / "o"
+    args = ("plan", TINY, "--out", str(out), "--quiet", *SMALL)
+    assert paraplan(*args, "--trials", "12").returncode == 0
+    assert (out / "history.png").exists()
+    r = paraplan(*args, "--trials", "20", "--resume", "--no-plots")
+    assert r.returncode == 0, r.stderr
+    assert not (out / "history.png").exists() and not (out / "importance.png").exists()
+    assert "removed the earlier run's history.png" in r.stdout

@@ -264,9 +264,17 @@ def _write_outputs(scenario, result, objective, out: Path, args) -> int:
     files["report.txt"] = text + "\n"
     check_distinct_files({"scenario": args.scenario, **{f"--out {name}": out / name for name in files}})
     write_files_atomic([(out / name, content, "--out") for name, content in files.items()])  # all or none
+    stale = [name for name in RESULT_FILES if name not in files and (out / name).is_file()]
+    for name in stale:  # an earlier run's (a resume without plots, or with no plan that fits now)
+        (out / name).unlink()
     print(text)
-    print(f"\n  wrote {', '.join(files)} to {out}/")
+    print(f"\n  wrote {', '.join(files)} to {out}/" + (f"; removed the earlier run's {', '.join(stale)}" if stale else ""))
     return 0
+
+
+# every result file the command may write into --out (the journal aside)
+RESULT_FILES = ("report.txt", "top_plans.json", "history.png", "importance.png", "pareto.png", "best_plan.yaml",
+                "megatron_args.txt", "torchtitan.toml")
 
 
 def _unused_flags(args, result) -> list[str]:
