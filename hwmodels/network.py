@@ -251,10 +251,15 @@ def nccl_latency(net: Network, algo: str, proto: int, op: str, n: int, ppn: int,
           nsteps 2(n-1) all_reduce, n-1 all_gather/reduce_scatter, n otherwise;
           nInter 0 on one node, 2(N-1) all_reduce, N-1 otherwise;
     tree  (all_reduce) base + 2 x ((ppn-1) x intraLat + log2(N) x interLat);
-    interLat is the network's tree latency when ppn == 1 ("latencies fully exposed")."""
+    interLat is the network's tree latency when ppn == 1 ("latencies fully exposed");
+    broadcast (ring only) base + one hop: NVLink's on one node, the network's across nodes (its
+    chunks pipeline down the ring; tuning.cc's sameChannels case, an NVSwitch node's rings)."""
     intra = NVLINK_LAT[algo][proto] * net.intra_lat_scale
     inter = NET_LAT["tree" if ppn == 1 else algo][proto] * net.inter_lat_scale
     lat = BASE_LAT[algo][proto]
+    if op == "broadcast":
+        hop = NVLINK_LAT[algo][proto] * net.intra_lat_scale if nodes == 1 else NET_LAT[algo][proto] * net.inter_lat_scale
+        return (lat + hop) * US
     if algo == "tree":
         lat += 2 * ((ppn - 1) * intra + (nodes.bit_length() - 1) * inter)  # log2i: floor
     else:

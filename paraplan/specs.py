@@ -254,7 +254,8 @@ class LinkSpec:
     bandwidth: float
     """bytes/s per GPU per direction."""
     latency: float
-    """seconds per hop."""
+    """seconds per hop of NCCL's LL ring (tuning.cc hwLat: 0.6 us over NVLink); every algorithm's
+    and protocol's hop latency scales with it (hwmodels.network.build_network)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -267,7 +268,9 @@ class InterNodeSpec:
     """Leaf-to-spine oversubscription: a leaf's uplinks carry 1/this of its NICs' bandwidth, so
     traffic that crosses the spine slows by max(1, this x the share of the leaf's traffic that
     crosses; hwmodels.network._spine_share)."""
-    latency: float = 5e-6
+    latency: float = 2.7e-6
+    """seconds per network hop of NCCL's LL ring (tuning.cc hwLat, the bundled profiles' figure);
+    every algorithm's and protocol's network hop latency scales with it."""
     nodes_per_leaf: int = 32
     """Nodes under one leaf (rail) switch: a group inside it never crosses the spine."""
 

@@ -332,3 +332,15 @@ def test_tree_all_reduce_bandwidth_follows_nccl_refinements():
     assert _tree_correction(2, 2**20) == 0.5 and _tree_correction(2, 64) == 0.9
     assert _tree_correction(0, 2**40) == 1.0  # beyond the table: its last value
     assert _tree_correction(1, 2**21.5) == pytest.approx(0.7)  # halfway between LL128's 0.6 (2 MiB) and 0.8 (4 MiB)
+
+
+def test_broadcast_latency_is_one_hop_down_the_pipelined_ring():
+    """tuning.cc prices a ring broadcast at its base latency plus one hop (its chunks pipeline down
+    the ring), NVLink's on one node and the network's across nodes: LL on 16 nodes is 6.6 + 2.7 us,
+    however many ranks (it had been priced like an all-gather, 6.6 + 113 x 1.0 + 15 x 2.7 us)."""
+    from hwmodels.network import nccl_latency
+
+    net = net_for(nodes=16)
+    assert nccl_latency(net, "ring", 0, "broadcast", 128, 8, 16) == pytest.approx((6.6 + 2.7) * 1e-6)
+    assert nccl_latency(net, "ring", 0, "broadcast", 16, 1, 16) == pytest.approx((6.6 + 2.7) * 1e-6)
+    assert nccl_latency(net, "ring", 2, "broadcast", 8, 8, 1) == pytest.approx((8.4 + 3.4) * 1e-6)
