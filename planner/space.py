@@ -276,6 +276,15 @@ def recompute_choice(value: str) -> tuple[str, tuple[str, ...] | None]:
     return "selective", tuple(m for m in re.split(r"[,+\s]+", named.group(1).strip()) if m)
 
 
+def _without_layernorm(value: str) -> str:
+    """A search.recompute candidate without the layernorm module: `none` if nothing is left."""
+    recompute, modules = recompute_choice(value)
+    if modules is None or "layernorm" not in modules:
+        return value
+    rest = tuple(m for m in modules if m != "layernorm")
+    return _selective_of(rest) if rest else "none"
+
+
 def _selective_of(modules) -> str:
     """`selective(a,b)` with the modules in RECOMPUTE_MODULES' order: the order recompute runs them in
     does not matter, so one spelling per set."""
@@ -330,10 +339,20 @@ def parse_search(scenario: Scenario, raw: Any = None) -> SearchSpec:
         settings["gpu_hour_cost"] = float(v)
 
     given = {k: _check_candidates(k, v) for k, v in raw.items() if k in KNOBS}
-    if "recompute" in given:  # selective of the scenario's own modules is plain selective: one plan
+    if "recompute" in given:
+        # layernorm recomputes only norms that are modules of their own (simulator.memory.
+        # norm_outputs_recomputed): none in a dense model without MLA, where it is dropped
+        idle = scenario.model.moe is None and scenario.model.mla is None
+        acting = [_without_layernorm(v) if idle else v for v in given["recompute"]]
+        # selective of the scenario's own modules is plain selective: one plan
         own = _selective_of(scenario.plan.recompute_modules)
-        canonical = ["selective" if v == own else v for v in given["recompute"]]
+        canonical = ["selective" if v == own else v for v in acting]
         if len(set(canonical)) != len(canonical):
+            idle_ones = [f"{a} runs as {c}" for a, c in zip(given["recompute"], acting) if a != c]
+            if idle_ones and len(set(acting)) != len(acting):
+                raise ConfigError("search.recompute", f"{'; '.join(idle_ones)}: layernorm recomputes nothing in a "
+                                                      f"dense model without MLA (its norms are fused into the linears "
+                                                      f"they feed), so two candidates are one plan: list it once")
             raise ConfigError("search.recompute", f"{own} is the scenario's plan.recompute_modules, which "
                                                   f"selective already recomputes: list it once")
         given["recompute"] = tuple(sorted(canonical))

@@ -53,6 +53,9 @@ BAD_SEARCH = [
                                                            "plan.recompute_modules, which selective already recomputes"),
     ("search.recompute=[selective(mlp+core_attn), selective(core_attn+mlp)]",
      "search.recompute: candidate 'selective(core_attn,mlp)' is listed twice"),
+    # layernorm frees nothing in a dense model without MLA (its norms are fused into the linears)
+    ("search.recompute=[none, selective(layernorm)]", "search.recompute: selective(layernorm) runs as none: layernorm "
+                                                      "recomputes nothing in a dense model without MLA"),
     ("search.zero_stage=[true]", "search.zero_stage: true is not one of 0, 1, 2, 3"),
     ("search.sequence_parallel=[yes please]", "search.sequence_parallel: 'yes please' is not one of false, true"),
     ("search.trials=0", "search.trials: expected a positive integer, got 0"),
@@ -69,6 +72,16 @@ BAD_SEARCH = [
                                         "mean 'deepep'?"),
     ("search.expert_tp=[0]", "search.expert_tp: expected positive integers, got 0"),
 ]
+
+
+def test_layernorm_recompute_is_dropped_where_it_frees_nothing():
+    """A dense model without MLA fuses each norm into the linear it feeds, so selective(mlp+layernorm)
+    runs as selective(mlp) and selective(layernorm) as none (they had been simulated and ranked
+    as plans of their own, with the same figures)."""
+    spec = parse_search(tiny("search.recompute=[selective(layernorm), selective(mlp+layernorm)]"))
+    assert spec.values("recompute") == ("none", "selective(mlp)")
+    moe = load_scenario(ROOT / "scenarios" / "mixtral-8x7b-64xh100.yaml", ["search.recompute=[selective(layernorm)]"])
+    assert parse_search(moe).values("recompute") == ("selective(layernorm)",)  # an MoE layer's pre-MLP norm
 
 
 @pytest.mark.parametrize("override,message", BAD_SEARCH, ids=[o for o, _ in BAD_SEARCH])
