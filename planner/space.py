@@ -447,8 +447,11 @@ def uneven_stages(num_layers: int, pp: int, layer_costs: Sequence[float] | None 
     split with more layers first: a pipeline runs at the pace of its slowest stage, which is what
     Megatron's --decoder-first/last-pipeline-num-layers are set by (the Llama 3 paper, Sec. 3.3.2,
     takes a layer off the first and last stages for the embedding and the head; Llama 3 405B's
-    126 layers on 16 stages are 7 + 14 x 8 + 7). (None, None) too when no such split exists (the
-    plan is then rejected as uneven)."""
+    126 layers on 16 stages are 7 + 14 x 8 + 7). Where ceil(L / pp) middle layers would leave an
+    edge stage empty, the middle stages take floor(L / pp) if the edges can then stay within
+    ceil(L / pp) each (5 layers on 4 stages: 2 + 1 + 1 + 1). (None, None) when no such split exists
+    (61 layers on 32 stages: 1 layer in the middle would leave 31 to the edges): the plan is then
+    rejected as uneven."""
     if pp < 2 or num_layers % pp == 0:
         return None, None
     if pp == 2:
@@ -457,7 +460,10 @@ def uneven_stages(num_layers: int, pp: int, layer_costs: Sequence[float] | None 
         middle = -(-num_layers // pp)
         rest = num_layers - (pp - 2) * middle
         if rest < 2:
-            return None, None
+            ceil, middle = middle, num_layers // pp
+            rest = num_layers - (pp - 2) * middle
+            if middle < 1 or rest < 2 or rest > 2 * ceil:
+                return None, None
     if layer_costs is None:
         return rest - rest // 2, rest // 2
     tail = num_layers - rest  # the middle stages' layers: the last stage's start at tail + first

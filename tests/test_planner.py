@@ -448,6 +448,9 @@ def test_uneven_stages_are_derived_when_pp_does_not_divide_the_layers():
     assert uneven_stages(61, 16) == (3, 2) and uneven_stages(61, 2) == (31, 30)
     assert uneven_stages(61, 32) == (None, None)                        # 61 - 30 x 2 leaves 1 layer for two stages
     assert uneven_stages(96, 8) == (None, None)                         # even
+    # where ceil(L / pp) in the middle leaves an edge empty, floor(L / pp) with edges within the ceiling
+    assert uneven_stages(5, 4) == (2, 1) and uneven_stages(9, 8) == (2, 1) and uneven_stages(10, 8) == (2, 2)
+    assert uneven_stages(3, 4) == (None, None)                          # fewer layers than stages
     inter = sp.candidate({**sp.params_of(sp.baseline()), "schedule": "interleaved-1f1b", "virtual_pipeline_stages": 2})
     # 126 + embedding + loss = 128 = 16 x 2 x 4: the first and last virtual stages 3, the others 4
     assert (inter.plan.first_stage_layers, inter.plan.last_stage_layers) == (3, 3) and sp.problems(inter) == []
