@@ -118,6 +118,8 @@ def check_output_file(path: str | os.PathLike | None, what: str) -> None:
         raise ConfigError(what, "empty; expected a file name")
     if str(path) == "-":  # the Unix spelling of standard output, which carries the report
         raise ConfigError(what, "'-' (standard output) is not supported; give a file name, e.g. ./-")
+    if str(path).endswith(os.sep):  # a folder's spelling, though none is there yet
+        raise ConfigError(what, f"{path} names a folder; expected a file name")
     target = Path(os.path.realpath(path))
     _check_target(target, what)
     _check_parent(target.parent, what)
@@ -198,6 +200,19 @@ class _StrictSafeLoader(yaml.SafeLoader):
                         None, None, f"duplicate key {key!r}", key_node.start_mark)
                 seen.add(key)
         return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        """An integer, but not one with a leading zero, which YAML 1.1 reads as octal (040 is 32)
+        and YAML 1.2 as decimal: refused rather than read either way silently."""
+        digits = str(self.construct_scalar(node)).replace("_", "").lstrip("+-")
+        if len(digits) > 1 and digits[0] == "0" and digits[1].isdigit():
+            raise yaml.constructor.ConstructorError(
+                None, None, f"{node.value!r} has a leading zero, which YAML 1.1 reads as octal: write it without",
+                node.start_mark)
+        return super().construct_yaml_int(node)
+
+
+_StrictSafeLoader.add_constructor("tag:yaml.org,2002:int", _StrictSafeLoader.construct_yaml_int)
 
 
 # YAML 1.2's floats without a dot (1e-5, 3E8), which PyYAML's YAML 1.1 rules read as strings

@@ -112,6 +112,7 @@ DEGREE_KNOBS = ("num_nodes", "tp", "pp", "dp", "cp", "ep", "micro_batch_size", "
 ENUM_KNOBS = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "recompute": RECOMPUTE,
               "sequence_parallel": (False, True), "moe_dispatcher": MOE_DISPATCHERS,
               "moe_shared_expert_overlap": (False, True), "overlap_moe_expert_parallel_comm": (False, True)}
+MAX_DEGREE = 2**20
 MOE_KNOBS = ("expert_tp", "moe_dispatcher", "moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm")
 """Searched only when the search section lists them (their default is the scenario's value)."""
 # zero-bubble, zbv and dualpipev are searched only when the scenario lists them: Megatron-LM, whose
@@ -243,6 +244,8 @@ def _check_candidates(knob: str, raw: Any) -> tuple:
                 raise ConfigError(path, f"expected positive integers, got {_show(v)}")
             if v < 1:
                 raise ConfigError(path, f"expected positive integers, got {v}")
+            if v > MAX_DEGREE:  # as cluster.num_nodes (paraplan.loader NODES): past any cluster
+                raise ConfigError(path, f"expected integers up to 2**20, got {v}")
         elif knob == "recompute" and isinstance(v, str) and _SELECTIVE_OF.fullmatch(v.strip()):
             v = _check_selective_of(path, v)
         else:

@@ -434,3 +434,10 @@ def test_a_file_nested_past_the_recursion_limit_is_one_line(tmp_path, kind):
     r = paraplan(*args)
     assert r.returncode == 2, r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr and str(tmp_path) in r.stderr, r.stderr
+
+
+def test_an_output_path_spelt_as_a_folder_is_refused(tmp_path):
+    """`--trace newdir/` (no such folder yet) had written a file named newdir."""
+    r = paraplan("simulate", TINY, "--trace", f"{tmp_path}/newdir/")
+    assert r.returncode == 2 and r.stderr == f"error: --trace: {tmp_path}/newdir/ names a folder; expected a file name\n"
+    assert not (tmp_path / "newdir").exists()

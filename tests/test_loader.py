@@ -906,3 +906,10 @@ def test_a_histogram_whose_sum_overflows_is_refused():
         "model.moe.routing.distribution=histogram",
         "model.moe.routing.tokens_per_expert=[1.7e+308, 1.7e+308, 1.7e+308, 1, 1, 1, 1, 1]"])
     assert err.path == "model.moe.routing.tokens_per_expert" and "beyond a float's range" in str(err)
+
+
+def test_an_integer_with_a_leading_zero_is_refused_not_read_as_octal():
+    """YAML 1.1 reads 040 as 32 (and 016 as 14): a batch of 40 would have run as 32."""
+    err = error_of(tiny(), ["training.global_batch_size=040"])
+    assert "'040' has a leading zero, which YAML 1.1 reads as octal" in str(err)
+    assert load_scenario(tiny(), ["training.global_batch_size=40"]).training.global_batch_size == 40

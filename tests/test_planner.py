@@ -71,6 +71,7 @@ BAD_SEARCH = [
     ("search.moe_dispatcher=[deep-ep]", "search.moe_dispatcher: 'deep-ep' is not one of alltoall, deepep, did you "
                                         "mean 'deepep'?"),
     ("search.expert_tp=[0]", "search.expert_tp: expected positive integers, got 0"),
+    ("search.num_nodes=[1000000000000]", "search.num_nodes: expected integers up to 2**20, got 1000000000000"),
 ]
 
 
