@@ -110,6 +110,8 @@ def _unknown_benchmarks(names) -> list[str]:
 def _check_name(name: str | None) -> None:
     if name is not None and not name.strip():
         raise CalibrationError("--name: expected a non-empty name")
+    if name is not None and not name.isprintable():  # a line break would end the profile's comment line
+        raise CalibrationError(f"--name {name!r}: expected printable text on one line")
 
 
 def check_options(opts: Options, env: Mapping[str, str] | None = None) -> None:
@@ -619,8 +621,10 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
 
     try:
         device = dict(data["device"])
-        if not isinstance(device.get("name"), str) or device.get("kind") not in ("cuda", "cpu"):
-            raise TypeError(f"device.name must be a string and device.kind cuda or cpu, got {device.get('kind')!r}")
+        if not isinstance(device.get("name"), str):
+            raise TypeError(f"device.name must be a string, got {device.get('name')!r}")
+        if device.get("kind") not in ("cuda", "cpu"):
+            raise TypeError(f"device.kind must be cuda or cpu, got {device.get('kind')!r}")
         _positive(device.get("memory_bytes"), "device.memory_bytes")
         count = device.get("count", 0)
         if isinstance(count, bool) or not isinstance(count, int) or count < 0:
@@ -628,8 +632,14 @@ def refit_report(report: Path, out: Path, *, name: str | None = None, base: str 
         info = DeviceInfo(**device)
         measurements = [Measurement(**m) for m in data["measurements"]]
         collectives = [_checked_collective(CollectiveSample(**c)) for c in data.get("collectives") or []]
-        wall_s = float(data.get("wall_s") or 0.0)
-        quick = bool(options.get("quick"))
+        wall_s = data.get("wall_s") or 0.0
+        if isinstance(wall_s, bool) or not isinstance(wall_s, (int, float)) or not 0 <= wall_s < math.inf:
+            raise TypeError(f"wall_s must be a finite number of seconds >= 0, got {wall_s!r}")
+        quick = options.get("quick", False)
+        if not isinstance(quick, bool):
+            raise TypeError(f"options.quick must be true or false, got {quick!r}")
+        if not isinstance(data["measurements"], list):
+            raise TypeError(f"measurements must be a list, got {type(data['measurements']).__name__}")
         timing = TIMINGS[(info.kind, quick)]
         run_notes = texts(data.get("notes"), "notes")
         dtypes = texts(options.get("dtypes"), "options.dtypes")

@@ -760,6 +760,8 @@ def _gpu_name_or_path(gpu: str, base_dir: Path) -> str:
     if not _is_profile_path(gpu):
         return gpu
     path = _resolve_path(gpu, base_dir)
+    if path.exists() and not path.is_file():
+        raise ConfigError("cluster.gpu", f"{path}: a directory or device, not a GPU profile file")
     if not path.is_file():
         raise ConfigError("cluster.gpu", f"GPU profile file not found: {path}")
     return str(path)

@@ -199,7 +199,14 @@ BAD_INPUT = [
     (["--from-report", "{d}/../empty-report.json", "--out", "{d}/p.yaml"], {}, "holds no measurements to fit"),
     (["--from-report", "{d}/../nulls-report.json", "--out", "{d}/p.yaml"], {}, "expected an object with 'device'"),
     (["--from-report", "{d}/../notes-report.json", "--out", "{d}/p.yaml"], {}, "notes must be a list of strings"),
-    (["--from-report", "{d}/../tpu-report.json", "--out", "{d}/p.yaml"], {}, "device.kind cuda or cpu, got 'tpu'"),
+    (["--from-report", "{d}/../tpu-report.json", "--out", "{d}/p.yaml"], {}, "device.kind must be cuda or cpu, got 'tpu'"),
+    # each had been read loosely: a string as true, a negative wall time, a mapping as no measurements
+    (["--from-report", "{d}/../quick-report.json", "--out", "{d}/p.yaml"], {}, "options.quick must be true or false, got 'no'"),
+    (["--from-report", "{d}/../wall-report.json", "--out", "{d}/p.yaml"], {}, "wall_s must be a finite number of seconds >= 0"),
+    (["--from-report", "{d}/../dict-report.json", "--out", "{d}/p.yaml"], {}, "measurements must be a list, got dict"),
+    (["--from-report", "{d}/../name-report.json", "--out", "{d}/p.yaml"], {}, "device.name must be a string, got 5"),
+    (["--from-report", str(ROOT / "benchmarks/data/gpu/h100-calibration-report.json"), "--name", "a\nb", "--out",
+      "{d}/p.yaml"], {}, "--name 'a\\nb': expected printable text on one line"),
     (["--from-report", "{d}/../nan-report.json", "--out", "{d}/p.yaml"], {}, "seconds is nan; expected a positive"),
     (["--from-report", "{d}/../kind-report.json", "--out", "{d}/p.yaml"], {}, "measurement kind 'matmul'; known:"),
     (["--from-report", "{d}/../fast-report.json", "--out", "{d}/p.yaml"], {}, "above the 1e+18 no device reaches"),
@@ -226,6 +233,10 @@ def test_bad_input_is_one_line_exit_2_and_no_file(tmp_path, args, env, message):
     (tmp_path.parent / "nulls-report.json").write_text(json.dumps({**good, "options": None}))
     (tmp_path.parent / "notes-report.json").write_text(json.dumps({**good, "notes": 5}))
     (tmp_path.parent / "tpu-report.json").write_text(json.dumps({**good, "device": {**good["device"], "kind": "tpu"}}))
+    (tmp_path.parent / "quick-report.json").write_text(json.dumps({**good, "options": {**good["options"], "quick": "no"}}))
+    (tmp_path.parent / "wall-report.json").write_text(json.dumps({**good, "wall_s": -5}))
+    (tmp_path.parent / "dict-report.json").write_text(json.dumps({**good, "measurements": {}}))
+    (tmp_path.parent / "name-report.json").write_text(json.dumps({**good, "device": {**good["device"], "name": 5}}))
     first, rest = good["measurements"][0], good["measurements"][1:]
     for name, change in (("nan", {"seconds": float("nan")}), ("kind", {"kind": "matmul"}), ("fast", {"work": 1e300})):
         (tmp_path.parent / f"{name}-report.json").write_text(json.dumps({**good, "measurements": [{**first, **change}, *rest]}))

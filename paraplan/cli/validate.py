@@ -14,6 +14,7 @@ the run) atomically. Bad input (missing config, unknown profile, unwritable --re
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -49,7 +50,7 @@ def run(args) -> int:
     from paraplan.fileio import check_distinct_files, check_profile_output
     from simulator.simulate import simulate
 
-    if args.tolerance is not None and not args.tolerance > 0:
+    if args.tolerance is not None and not 0 < args.tolerance < math.inf:
         raise ParaplanError(f"--tolerance {args.tolerance:g}: expected a positive percentage")
     if args.refit:
         check_profile_output(args.refit, "--refit")
