@@ -243,6 +243,8 @@ def run_search(req: SearchRequest, *, progress: Callable[[int, int, Evaluation |
     choice_key = tuple(sorted(choices.items()))
     fp = fingerprint(req.scenario, req.spec, req.objective, strategy_name, choice_key)
 
+    if req.resume:
+        _check_resumable(req.storage)
     storage = open_storage(req.storage)
     try:
         study, created = _open_study(req, storage, fp)
@@ -328,6 +330,15 @@ def _choose_strategy(req: SearchRequest, enum: Enumeration | None, combos: int) 
     if enum is not None and len(enum.valid) <= req.spec.exhaustive_threshold:
         return "exhaustive"
     return "tpe"
+
+
+def _check_resumable(spec: str) -> None:
+    """--resume of a journal file or an SQLite database that is not there: refused before opening
+    it, which would create an empty one and leave it behind."""
+    path = spec[len("sqlite:///"):] if spec.startswith("sqlite:///") else None if "://" in spec else spec
+    if path is not None and not os.path.exists(path):
+        raise ParaplanError(f"--resume: {mask_url(spec)} does not exist, so there is no search to resume; "
+                            f"drop --resume to start one")
 
 
 def _open_study(req: SearchRequest, storage, fp: str) -> tuple[optuna.Study, bool]:

@@ -161,7 +161,9 @@ BAD = [
     (["--set", "search.virtual_pipeline_stages=[1]", "--set", "search.schedule=[interleaved-1f1b]"],
      "error: search.virtual_pipeline_stages: schedule interleaved-1f1b takes 2 or more virtual stages per rank"),
     (["--storage", "bogus://x"], "error: --storage bogus://x: cannot open it:"),
-    (["--study", "nope", "--resume", "--storage", "{tmp}/s.journal"], "error: --resume: no study named 'nope'"),
+    (["--study", "nope", "--resume", "--storage", "{tmp}/s.journal"], "error: --resume: {tmp}/s.journal does not exist"),
+    # (it had created the database, empty, and left it behind)
+    (["--resume", "--storage", "sqlite:///{tmp}/x.db"], "error: --resume: sqlite:///{tmp}/x.db does not exist, so"),
     (["--trials", "0"], "error: argument --trials: expected a positive integer, got 0"),
     (["--seed", "4294967296"], "error: argument --seed: expected an integer from 0 to 2**32 - 1, got 4294967296"),
     (["--workers", "100000"], "error: argument --workers: expected an integer from 1 to 256, got 100000"),
@@ -177,10 +179,12 @@ BAD = [
 @pytest.mark.parametrize("args,message", BAD, ids=[m.split(":")[1].strip() for _, m in BAD])
 def test_bad_input_is_one_line_and_exit_2(tmp_path, args, message):
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
+    message = message.replace("{tmp}", str(tmp_path))
     r = paraplan("plan", TINY, "--out", str(tmp_path / "o"), "--quiet", "--no-plots", "--trials", "10", *args)
     assert r.returncode == 2, r.stdout + r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(message), r.stderr
+    assert not [p for p in tmp_path.iterdir() if p.name != "o"], list(tmp_path.iterdir())  # no storage created
     assert "Traceback" not in r.stderr
     out = tmp_path / "o"  # no result files; at most the search journal, which --resume reads
     assert not out.exists() or {p.name for p in out.iterdir()} <= {"study.journal", "study.journal.flock"}, \
