@@ -26,7 +26,8 @@ from hwmodels.curves import Curve, to_unit
 from paraplan.errors import ConfigError
 from paraplan.fileio import parse_yaml, read_text, write_atomic, yaml_problem
 from paraplan.specs import (
-    BANDWIDTH_RANGE, CAPACITY_RANGE, EFFICIENCY_FLOOR, FLOPS_RANGE, LATENCY_RANGE, OVERSUBSCRIPTION_RANGE, TOPOLOGIES,
+    BANDWIDTH_RANGE, BUSBW_RANGE, CAPACITY_RANGE, EFFICIENCY_FLOOR, FLOPS_RANGE, LATENCY_RANGE,
+    OVERSUBSCRIPTION_RANGE, TOPOLOGIES,
     InterNodeSpec, LinkSpec,
 )
 
@@ -295,7 +296,7 @@ def _from_dict(raw: Any) -> GpuProfile:
         nvlink_bandwidth=_num(nvl["bandwidth_GBps"], "nvlink.bandwidth_GBps", GBPS, within=BANDWIDTH_RANGE),
         nvlink_ring_busbw=_num(nvl["ring_busbw_GBps"], "nvlink.ring_busbw_GBps", GBPS, within=BANDWIDTH_RANGE),
         nvlink_busbw=_curve(nvl["allreduce_busbw"], "nvlink.allreduce_busbw", "bytes", 1.0, "busbw_GBps", GBPS,
-                            fraction=False, within=BANDWIDTH_RANGE),
+                            fraction=False, within=BUSBW_RANGE),
         nvlink_latency=_num(nvl["latency_us"], "nvlink.latency_us", US, within=LATENCY_RANGE),
         node_network=InterNodeSpec(
             nics_per_node=_num(net["nics_per_node"], "network.nics_per_node", integer=True),

@@ -118,7 +118,7 @@ def check_output_file(path: str | os.PathLike | None, what: str) -> None:
         raise ConfigError(what, "empty; expected a file name")
     if str(path) == "-":  # the Unix spelling of standard output, which carries the report
         raise ConfigError(what, "'-' (standard output) is not supported; give a file name, e.g. ./-")
-    if str(path).endswith(os.sep):  # a folder's spelling, though none is there yet
+    if str(path).endswith(os.sep) and not os.path.exists(path):  # a folder's spelling, though none is there yet
         raise ConfigError(what, f"{path} names a folder; expected a file name")
     target = Path(os.path.realpath(path))
     _check_target(target, what)

@@ -23,6 +23,7 @@ TOPOLOGIES = ("fat-tree", "rail-optimized")
 # a B200 holds 1.9e11 bytes), so a typo is refused instead of pricing a collective at 1e-300 s or
 # giving a GPU unbounded memory.
 BANDWIDTH_RANGE = (1e6, 1e15)  # bytes/s (links, NICs, HBM)
+BUSBW_RANGE = (1.0, 1e15)  # bytes/s of a measured collective: latency-bound small ones run at kB/s (gloo)
 LATENCY_RANGE = (0.0, 1.0)  # seconds
 FLOPS_RANGE = (1e9, 1e19)  # FLOP/s
 CAPACITY_RANGE = (2.0**20, 2.0**50)  # bytes
