@@ -42,7 +42,8 @@ from paraplan.errors import ConfigError, ParaplanError, first_line
 from paraplan.specs import RunSpec, Scenario
 from planner.objective import Evaluation, Evaluator, Objective
 from planner.space import (
-    ENUMERATION_LIMIT, MOE_KNOBS, Candidate, Enumeration, PlanSpace, SearchSpec, binding_constraint,
+    ENUMERATION_LIMIT, MOE_KNOBS, PIPELINE, Candidate, Enumeration, PlanSpace, SearchSpec, binding_constraint,
+    pipeline_values,
 )
 from planner.strategies import make_strategy
 
@@ -203,22 +204,20 @@ def fingerprint(sc: Scenario, spec: SearchSpec, objective: Objective, strategy: 
 
 
 def _knob_choices(space: PlanSpace, enum: Enumeration | None) -> tuple[dict[str, tuple], dict[str, Any]]:
-    """(the sampled knobs and their choices, the knobs with one possible value).
+    """(the sampled knobs and their choices, the knobs with one possible value), the schedule and
+    its virtual stages drawn together (planner.space.PIPELINE).
 
     Choices are the values that occur in some valid plan when the space was enumerated (a sampler
     never wastes a trial on a value no valid plan has), else every candidate."""
     if enum is not None:
         seen: dict[str, set] = {}
         for c in enum.valid:
-            for k, v in space.params_of(c).items():
+            for k, v in space.sampler_params(c).items():
                 seen.setdefault(k, set()).add(v)
         values = {k: tuple(sorted(v, key=lambda x: (str(type(x)), x))) for k, v in seen.items()}
     else:
         values = dict(space.spec.candidates)
-        vpp = set(values["virtual_pipeline_stages"])
-        if any(s != "interleaved-1f1b" for s in values["schedule"]):
-            vpp.add(1)  # the canonical value of non-interleaved schedules
-        values["virtual_pipeline_stages"] = tuple(sorted(vpp))
+        values[PIPELINE] = pipeline_values(values.pop("schedule"), values.pop("virtual_pipeline_stages"))
     sampled = {k: v for k, v in values.items() if len(v) > 1}
     fixed = {k: v[0] for k, v in values.items() if len(v) == 1}
     return sampled, fixed

@@ -156,6 +156,29 @@ def vpp_options(schedule: str, candidates, *, one: int = 1) -> list[int]:
     more = [v for v in candidates if v >= max(least, 2)]
     return list(dict.fromkeys(([one] if least == 1 else []) + more))
 
+PIPELINE = "pipeline"
+"""The knob a sampler draws the schedule and its virtual stages as, together ("1f1b",
+"interleaved-1f1b x4"): drawn apart, a sampler spends trials on pairs no plan has (interleaved
+1F1B at one stage per rank) or that collapse onto one already drawn (1F1B at 4)."""
+
+
+def pipeline_value(schedule: str, vpp: int) -> str:
+    """The PIPELINE knob's value for a schedule at `vpp` virtual stages per rank."""
+    return schedule if vpp == 1 else f"{schedule} x{vpp}"
+
+
+def pipeline_parts(value: str) -> tuple[str, int]:
+    """(schedule, virtual stages per rank) of a PIPELINE value (pipeline_value's inverse)."""
+    schedule, _, vpp = value.partition(" x")
+    return schedule, int(vpp) if vpp else 1
+
+
+def pipeline_values(schedules, vpps) -> tuple[str, ...]:
+    """PIPELINE's values for candidate schedules and virtual stages: each schedule at the virtual
+    stages it is searched at (vpp_options)."""
+    return tuple(pipeline_value(s, v) for s in schedules for v in vpp_options(s, vpps))
+
+
 DEFAULT_TRIALS = 300
 # simulate() costs 1-150 ms per plan on the big scenarios (about 30 ms on average over a GPT-3
 # space, plus ~5 ms of journal writes): 3,000 plans is about a minute with two workers.
@@ -540,7 +563,11 @@ class PlanSpace:
 
     def candidate(self, params: Mapping[str, Any]) -> Candidate:
         """The canonical candidate for sampled knob values (knobs not given take their only or
-        first candidate); dp is derived, 0 when the world size is not divisible."""
+        first candidate; PIPELINE stands for the schedule and its virtual stages); dp is derived,
+        0 when the world size is not divisible."""
+        if PIPELINE in params:
+            schedule, vpp = pipeline_parts(params[PIPELINE])
+            params = {**params, "schedule": schedule, "virtual_pipeline_stages": vpp}
         v = {k: params.get(k, vals[0]) for k, vals in self.spec.candidates}
         world = v["num_nodes"] * self.scenario.cluster.gpus_per_node
         layout = v["tp"] * v["pp"] * v["cp"]
@@ -651,6 +678,13 @@ class PlanSpace:
                                               else c["moe_shared_expert_overlap"][0]),
                 "overlap_moe_expert_parallel_comm": (p.overlap_moe_expert_parallel_comm if self._plan_ep_overlap_matters(p)
                                                      else c["overlap_moe_expert_parallel_comm"][0])}
+
+    def sampler_params(self, cand: Candidate) -> dict[str, Any]:
+        """params_of with the schedule and its virtual stages as one PIPELINE value: the knobs a
+        sampler draws."""
+        params = self.params_of(cand)
+        params[PIPELINE] = pipeline_value(params.pop("schedule"), params.pop("virtual_pipeline_stages"))
+        return params
 
     def _recompute_value(self, p: PlanSpec) -> str:
         """The plan's search.recompute value: selective names its modules unless they are the scenario's."""

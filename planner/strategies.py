@@ -109,7 +109,7 @@ class Exhaustive:
 
     def sampler(self, space: PlanSpace, *, seed: int, worker: int, choices: dict[str, tuple] | None = None,
                 fixed: dict[str, Any] | None = None, budget: int | None = None) -> BaseSampler:
-        return PlanListSampler([space.params_of(c) for c in self.plans], seed=seed, worker=worker)
+        return PlanListSampler([space.sampler_params(c) for c in self.plans], seed=seed, worker=worker)
 
     def first_trials(self, space: PlanSpace, budget: int) -> list[dict[str, Any]]:
         return []
@@ -179,21 +179,9 @@ class RefiningSampler(BaseSampler):
         return self._tpe.sample_independent(study, trial, param_name, param_distribution)
 
     def _axes(self) -> dict[str, tuple[tuple[str, ...], list[tuple]]]:
-        """The directions a move changes: one knob each, except that the schedule and its
-        virtual stages move together (1f1b, gpipe, interleaved x2, x4, ..., zero-bubble x1, x2,
-        ...; planner.space.VIRTUAL_SCHEDULES): otherwise reaching an interleaved plan from a plain
-        one would take two moves through an invalid plan."""
-        from planner.space import vpp_options
-
-        axes = {k: ((k,), [(v,) for v in vals]) for k, vals in self._choices.items()}
-        sched = self._choices.get("schedule", (self._fixed.get("schedule"),))
-        vpps = self._choices.get("virtual_pipeline_stages", (self._fixed.get("virtual_pipeline_stages", 1),))
-        if "schedule" in self._choices or "virtual_pipeline_stages" in self._choices:
-            values = [(s, v) for s in sched for v in vpp_options(s, vpps, one=min(vpps))]
-            for k in ("schedule", "virtual_pipeline_stages"):
-                axes.pop(k, None)
-            axes["pipeline"] = (("schedule", "virtual_pipeline_stages"), values)
-        return axes
+        """The directions a move changes: one knob each (the schedule and its virtual stages are
+        one knob, planner.space.PIPELINE, so an interleaved plan is one move from a plain one)."""
+        return {k: ((k,), [(v,) for v in vals]) for k, vals in self._choices.items()}
 
     def _candidate(self, params: dict[str, Any]) -> Candidate:
         return self._space.candidate({**self._fixed, **params})
@@ -311,7 +299,7 @@ class TPE:
                                seed=seed + worker)
 
     def first_trials(self, space: PlanSpace, budget: int) -> list[dict[str, Any]]:
-        return [space.params_of(c) for c in expert_plans(space, limit=max(1, budget // 10))]
+        return [space.sampler_params(c) for c in expert_plans(space, limit=max(1, budget // 10))]
 
     def exhausted(self, sampler: BaseSampler, study: optuna.Study) -> bool:
         return False

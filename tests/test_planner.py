@@ -13,7 +13,7 @@ from planner.objective import Evaluation, Evaluator, make_objective, pareto_fron
 from planner.scenario import load_for_planning
 from planner.space import (
     DEFAULT_EXHAUSTIVE_THRESHOLD, DEFAULT_TRIALS, Candidate, PlanSpace, binding_constraint, parse_search,
-    interleaved_edges, reason_key, uneven_stages,
+    interleaved_edges, pipeline_parts, reason_key, uneven_stages,
 )
 from simulator.feasibility import structural_problems
 from simulator.simulate import simulate
@@ -234,6 +234,9 @@ def test_a_sampler_proposes_only_plans_of_the_space(overrides):
     found = sp.enumerate()
     choices, fixed = _knob_choices(sp, found)
     for k, vals in choices.items():
+        if k == "pipeline":
+            assert {pipeline_parts(v)[0] for v in vals} <= set(sp.spec.values("schedule"))
+            continue
         assert set(vals) <= set(sp.spec.values(k)), k
     reached = set()
     for combo in itertools.product(*choices.values()):
@@ -763,23 +766,33 @@ def test_torchtitan_export_splits_the_layers_as_simulated(name, overrides):
     assert (layers[0][0], layers[-1][-1]) == (per - first_less, per - last_less)
 
 
-def test_local_refinement_moves_to_zero_bubble_with_virtual_stages():
-    """The schedule axis of the refining search holds every (schedule, virtual stages) pair the
-    space admits: zero-bubble at one stage per rank and at the listed counts >= 2."""
+def test_samplers_draw_the_schedule_and_its_virtual_stages_together():
+    """A sampler draws (schedule, virtual stages) as one knob holding every pair the space admits
+    (zero-bubble at one stage per rank and at the listed counts >= 2; interleaved 1F1B never at
+    one): drawn apart, TPE had spent trials on interleaved 1F1B at vpp 1 (invalid) and 1F1B at
+    vpp 2 (a plan already drawn). The refining search moves along the same knob."""
     import optuna
 
+    from planner.search import _knob_choices
+    from planner.space import PIPELINE
     from planner.strategies import RefiningSampler
 
     sp = space("search.schedule=[1f1b, interleaved-1f1b, zero-bubble]", "search.virtual_pipeline_stages=[1, 2, 4]",
                "search.pp=[2]")
-    choices = {"schedule": ("1f1b", "interleaved-1f1b", "zero-bubble"), "virtual_pipeline_stages": (1, 2, 4)}
-    sampler = RefiningSampler(optuna.samplers.RandomSampler(seed=0), sp, choices=choices, fixed={}, refine_from=0, seed=0)
-    _, values = sampler._axes()["pipeline"]
-    assert sorted(values) == [("1f1b", 1), ("interleaved-1f1b", 2), ("interleaved-1f1b", 4),
-                              ("zero-bubble", 1), ("zero-bubble", 2), ("zero-bubble", 4)]
-    with_zbv = RefiningSampler(optuna.samplers.RandomSampler(seed=0), sp, fixed={}, refine_from=0, seed=0,
-                               choices={**choices, "schedule": ("1f1b", "zbv")})
-    assert sorted(with_zbv._axes()["pipeline"][1]) == [("1f1b", 1), ("zbv", 2)]
+    choices, fixed = _knob_choices(sp, None)
+    assert "schedule" not in choices and "virtual_pipeline_stages" not in choices
+    assert choices[PIPELINE] == ("1f1b", "interleaved-1f1b x2", "interleaved-1f1b x4", "zero-bubble",
+                                 "zero-bubble x2", "zero-bubble x4")
+    enumerated, _ = _knob_choices(sp, sp.enumerate())
+    assert set(enumerated[PIPELINE]) <= set(choices[PIPELINE])
+    c = sp.candidate({**fixed, **{k: v[0] for k, v in choices.items()}, PIPELINE: "interleaved-1f1b x4"})
+    assert (c.plan.schedule, c.plan.virtual_pipeline_stages) == ("interleaved-1f1b", 4)
+    assert sp.sampler_params(c)[PIPELINE] == "interleaved-1f1b x4"
+    sampler = RefiningSampler(optuna.samplers.RandomSampler(seed=0), sp, choices=choices, fixed=fixed, refine_from=0,
+                              seed=0)
+    assert sampler._axes()[PIPELINE] == ((PIPELINE,), [(v,) for v in choices[PIPELINE]])
+    zbv = space("search.schedule=[1f1b, zbv]", "search.virtual_pipeline_stages=[1, 2, 4]", "search.pp=[2]")
+    assert _knob_choices(zbv, None)[0][PIPELINE] == ("1f1b", "zbv x2")
 
 
 def test_expert_plans_follow_the_dense_and_the_moe_tuning_guides():

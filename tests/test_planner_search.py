@@ -293,7 +293,7 @@ def test_optuna_proposes_one_schedule_for_one_pipeline_stage(tmp_path):
     one_stage = [r.evaluation for r in res.records if r.evaluation.candidate.plan.pp == 1]
     assert {e.candidate.plan.schedule for e in one_stage if e.simulated} == {"1f1b"}
     trials = res.study.get_trials(deepcopy=False, states=(TrialState.COMPLETE, TrialState.PRUNED))
-    assert "gpipe" in {t.params.get("schedule") for t in trials if t.params.get("pp") == 1}  # it did sample it
+    assert "gpipe" in {t.params.get("pipeline") for t in trials if t.params.get("pp") == 1}  # it did sample it
 
 
 def test_the_table_shows_the_stage_split_when_a_plan_has_one(tmp_path):
