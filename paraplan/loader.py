@@ -617,13 +617,29 @@ def _checked(value: Any, check: Check, path: str) -> Any:
 
 
 def _model(raw: Any, base_dir: Path) -> ModelSpec:
-    """A preset name, or a mapping: plain, `{preset: NAME, ...}` or `{hf_config: PATH, ...}`."""
+    """A preset name, or a mapping: plain, `{preset: NAME, ...}` or `{hf_config: PATH, ...}`. A
+    fault in a model read from a Hugging Face config names the config too (its keys have other
+    names than the scenario's)."""
+    if isinstance(raw, Mapping) and "hf_config" in raw:
+        source = raw["hf_config"]
+        try:
+            return _model_spec(*_expand_model_source(dict(raw), base_dir))
+        except ConfigError as exc:
+            if not exc.path.startswith("model") or exc.path == HF_PATH:
+                raise
+            message = str(exc)[len(exc.path) + 2:]
+            raise ConfigError(exc.path, f"{message} (in the model read from hf_config {source})") from None
     if isinstance(raw, str):
         mapping, name = _preset("model", raw, "model"), raw
     elif isinstance(raw, Mapping):
         mapping, name = _expand_model_source(dict(raw), base_dir)
     else:
         raise ConfigError("model", f"expected a preset name or a mapping, got {_show(raw)}")
+    return _model_spec(mapping, name)
+
+
+def _model_spec(mapping: dict, name: str) -> ModelSpec:
+    """The model section's mapping (a preset or a config already expanded), checked."""
     values = _validate(mapping, "model", MODEL, also_known=MODEL_SOURCES)
     values.setdefault("name", name)
     if values.get("moe") is not None:

@@ -871,7 +871,8 @@ DEEPSEEK_HF = {"model_type": "deepseek_v3", "num_hidden_layers": 61, "hidden_siz
 def test_hf_config_zeros_and_nonsense_are_refused_not_defaulted(tmp_path, cfg, key):
     """transformers' defaults stand in for absent or null keys only."""
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    assert error_of({**tiny(), "model": {"hf_config": str(tmp_path)}}).path == key
+    err = error_of({**tiny(), "model": {"hf_config": str(tmp_path)}})
+    assert err.path == key and str(err).endswith(f"(in the model read from hf_config {tmp_path})")
 
 
 @pytest.mark.parametrize("key, value, limit", [
