@@ -89,7 +89,8 @@ def norm_outputs_recomputed(model, recomputed: tuple[str, ...], moe_layer: bool)
 
 
 def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: str,
-                               moe_ffn_bytes: float | None = None, act_bytes: int = 2) -> float:
+                               moe_ffn_bytes: float | None = None, act_bytes: int = 2, *,
+                               fp8_inputs: bool = False) -> float:
     """Stored activations of one layer for one microbatch on one rank (Korthikanti et al. 2022,
     Sec. 4.1 and Table 2, there with 2-byte activations; here with `act_bytes` per element, 4 for
     fp32 training, and 1-byte dropout masks): h-wide tensors (LayerNorm inputs 2 x h, QKV and MLP
@@ -105,8 +106,17 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     (model.dropout 0) there are no masks and no dropout output: the h-wide tensors lose their 2h
     bytes of masks and the unfused softmax terms keep only the softmax output.
     For an MoE layer `moe_ffn_bytes` (this rank's router, dispatch and expert tensors, from
-    simulator.moe.moe_activation_bytes) replaces the dense MLP intermediates."""
+    simulator.moe.moe_activation_bytes, at the activations' width) replaces the dense MLP
+    intermediates.
+    `fp8_inputs` (fp8 training): a linear layer keeps for its backward the fp8 copy of its input it
+    cast for the GEMM, 1 byte an element (Transformer Engine's _Linear and _LayerNormLinear save
+    the fp8 input, or its transpose, when fp8 is on: transformer_engine/pytorch/module/linear.py,
+    layernorm_linear.py): the norm outputs feeding QKV and fc1, fc2's input, MLA's up-projection
+    inputs, and the output projection's input, which a fused attention also keeps at 16 bits for
+    its own backward unless it is recomputed. Q, K, V, the norms' inputs and the MLP
+    intermediates an activation function reads stay at `act_bytes`."""
     e = act_bytes
+    g = 1 if fp8_inputs else e  # a linear's saved input
     t = plan.tp
     s = seq_length // plan.cp
     tokens = plan.micro_batch_size * s
@@ -118,14 +128,18 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     recomputed = plan.recomputed_modules
     masks = 2 if model.dropout else 0  # the two bias-dropout-adds' 1-byte masks
     moe = moe_ffn_bytes is not None
-    h_wide = ((4 - norm_outputs_recomputed(model, recomputed, moe)) * e + masks) * h / sp
+    # the two norms' inputs, and their outputs (QKV's and fc1's inputs) unless recomputed
+    h_wide = (2 * e + (2 - norm_outputs_recomputed(model, recomputed, moe)) * g + masks) * h / sp
     mlp_mats = model.ffn_matrices - 1
-    mlp = e * (mlp_mats * f + f) / t if not moe and "mlp" not in recomputed else 0.0
-    tp_sharded = e * (model.q_channels + model.k_channels + model.v_channels + model.o_channels) / t + mlp
+    mlp = (e * mlp_mats * f + g * f) / t if not moe and "mlp" not in recomputed else 0.0
+    # the attention output: the output projection's input, and a fused attention's own (one tensor at 16 bits)
+    kept_by_attention = attention_kernel != "unfused" and "core_attn" not in recomputed
+    o_width = e if g == e else g + (e if kept_by_attention else 0)
+    tp_sharded = (e * (model.q_channels + model.k_channels + model.v_channels) + o_width * model.o_channels) / t + mlp
     if model.qk_layernorm:  # the query and key norms keep their inputs
         tp_sharded += e * (model.q_channels + model.k_channels) / t
     # MLA keeps each latent twice (its norm's input and the up-projection's input), SP-sharded
-    latents = 2 * e * model.latent_channels / sp
+    latents = (e + g) * model.latent_channels / sp
     if "core_attn" in recomputed:  # the checkpoint keeps q, k and v (counted above), nothing of its own
         scores = 0.0
     elif attention_kernel != "unfused":  # flash, flash3
@@ -218,16 +232,17 @@ CE_SOFTMAX_BYTES = 4
 
 
 def unrecomputed_activation_bytes(model, plan, seq_length: int, attention_kernel: str,
-                                  moe_ffn_bytes: float | None = None, act_bytes: int = 2) -> float:
+                                  moe_ffn_bytes: float | None = None, act_bytes: int = 2, *,
+                                  fp8_inputs: bool = False) -> float:
     """A layer's activations as stored without recompute (activation_bytes_per_layer under
     recompute none; an MoE layer's `moe_ffn_bytes` are those it keeps unrecomputed): what
     recomputing the whole layer rebuilds."""
     return activation_bytes_per_layer(model, replace(plan, recompute="none"), seq_length, attention_kernel,
-                                      moe_ffn_bytes=moe_ffn_bytes, act_bytes=act_bytes)
+                                      moe_ffn_bytes=moe_ffn_bytes, act_bytes=act_bytes, fp8_inputs=fp8_inputs)
 
 
 def recompute_working_bytes(model, plan, seq_length: int, attention_kernel: str, act_bytes: int = 2,
-                            moe_ffn_bytes: float | None = None) -> float:
+                            moe_ffn_bytes: float | None = None, *, fp8_inputs: bool = False) -> float:
     """What recomputing one layer holds during its backward, on top of the stored activations: under
     full recompute the layer's full activations (a dense layer's, or with `moe_ffn_bytes` an MoE
     layer's, whose FFN tensors replace the dense MLP's); under selective recompute of the dense
@@ -236,7 +251,8 @@ def recompute_working_bytes(model, plan, seq_length: int, attention_kernel: str,
     core its s^2 tensors. One layer at a time: a stage's working set takes the largest over the
     kinds of layer it holds."""
     if plan.recompute == "full":
-        return unrecomputed_activation_bytes(model, plan, seq_length, attention_kernel, moe_ffn_bytes, act_bytes)
+        return unrecomputed_activation_bytes(model, plan, seq_length, attention_kernel, moe_ffn_bytes, act_bytes,
+                                             fp8_inputs=fp8_inputs)
     tokens = plan.micro_batch_size * seq_length // plan.cp
     # the modules of a layer are recomputed one at a time, each just before its own backward
     attention = 0.0
@@ -247,8 +263,10 @@ def recompute_working_bytes(model, plan, seq_length: int, attention_kernel: str,
         return max(attention, moe_ffn_bytes)
     if "mlp" in plan.recomputed_modules:  # its intermediates and its fused norm's output
         sp = plan.tp if plan.sequence_parallel else 1
-        return max(attention, tokens * act_bytes * (model.ffn_matrices * model.ffn_hidden_size / plan.tp
-                                                    + model.hidden_size / sp))
+        g = 1 if fp8_inputs else act_bytes  # fc1's and fc2's saved inputs (activation_bytes_per_layer)
+        f = model.ffn_hidden_size
+        return max(attention, tokens * ((act_bytes * (model.ffn_matrices - 1) + g) * f / plan.tp
+                                        + g * model.hidden_size / sp))
     return attention
 
 

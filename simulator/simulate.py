@@ -450,18 +450,21 @@ def _layer_kinds(ctx, a2a_layout, etp_layout, *, balanced: bool):
     over `a2a_layout`)."""
     m, p = ctx.model, ctx.plan
     attn_params = m.attention_params(p.tp)
-    dense_acts = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, act_bytes=ctx.act_bytes)
+    fp8 = ctx.dtype == "fp8"  # linears keep fp8 copies of their inputs (memory.activation_bytes_per_layer)
+    dense_acts = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, act_bytes=ctx.act_bytes,
+                                            fp8_inputs=fp8)
     kinds = _Layers(
         fwd={"dense": layer_forward(ctx)}, bwd={"dense": layer_backward(ctx)}, wgrad={"dense": layer_weight_grad(ctx)},
         params={"dense": (attn_params + m.ffn_matrices * m.hidden_size * m.ffn_hidden_size / p.tp, 0.0)},
         acts={"dense": dense_acts},
-        working={"dense": recompute_working_bytes(m, p, ctx.seq_length, ctx.attention_kernel, ctx.act_bytes)},
+        working={"dense": recompute_working_bytes(m, p, ctx.seq_length, ctx.attention_kernel, ctx.act_bytes,
+                                                  fp8_inputs=fp8)},
         uncached={"dense": m.norm_params()},
     )
     rebuilds = p.schedule in SPLIT_BACKWARD_SCHEDULES and (p.recompute == "full" or p.recomputed_modules)
     if rebuilds:
         kinds.rebuilt["dense"] = unrecomputed_activation_bytes(
-            m, p, ctx.seq_length, ctx.attention_kernel, act_bytes=ctx.act_bytes) - dense_acts
+            m, p, ctx.seq_length, ctx.attention_kernel, act_bytes=ctx.act_bytes, fp8_inputs=fp8) - dense_acts
     if m.moe is None:
         return kinds, None
     e = m.moe
@@ -474,15 +477,16 @@ def _layer_kinds(ctx, a2a_layout, etp_layout, *, balanced: bool):
     kinds.params["moe"] = (attn_params + m.router_params() + shared, local_experts)
     kinds.uncached["moe"] = m.norm_params() + m.router_params()
     ffn = moe_activation_bytes(ctx, draw)
-    kinds.acts["moe"] = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, ffn, ctx.act_bytes)
+    kinds.acts["moe"] = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, ffn, ctx.act_bytes,
+                                                   fp8_inputs=fp8)
     recomputed_ffn = p.recompute == "full" or "moe" in p.recomputed_modules
     ffn_whole = moe_activation_bytes(ctx, draw, recomputed=()) if rebuilds or recomputed_ffn else 0.0
     if rebuilds:
         kinds.rebuilt["moe"] = unrecomputed_activation_bytes(
-            m, p, ctx.seq_length, ctx.attention_kernel, ffn_whole, ctx.act_bytes) - kinds.acts["moe"]
+            m, p, ctx.seq_length, ctx.attention_kernel, ffn_whole, ctx.act_bytes, fp8_inputs=fp8) - kinds.acts["moe"]
     kinds.working["moe"] = dispatch_buffer_bytes(ctx, draw) + recompute_working_bytes(
         m, p, ctx.seq_length, ctx.attention_kernel, ctx.act_bytes,
-        moe_ffn_bytes=ffn_whole if recomputed_ffn else moe_rebuilt_bytes(ctx, draw))
+        moe_ffn_bytes=ffn_whole if recomputed_ffn else moe_rebuilt_bytes(ctx, draw), fp8_inputs=fp8)
     if p.overlap_moe_expert_parallel_comm:
         kinds.phases.update({
             "dense": (LayerPhases.of(kinds.fwd["dense"].total, None), LayerPhases.of(kinds.bwd["dense"].total, None)),

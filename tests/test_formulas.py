@@ -306,3 +306,27 @@ def test_fp8_mla_down_projections_pay_their_input_casts():
     plain = sum(linear_time(ctx, k, n, False, t, cast_input=False) for k, n, t in shapes)
     got = attention_block(ctx, False).parts["compute"]
     assert got == pytest.approx(plain + casts + _attention_core(ctx, False) + _attention_elementwise(ctx, False))
+
+
+def test_fp8_linears_keep_one_byte_copies_of_their_inputs():
+    """Llama-3 70B, tp 8 with sequence parallelism, per token on one rank: under fp8 the norm
+    outputs feeding QKV and fc1 (2 x 8192 / 8), fc2's input (28672 / 8) and the output projection's
+    input (8192 / 8) are kept at 1 byte instead of 2 (Transformer Engine saves the fp8 copy it cast):
+    6,656 B less with the attention core recomputed. Without that recompute FlashAttention also
+    keeps its 16-bit output, so the projection's input costs 3 bytes: 4,608 B less."""
+    from dataclasses import replace
+
+    from pathlib import Path
+
+    from paraplan.loader import load_scenario
+
+    sc = load_scenario(Path(__file__).resolve().parents[1] / "scenarios" / "llama3-70b-1024xh100.yaml")
+    m, p = sc.model, replace(sc.plan, micro_batch_size=1, cp=1, recompute="selective", recompute_modules=("core_attn",))
+    assert p.tp == 8 and p.sequence_parallel and m.hidden_size == 8192 and m.ffn_hidden_size == 28672
+
+    def per_token(plan, fp8):
+        return activation_bytes_per_layer(m, plan, 8192, "flash3", act_bytes=2, fp8_inputs=fp8) / 8192
+
+    assert per_token(p, False) - per_token(p, True) == pytest.approx(2 * 8192 / 8 + 28672 / 8 + 8192 / 8)
+    none = replace(p, recompute="none", recompute_modules=())
+    assert per_token(none, False) - per_token(none, True) == pytest.approx(2 * 8192 / 8 + 28672 / 8 - 8192 / 8)
