@@ -26,7 +26,9 @@ import yaml
 
 from paraplan.serialize import scenario_to_mapping
 from paraplan.specs import Scenario
-from planner.model_families import megatron_architecture_args, megatron_architecture_comments, torchtitan_model
+from planner.model_families import (
+    family_of, megatron_architecture_args, megatron_architecture_comments, torchtitan_model,
+)
 from planner.objective import GiB, Evaluation
 from simulator import layout
 
@@ -104,6 +106,8 @@ def _megatron_attention_backend(sc: Scenario) -> str:
     attention's query/key heads are wider than its value heads (192 vs 128 in DeepSeek-V3), which
     Transformer Engine's FlashAttention refuses ("does not support MLA", get_attention_backend), so
     an MLA model gets the fused backend for flash too."""
+    if sc.training.precision == "fp32":  # Transformer Engine's flash and fused kernels take fp16/bf16/fp8 only
+        return "unfused"
     if sc.training.attention == "flash" and sc.model.mla is not None:
         return "fused"
     return {"flash": "flash", "flash3": "fused", "unfused": "unfused"}[sc.training.attention]
@@ -283,6 +287,10 @@ def _megatron_moe(sc: Scenario) -> list[str]:
             a.append("--moe-shared-expert-overlap")
     if p.overlap_moe_expert_parallel_comm:
         a.append("--overlap-moe-expert-parallel-comm")
+    if e.top_k == 1 and "--moe-router-pre-softmax" not in _family_router(m):
+        # transformer_config.py __post_init__: a top-1 softmax router raises "Please use
+        # --moe-router-pre-softmax when topk is 1"
+        a.append("--moe-router-pre-softmax")
     # the loader checked num_experts % groups == 0, as transformer_config.py does
     if e.groups_per_token < e.expert_groups:
         a += ["--moe-router-num-groups", str(e.expert_groups), "--moe-router-group-topk", str(e.groups_per_token)]
@@ -363,10 +371,25 @@ def megatron_launch_command(sc: Scenario) -> str:
             f"--nproc-per-node {c.gpus_per_node} pretrain_gpt.py")
 
 
+def _family_router(model) -> tuple[str, ...]:
+    """The router flags the model's preset family sets (planner.model_families), if any."""
+    fam = family_of(model)
+    return fam.router if fam is not None else ()
+
+
 def megatron_notes(sc: Scenario) -> list[str]:
     """Where Megatron-LM runs something other than what was simulated."""
     m, t, p = sc.model, sc.training, sc.plan
     notes = []
+    if t.precision == "fp32" and t.attention != "unfused":
+        # transformer_engine/pytorch/attention/dot_product_attention/utils.py get_attention_backend:
+        # FlashAttention and FusedAttention are filtered out for a qkv dtype other than fp16/bf16/fp8
+        notes.append(f"Transformer Engine has no fp32 {t.attention} attention kernel, so this fp32 plan runs the "
+                     "unfused attention (--attention-backend unfused), slower than simulated: simulate it with "
+                     "--set training.attention=unfused.")
+    if m.moe is not None and m.moe.top_k == 1 and "--moe-router-pre-softmax" not in _family_router(m):
+        notes.append("A top-1 router needs --moe-router-pre-softmax in Megatron-LM: the chosen expert's weight is its "
+                     "softmax probability over all experts, not 1.")
     if m.vocab_size % p.tp:
         notes.append(f"Megatron-LM splits the vocabulary over tp {p.tp}, so it pads the simulated {m.vocab_size} "
                      f"entries to {-(-m.vocab_size // p.tp) * p.tp}.")
@@ -424,6 +447,9 @@ def megatron_notes(sc: Scenario) -> list[str]:
                      "the tensor-parallel collectives may hide less than simulated.")
     if p.overlap_moe_expert_parallel_comm:
         notes.append("--overlap-moe-expert-parallel-comm needs Megatron-Core 0.14 or later and PyTorch 2.6 or later.")
+    if t.precision == "fp8" and p.recompute == "selective" and {"layernorm", "moe_act"} & set(p.recompute_modules):
+        # transformer_config.py: "moe_act and layernorm recompute for fp8 needs transformer-engine>=2.6.0dev0"
+        notes.append("recomputing layernorm or moe_act under fp8 needs Transformer Engine 2.6 or later.")
     if m.moe is not None and p.moe_shared_expert_overlap and m.moe.num_shared_experts \
             and not _shared_expert_overlap_runs(sc):
         notes.append(f"Megatron-LM overlaps the shared experts with the dispatch only under the alltoall "
@@ -488,11 +514,24 @@ def torchtitan_toml(sc: Scenario) -> str:
     if p.recomputed_modules not in ((), ("core_attn",)):
         notes.append(f"the plan recomputes {', '.join(p.recompute_modules)}; torchtitan's selective "
                      "checkpointing chooses by op, not by module, so its memory and recompute time differ")
+    if t.precision == "fp8" and m.moe is not None:
+        # components/quantization/float8.py: quantize.linear.float8 converts nn.Linear; the experts'
+        # grouped GEMMs need quantize.grouped_mm.float8 (a prototype, torchao nightly; fqns empty by default)
+        notes.append("quantize.linear.float8 converts nn.Linear only: the routed experts' grouped GEMMs run in bf16 "
+                     "(slower than simulated) unless the prototype quantize.grouped_mm.float8 converter is added "
+                     'with [quantize.grouped_mm.float8] fqns = ["experts"]')
+    if p.cp > 1:
+        # job_config.py context_parallel_rotate_method, default "allgather"
+        notes.append("torchtitan's context parallelism all-gathers the key/value shards by default "
+                     "(context_parallel_rotate_method), where the simulation passes them round a ring as "
+                     "Megatron-Core does")
     name, flavor, architecture = torchtitan_model(m)
     chosen = name != "CHANGE-ME" and flavor != "CHANGE-ME"
     lines = [
         comment(f"torchtitan job config for {sc.name}: {p.tp * p.pp * p.cp * p.dp} GPUs "
-                f"({sc.cluster.shape}), written by `paraplan plan`; keys follow {TORCHTITAN_KEYS_VERSION}."),
+                f"({sc.cluster.shape}), written by `paraplan plan`; keys follow {TORCHTITAN_KEYS_VERSION}, "
+                "whose train.py reads it with --job.config_file (later releases take the same values through "
+                "a Python config recipe, --module/--config)."),
         comment(f"Model: {_torchtitan_shape(m)}"
                 + ("" if chosen else "; set [model] name/flavor to it")
                 + (" (an MoE model: one of torchtitan's MoE models such as deepseek_v3 or llama4, not llama3)."
@@ -588,7 +627,7 @@ def _torchtitan_experts(sc: Scenario) -> tuple[list[str], list[str]]:
     p = sc.plan
     lines = [f"expert_parallel_degree = {p.ep}"]
     if p.ep == 1:
-        if p.tp > 1 and p.expert_tp != p.tp:
+        if sc.model.moe is not None and p.tp > 1 and p.expert_tp != p.tp:
             # torchtitan's apply_moe_ep_tp without an EP mesh: experts_mesh = tp_mesh, TensorParallel()
             return lines, [f"torchtitan at expert_parallel_degree 1 shards the experts over the tp {p.tp} ranks, "
                            f"where this plan (expert tp {p.expert_tp}) keeps them whole on each: its expert "
@@ -598,10 +637,17 @@ def _torchtitan_experts(sc: Scenario) -> tuple[list[str], list[str]]:
     if p.moe_dispatcher == "deepep":
         lines.append('expert_parallel_comm_backend = "deepep"')
     notes = []
-    if p.overlap_moe_expert_parallel_comm and p.schedule == "dualpipev":
-        notes.append("torchtitan runs DualPipeV's forward/backward pairs as PyTorch's OVERLAP_F_B action, which "
-                     "overlaps them only through a registered overlap function; without one they run one after "
-                     "the other: simulate the plan with --set plan.overlap_moe_expert_parallel_comm=false for that")
+    if p.schedule == "dualpipev" and p.pp > 1:
+        # job_config.py Parallelism.pipeline_parallel_expert_parallel_overlap (default true) registers
+        # torchtitan's overlap callback for DualPipeV's OVERLAP_F_B pairs (distributed/pipeline_parallel.py
+        # build_pipeline_schedule); distributed/dual_pipe_v.py refuses it with activation checkpointing
+        overlap = p.overlap_moe_expert_parallel_comm
+        if overlap and p.recompute != "none":
+            overlap = False
+            notes.append("torchtitan refuses DualPipeV's expert-parallel overlap with activation checkpointing, so "
+                         "this config turns the overlap off and the pairs run one after the other: simulate the plan "
+                         "with --set plan.overlap_moe_expert_parallel_comm=false for its step time")
+        lines.append(f"pipeline_parallel_expert_parallel_overlap = {'true' if overlap else 'false'}")
     elif p.overlap_moe_expert_parallel_comm:
         notes.append("torchtitan has no combined 1F1B (Megatron-Core --overlap-moe-expert-parallel-comm): its "
                      "all-to-alls run in line with the compute, slower than simulated; simulate the plan with "

@@ -546,3 +546,47 @@ def test_torchtitan_says_it_shards_experts_over_tp_at_ep1():
     sharded = scenario("mixtral-8x7b-64xh100", "plan.tp=2", "plan.ep=1", "plan.expert_tp=2",
                        "plan.sequence_parallel=true")
     assert _torchtitan_experts(sharded)[1] == []
+
+
+def test_an_fp32_plan_asks_megatron_for_the_unfused_attention():
+    """Transformer Engine filters its flash and fused attention out for fp32 q/k/v: with
+    --attention-backend flash nothing would be left to run (get_attention_backend)."""
+    sc = scenario("tiny-gpt-8xa100", "training.precision=fp32")
+    assert flag_value(megatron_args(sc), "--attention-backend") == "unfused"
+    assert "Transformer Engine has no fp32 flash attention kernel" in megatron_args_text(sc)
+    assert flag_value(megatron_args(scenario("tiny-gpt-8xa100")), "--attention-backend") == "flash"
+
+
+def test_a_top1_softmax_router_gets_pre_softmax():
+    """transformer_config.py raises "Please use --moe-router-pre-softmax when topk is 1" for a softmax router."""
+    top1 = megatron_args(scenario("mixtral-8x7b-64xh100", "model.moe.top_k=1"))
+    assert "--moe-router-pre-softmax" in top1
+    assert "--moe-router-pre-softmax" not in megatron_args(scenario("mixtral-8x7b-64xh100"))
+    assert megatron_args(scenario("deepseek-v3-2048xh800")).count("--moe-router-pre-softmax") == 1  # its family's
+
+
+def test_torchtitan_dualpipev_says_whether_to_overlap_its_expert_parallel_pairs():
+    """torchtitan's pipeline_parallel_expert_parallel_overlap defaults to true and refuses activation
+    checkpointing: it follows the plan, and is off (with a note) where the plan recomputes."""
+    base = ("plan.schedule=dualpipev", "plan.virtual_pipeline_stages=2", "plan.pp=4", "plan.dp=16")
+    off = torchtitan_toml(scenario("mixtral-8x7b-64xh100", *base))
+    on = torchtitan_toml(scenario("mixtral-8x7b-64xh100", *base, "plan.overlap_moe_expert_parallel_comm=true"))
+    recomputing = torchtitan_toml(scenario("mixtral-8x7b-64xh100", *base, "plan.overlap_moe_expert_parallel_comm=true",
+                                           "plan.recompute=full"))
+    assert "pipeline_parallel_expert_parallel_overlap = false" in off
+    assert "pipeline_parallel_expert_parallel_overlap = true" in on
+    assert "pipeline_parallel_expert_parallel_overlap = false" in recomputing
+    assert "refuses DualPipeV's expert-parallel overlap with activation checkpointing" in recomputing
+
+
+def test_torchtitan_notes_name_what_it_runs_otherwise():
+    dense = torchtitan_toml(scenario("llama3-70b-1024xh100"))
+    assert "shards the experts" not in dense  # a dense model has none (the note had been written for tp > 1)
+    fp8_moe = torchtitan_toml(scenario("deepseek-v3-2048xh800"))
+    assert "routed experts' grouped GEMMs run in bf16" in fp8_moe
+    cp = torchtitan_toml(scenario("llama3-8b-64xh100", "plan.cp=2", "plan.dp=32"))
+    assert "all-gathers the key/value shards" in cp
+    assert "--job.config_file" in dense
+    te = megatron_args_text(scenario("llama3-8b-64xh100", "training.precision=fp8", "plan.recompute=selective",
+                                     "plan.recompute_modules=[core_attn, layernorm]"))
+    assert "needs Transformer Engine 2.6 or later" in te
