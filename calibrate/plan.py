@@ -71,7 +71,8 @@ SEQ_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 """Attention sequence lengths; a plan takes `seqs` of those the device runs within its budget,
 evenly spread and the longest included."""
 # the attention sweep runs the FlashAttention-2/3 benchmark grid (hwmodels.compute.ATTENTION_TOKENS /
-# ATTENTION_HIDDEN), causal, as the bundled profiles' attention knots were measured
+# ATTENTION_HIDDEN), causal, as the simulator's calls are (the bundled FlashAttention-2 knots are
+# non-causal figures, which causal calls of twice their sequence read: attention_curve_flops)
 
 ELEMENTWISE = ("layernorm", "rmsnorm", "softmax", "gelu", "swiglu")
 ELEMENTWISE_WIDTH = 4096

@@ -129,7 +129,12 @@ def attention_curve_flops(*, q_len: int, kv_len: int, causal: bool, backward: bo
     kernel's tiles are and how long its inner loop runs; read at the call's own FLOPs, a call with
     fewer heads or a smaller batch than the grid's would be priced at a shorter sequence's
     efficiency (Qwen3's 16 heads per TP rank at 4k tokens and micro-batch 1: 1.4x the forward and
-    1.9x the backward the calibration measured for that kernel at 4k, scaled to its heads)."""
+    1.9x the backward the calibration measured for that kernel at 4k, scaled to its heads).
+    The simulator's calls are causal, and a knot sits at the FLOPs of its own measurement: a causal
+    one (calibration, which runs causal; FlashAttention-3's forward figure) is read by a causal call
+    of its sequence; a non-causal one (the FlashAttention-2 paper's figures in the bundled profiles)
+    by a causal call of twice its sequence, the same tokens with the same mean key/value length per
+    query, which sets the kernel's inner loop (causal s, mean s/2; non-causal s/2, s/2)."""
     return attention_flops(batch=ATTENTION_TOKENS / q_len, heads=ATTENTION_HIDDEN, q_len=q_len, kv_len=kv_len,
                            head_dim=1, causal=causal, backward=backward)
 
@@ -139,8 +144,8 @@ def attention_time(gpu: GpuProfile, *, batch: int, heads: int, q_len: int, kv_le
     """One fused flash-attention call (forward, or backward). Efficiency from the profile's
     attention curves (read at attention_curve_flops, the benchmark grid's FLOPs at the call's
     sequence lengths -> fraction of the 16-bit peak): `kernel` flash reads
-    attention_efficiency, FlashAttention-2-era figures in the bundled profiles (A100 0.50-0.73,
-    H100 ~0.23-0.33); flash3 reads attention_efficiency_flash3, Hopper's FlashAttention-3-class
+    attention_efficiency, FlashAttention-2-era figures in the bundled profiles (A100 0.50-0.73 at 512
+    to 16k tokens without the causal mask, read by causal calls of 1k to 32k; H100 ~0.23-0.33); flash3 reads attention_efficiency_flash3, Hopper's FlashAttention-3-class
     kernels (H100 up to ~0.62 forward), see the profiles' provenance. Where calibration measured
     several head dims (GpuProfile.attention_head_dims, attention_flash3_head_dims), the curves of the
     call's head dim are read instead (_head_dim_time). Floored at one kernel's overhead."""
