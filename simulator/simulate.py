@@ -45,12 +45,19 @@ BUCKET_PARAMS = 40_000_000
 ADAM_BYTES_PER_PARAM = 38
 
 
+# fp16's loss scaling: the fp32 main gradients are unscaled and checked for inf/nan in place before
+# the step, a read and a write of 4 bytes each (Megatron MixedPrecisionOptimizer
+# _unscale_main_grads_and_check_for_nan: torch._amp_foreach_non_finite_check_and_unscale_)
+FP16_UNSCALE_BYTES_PER_PARAM = 8
+
+
 def adam_bytes_per_param(precision: str, grad_bytes: int) -> int:
     """ADAM_BYTES_PER_PARAM per parameter of the optimizer's shard, less the 16-bit weight copy in
-    fp32 training. 16-bit main gradients are cast to an fp32 copy first (Megatron
-    _copy_model_grads_to_main_grads: main_param.grad = model_grad.float(); read g, write 4), which
-    the norm and Adam then read."""
-    base = ADAM_BYTES_PER_PARAM - (6 if precision == "fp32" else 0)
+    fp32 training, plus fp16's unscaling pass. 16-bit main gradients are cast to an fp32 copy first
+    (Megatron _copy_model_grads_to_main_grads: main_param.grad = model_grad.float(); read g,
+    write 4), which the norm and Adam then read."""
+    base = ADAM_BYTES_PER_PARAM - (6 if precision == "fp32" else 0) + (FP16_UNSCALE_BYTES_PER_PARAM
+                                                                       if precision == "fp16" else 0)
     return base + (grad_bytes + 4 if grad_bytes < MAIN_GRAD_BYTES else 0)
 
 

@@ -236,3 +236,12 @@ def test_an_mtp_module_splits_its_projection_over_tp_and_keeps_its_norms_whole()
              + e.num_experts // p.ep * m.expert_params() / p.expert_tp)
     want = 2 * (layer + 2 * h * h / p.tp + 3 * h + m.vocab_size * h / p.tp)
     assert gap == pytest.approx(want, rel=1e-12)
+
+
+def test_fp16_pays_its_loss_scale_unscaling_before_the_step():
+    """Megatron's fp16 optimizer unscales the fp32 main gradients and checks them for inf/nan in
+    place before the step (read and write, 8 bytes a parameter); bf16 has no loss scale."""
+    from simulator.simulate import adam_bytes_per_param
+
+    assert adam_bytes_per_param("fp16", 4) == adam_bytes_per_param("bf16", 4) + 8 == 46
+    assert adam_bytes_per_param("fp32", 4) == 32
