@@ -371,8 +371,8 @@ def _open_study(req: SearchRequest, storage, fp: str) -> tuple[optuna.Study, boo
         if theirs != fp:
             raise ParaplanError(
                 f"study {req.study_name!r} in {mask_url(req.storage)} was made for a different scenario, "
-                f"search section, objective or strategy; choose another --study name or --out folder, or "
-                f"delete that journal to start over")
+                f"search section, objective or strategy (or by a paraplan version that searched other knobs); "
+                f"choose another --study name or --out folder, or delete that journal to start over")
     return study, created
 
 
