@@ -258,7 +258,7 @@ def nccl_latency(net: Network, algo: str, proto: int, op: str, n: int, ppn: int,
     inter = NET_LAT["tree" if ppn == 1 else algo][proto] * net.inter_lat_scale
     lat = BASE_LAT[algo][proto]
     if op == "broadcast":
-        hop = NVLINK_LAT[algo][proto] * net.intra_lat_scale if nodes == 1 else NET_LAT[algo][proto] * net.inter_lat_scale
+        hop = intra if nodes == 1 else NET_LAT[algo][proto] * net.inter_lat_scale  # the ring's, even at ppn 1
         return (lat + hop) * US
     if algo == "tree":
         lat += 2 * ((ppn - 1) * intra + (nodes.bit_length() - 1) * inter)  # log2i: floor

@@ -162,8 +162,7 @@ def _load_cached(path: str, _mtime_ns: int, _size: int) -> GpuProfile:
     try:
         return _from_dict(raw)
     except ConfigError as exc:
-        message = str(exc)[len(exc.path) + 2:] if exc.path else str(exc)
-        raise ConfigError(exc.path, f"in GPU profile {path}: {message}") from None
+        raise ConfigError(exc.path, f"in GPU profile {path}: {exc.message}") from None
 
 
 def _keys(raw: Any, path: str, required: tuple[str, ...], optional: tuple[str, ...] = ()) -> dict:
@@ -273,8 +272,6 @@ def _from_dict(raw: Any) -> GpuProfile:
     if net["topology"] not in TOPOLOGIES:
         raise ConfigError("network.topology", f"expected one of {', '.join(TOPOLOGIES)}, got {net['topology']!r}")
     oversub = _num(net["oversubscription"], "network.oversubscription", within=OVERSUBSCRIPTION_RANGE)
-    if oversub < 1:
-        raise ConfigError("network.oversubscription", f"expected >= 1, got {oversub!r}")
 
     prov = top.get("provenance") or {}
     if not isinstance(prov, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in prov.items()):

@@ -21,6 +21,8 @@ class ConfigError(ParaplanError):
 
     def __init__(self, path: str, message: str):
         self.path = path
+        self.message = message
+        """What is wrong, without the key path (to re-raise it under another path or with context)."""
         super().__init__(f"{path}: {message}" if path else message)
 
 

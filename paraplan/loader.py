@@ -309,7 +309,7 @@ INTER_NODE = _schema(
     nics_per_node=Key(POSITIVE),
     nic_bandwidth_Gbps=Key(NIC_GBITPS, field="nic_bandwidth", to_si=_gigabits_per_s),
     topology=Key(_one_of(TOPOLOGIES)),
-    oversubscription=Key(_number(minimum=OVERSUBSCRIPTION_RANGE[0], maximum=OVERSUBSCRIPTION_RANGE[1])),
+    oversubscription=Key(_physical(OVERSUBSCRIPTION_RANGE, 1.0)),
     latency_us=Key(LATENCY_US, field="latency", to_si=_microseconds),
     nodes_per_leaf=Key(POSITIVE),
 )
@@ -627,8 +627,7 @@ def _model(raw: Any, base_dir: Path) -> ModelSpec:
         except ConfigError as exc:
             if not exc.path.startswith("model") or exc.path == HF_PATH:
                 raise
-            message = str(exc)[len(exc.path) + 2:]
-            raise ConfigError(exc.path, f"{message} (in the model read from hf_config {source})") from None
+            raise ConfigError(exc.path, f"{exc.message} (in the model read from hf_config {source})") from None
     if isinstance(raw, str):
         mapping, name = _preset("model", raw, "model"), raw
     elif isinstance(raw, Mapping):

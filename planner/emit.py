@@ -287,9 +287,7 @@ def _megatron_moe(sc: Scenario) -> list[str]:
             a.append("--moe-shared-expert-overlap")
     if p.overlap_moe_expert_parallel_comm:
         a.append("--overlap-moe-expert-parallel-comm")
-    if e.top_k == 1 and "--moe-router-pre-softmax" not in _family_router(m):
-        # transformer_config.py __post_init__: a top-1 softmax router raises "Please use
-        # --moe-router-pre-softmax when topk is 1"
+    if _needs_pre_softmax(m):
         a.append("--moe-router-pre-softmax")
     # the loader checked num_experts % groups == 0, as transformer_config.py does
     if e.groups_per_token < e.expert_groups:
@@ -371,10 +369,14 @@ def megatron_launch_command(sc: Scenario) -> str:
             f"--nproc-per-node {c.gpus_per_node} pretrain_gpt.py")
 
 
-def _family_router(model) -> tuple[str, ...]:
-    """The router flags the model's preset family sets (planner.model_families), if any."""
+def _needs_pre_softmax(model) -> bool:
+    """Whether a top-1 MoE router needs --moe-router-pre-softmax that its preset family does not set
+    (transformer_config.py __post_init__ raises "Please use --moe-router-pre-softmax when topk is 1"
+    for a softmax router)."""
+    if model.moe is None or model.moe.top_k != 1:
+        return False
     fam = family_of(model)
-    return fam.router if fam is not None else ()
+    return "--moe-router-pre-softmax" not in (fam.router if fam is not None else ())
 
 
 def megatron_notes(sc: Scenario) -> list[str]:
@@ -387,7 +389,7 @@ def megatron_notes(sc: Scenario) -> list[str]:
         notes.append(f"Transformer Engine has no fp32 {t.attention} attention kernel, so this fp32 plan runs the "
                      "unfused attention (--attention-backend unfused), slower than simulated: simulate it with "
                      "--set training.attention=unfused.")
-    if m.moe is not None and m.moe.top_k == 1 and "--moe-router-pre-softmax" not in _family_router(m):
+    if _needs_pre_softmax(m):
         notes.append("A top-1 router needs --moe-router-pre-softmax in Megatron-LM: the chosen expert's weight is its "
                      "softmax probability over all experts, not 1.")
     if m.vocab_size % p.tp:

@@ -57,7 +57,7 @@ class JournalFile(JournalFileBackend):
         text = "".join(json.dumps(log, separators=(",", ":")) + "\n" for log in logs)
         self._lock.acquire()
         try:
-            with open(self._file_path, "ab") as f:
+            with open(self._file_path, "a+b") as f:  # appends wherever it seeks; read for the last line
                 _drop_unfinished_line(f)
                 f.write(text.encode("utf-8"))
                 f.flush()
@@ -70,21 +70,20 @@ class JournalFile(JournalFileBackend):
 
 
 def _drop_unfinished_line(f, block: int = 1 << 16) -> None:
-    """Truncate a file open for appending after its last newline (to empty if it has none)."""
-    size = f.seek(0, os.SEEK_END)
-    if size == 0:
+    """Truncate a file open for reading and appending after its last newline (to empty if it has
+    none)."""
+    end = f.seek(0, os.SEEK_END)
+    if end == 0:
         return
-    with open(f.name, "rb") as r:
-        end = size
-        r.seek(end - 1)
-        if r.read(1) == b"\n":
+    f.seek(end - 1)
+    if f.read(1) == b"\n":
+        return
+    while end > 0:  # look back for the last complete line's newline
+        start = max(0, end - block)
+        f.seek(start)
+        cut = f.read(end - start).rfind(b"\n")
+        if cut >= 0:
+            f.truncate(start + cut + 1)
             return
-        while end > 0:  # look back for the last complete line's newline
-            start = max(0, end - block)
-            r.seek(start)
-            cut = r.read(end - start).rfind(b"\n")
-            if cut >= 0:
-                f.truncate(start + cut + 1)
-                return
-            end = start
+        end = start
     f.truncate(0)

@@ -304,7 +304,7 @@ def recompute_choice(value: str) -> tuple[str, tuple[str, ...] | None]:
 
 def _without_layernorm(value: str) -> str:
     """A search.recompute candidate without the layernorm module: `none` if nothing is left."""
-    recompute, modules = recompute_choice(value)
+    _, modules = recompute_choice(value)
     if modules is None or "layernorm" not in modules:
         return value
     rest = tuple(m for m in modules if m != "layernorm")

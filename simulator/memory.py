@@ -88,6 +88,12 @@ def norm_outputs_recomputed(model, recomputed: tuple[str, ...], moe_layer: bool)
     return freed
 
 
+def saved_input_bytes(act_bytes: int, fp8_inputs: bool) -> int:
+    """Bytes an element of a linear layer's input saved for its backward: the fp8 copy cast for
+    the GEMM under fp8 (activation_bytes_per_layer), else the activations' width."""
+    return 1 if fp8_inputs else act_bytes
+
+
 def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: str,
                                moe_ffn_bytes: float | None = None, act_bytes: int = 2, *,
                                fp8_inputs: bool = False) -> float:
@@ -116,7 +122,7 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     its own backward unless it is recomputed. Q, K, V, the norms' inputs and the MLP
     intermediates an activation function reads stay at `act_bytes`."""
     e = act_bytes
-    g = 1 if fp8_inputs else e  # a linear's saved input
+    g = saved_input_bytes(act_bytes, fp8_inputs)
     t = plan.tp
     s = seq_length // plan.cp
     tokens = plan.micro_batch_size * s
@@ -263,7 +269,7 @@ def recompute_working_bytes(model, plan, seq_length: int, attention_kernel: str,
         return max(attention, moe_ffn_bytes)
     if "mlp" in plan.recomputed_modules:  # its intermediates and its fused norm's output
         sp = plan.tp if plan.sequence_parallel else 1
-        g = 1 if fp8_inputs else act_bytes  # fc1's and fc2's saved inputs (activation_bytes_per_layer)
+        g = saved_input_bytes(act_bytes, fp8_inputs)  # fc1's and fc2's
         f = model.ffn_hidden_size
         return max(attention, tokens * ((act_bytes * (model.ffn_matrices - 1) + g) * f / plan.tp
                                         + g * model.hidden_size / sp))

@@ -74,7 +74,7 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
         if exc.path not in given:
             raise
         # the user typed the flag, not the config key: name both
-        raise ConfigError(f"{given[exc.path]} ({exc.path})", str(exc)[len(exc.path) + 2:]) from None
+        raise ConfigError(f"{given[exc.path]} ({exc.path})", exc.message) from None
     problems = launch_problems(sc)
     if problems and sc.run.num_layers is not None:
         problems = with_layer_hint(sc, problems, "--layers" if args.layers is not None else "run.num_layers")
