@@ -378,9 +378,15 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     factor = 2 if backward else 1
     # Router: (tokens, h) x (h, E) logits, then softmax and top-k over fp32 logits.
     router = _gemm(outside_fp8(ctx), routed, h, experts, backward) + memory_bound_time(ctx.gpu, factor * 3 * routed * experts * 4)
-    # Permute copies by expert before dispatch; unpermute (sum the copies per token) after combine.
-    permute = memory_bound_time(ctx.gpu, factor * 2 * copies * h * b)
-    unpermute = memory_bound_time(ctx.gpu, factor * (2 * copies * h * b + routed * h * b))
+    # Permute copies by expert before dispatch: reads and writes each copy; its backward unpermutes
+    # the copies' gradients, reading each and writing one sum per token. Unpermute after the combine:
+    # reads the copies and writes each token's probability-weighted sum; its backward reads each
+    # token's gradient and the saved copies (for the probabilities' gradient) and writes the copies'
+    # gradients (Transformer Engine permutation.py:
+    # _moe_permute_mask_map.backward runs unpermute_with_mask_map, _moe_unpermute_mask_map.backward
+    # unpermute_with_mask_map_bwd_with_merging_probs; Megatron-Core --moe-permute-fusion)
+    permute = memory_bound_time(ctx.gpu, (copies + routed) * h * b if backward else 2 * copies * h * b)
+    unpermute = memory_bound_time(ctx.gpu, ((2 if backward else 1) * copies + routed) * h * b)
     etp = ctx.plan.expert_tp
     sort = 0.0
     if ctx.plan.moe_dispatcher == "alltoall" and experts // ctx.plan.ep > 1:
@@ -389,7 +395,7 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
         # combine (token_dispatcher.py dispatch_postprocess "Permutation 2: Sort tokens by local
         # expert", combine_preprocess "Unpermutation 2", sort_chunks_by_idxs, whenever a rank holds
         # more than one expert), each a read and a write of the expert-TP group's received tokens
-        sort = memory_bound_time(ctx.gpu, factor * 2 * load * etp * h * b)
+        sort = memory_bound_time(ctx.gpu, 2 * load * etp * h * b)  # its backward is the inverse sort
     experts_t = expert_compute_time(ctx, busiest, backward)
     # All-to-all-v: every rank sends copies x h; the busiest receives load x h. The exchange ends
     # when the largest of those has moved (dispatch and combine move the same bytes; backward the

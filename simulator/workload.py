@@ -167,11 +167,23 @@ def _attention_step(ctx: LayerContext, backward: bool) -> float:
     )
 
 
-def _memory_bound(ctx: LayerContext, kernels: list[float], backward: bool) -> float:
-    """Memory-bound kernels, each moving the given bytes forward; backward moves about twice the
-    bytes (reads the saved input and the incoming gradient, writes the gradient)."""
-    factor = 2 if backward else 1
-    return sum(memory_bound_time(ctx.gpu, factor * nbytes) for nbytes in kernels)
+# A memory-bound kernel's backward time over its forward's. From the bytes each moves: GELU reads x
+# and writes y, its backward reads x and dy and writes dx (3 passes for 2); SwiGLU reads gate and up
+# and writes f, its backward reads gate, up and df and writes both gradients (5 for 3); a rotation's
+# backward rotates the gradient (read dy, write dx: 1 for 1). Liger-Kernel's published fused-kernel
+# timings (benchmark/data/*_all_benchmark_data*.csv, backward timed alone) agree: SwiGLU 1.59-1.63,
+# ReLU^2 1.45, RoPE 1.00. A norm's backward would be 1.5 by bytes (read x and dy, write dx), but it
+# reduces the weight gradient over the tokens as well, and measures 1.6-2.2: Liger RMSNorm 1.74
+# (H100) and 1.99 (A100), fused add+RMSNorm 1.63, GroupNorm 1.94, torch LayerNorm 1.92-2.22.
+NORM_BACKWARD = 2.0
+GELU_BACKWARD = 1.5
+SWIGLU_BACKWARD = 5 / 3
+ROTARY_BACKWARD = 1.0
+
+
+def _memory_bound(ctx: LayerContext, kernels: list[tuple[float, float]], backward: bool) -> float:
+    """Memory-bound kernels, each (forward bytes, backward bytes over forward's)."""
+    return sum(memory_bound_time(ctx.gpu, nbytes * (factor if backward else 1)) for nbytes, factor in kernels)
 
 
 def _h_wide_tokens(ctx: LayerContext) -> float:
@@ -187,16 +199,16 @@ def _attention_elementwise(ctx: LayerContext, backward: bool) -> float:
     shared key of that width. With model.qk_layernorm the queries and keys of this rank's heads are
     normalised too (read + write; Megatron-Core SelfAttention q_layernorm / k_layernorm)."""
     m, p, b = ctx.model, ctx.plan, ctx.act_bytes
-    kernels = [_norm_bytes(ctx), _residual_bytes(ctx)]
+    kernels = [(_norm_bytes(ctx), NORM_BACKWARD), _residual(ctx)]
     qk = ctx.tokens * 2 * (m.q_channels + m.kv_channels) // p.tp * b  # read + write this rank's q and k
     if m.qk_layernorm:
-        kernels.append(qk)
+        kernels.append((qk, NORM_BACKWARD))
     if m.mla is not None:
-        kernels.append(_h_wide_tokens(ctx) * 2 * m.latent_channels * b)
+        kernels.append((_h_wide_tokens(ctx) * 2 * m.latent_channels * b, NORM_BACKWARD))
         rope = m.mla.qk_rope_head_dim
-        kernels.append(ctx.tokens * 2 * (m.num_attention_heads // p.tp + 1) * rope * b)
+        kernels.append((ctx.tokens * 2 * (m.num_attention_heads // p.tp + 1) * rope * b, ROTARY_BACKWARD))
     elif m.activation == "swiglu":
-        kernels.append(qk)
+        kernels.append((qk, ROTARY_BACKWARD))
     return _memory_bound(ctx, kernels, backward)
 
 
@@ -207,7 +219,7 @@ def ffn_norm_residual(ctx: LayerContext, backward: bool) -> float:
     `moe` modules (TransformerLayer: pre_mlp_layernorm, mlp, mlp_bda), and the norm outside `moe`;
     a dense layer's norm is fused into the MLP's fc1, so recomputing `mlp` re-runs it
     (selective_recompute)."""
-    return _memory_bound(ctx, [_norm_bytes(ctx), _residual_bytes(ctx)], backward)
+    return _memory_bound(ctx, [(_norm_bytes(ctx), NORM_BACKWARD), _residual(ctx)], backward)
 
 
 def _norm_bytes(ctx: LayerContext) -> float:
@@ -215,18 +227,25 @@ def _norm_bytes(ctx: LayerContext) -> float:
     return _h_wide_tokens(ctx) * 2 * ctx.model.hidden_size * ctx.act_bytes
 
 
-def _residual_bytes(ctx: LayerContext) -> float:
-    """One bias-dropout-add on the h-wide tokens: reads 2h, writes h plus a 1-byte mask (no mask
-    without dropout)."""
+def _residual(ctx: LayerContext) -> tuple[float, float]:
+    """One bias-dropout-add on the h-wide tokens, (forward bytes, backward over forward): it reads
+    2h and writes h plus a 1-byte mask. Backward, the residual branch takes the incoming gradient as
+    it is; with dropout the other branch's gradient is masked (read the gradient and the mask, write
+    2h + 1 bytes a token); and where the residual stream forked, at the layer's input, autograd adds
+    the two branches' gradients (read 2h, write h)."""
     h, b = ctx.model.hidden_size, ctx.act_bytes
-    return _h_wide_tokens(ctx) * (3 * h * b + (h if ctx.model.dropout else 0))
+    mask = h if ctx.model.dropout else 0
+    forward = 3 * h * b + mask
+    backward = 3 * h * b + (2 * h * b + mask if ctx.model.dropout else 0)
+    return _h_wide_tokens(ctx) * forward, backward / forward
 
 
 def activation_time(ctx: LayerContext, tokens: float, width: int, backward: bool) -> float:
     """The activation over a tokens x `width` intermediate (the dense MLP, an expert, the shared
     experts): GELU reads f and writes f; SwiGLU reads the gate and up halves, 2f, and writes f."""
-    act = (3 if ctx.model.activation == "swiglu" else 2) * width * ctx.act_bytes
-    return _memory_bound(ctx, [tokens * act], backward)
+    swiglu = ctx.model.activation == "swiglu"
+    act = (3 if swiglu else 2) * width * ctx.act_bytes
+    return _memory_bound(ctx, [(tokens * act, SWIGLU_BACKWARD if swiglu else GELU_BACKWARD)], backward)
 
 
 def _tp_transfers(ctx: LayerContext, linears: list[tuple[int, int, str]]) -> list[tuple[str, float]]:
@@ -562,7 +581,7 @@ def mtp_projection(ctx: LayerContext, backward: bool) -> Cost:
     and LM head are the model's (embedding_cost, head_cost)."""
     h, p = ctx.model.hidden_size, ctx.plan
     gemm = linear_time(ctx, 2 * h, h // p.tp, backward)
-    norms = _memory_bound(ctx, [2 * _norm_bytes(ctx)], backward)
+    norms = _memory_bound(ctx, [(2 * _norm_bytes(ctx), NORM_BACKWARD)], backward)
     linears = [(2 * h, h // p.tp, "column")]
     tp = tp_exposed(ctx, _tp_transfers(ctx, linears), [(2 * h, h // p.tp, ctx.tokens)], [gemm], backward)
     # its output gathered to h (gather_from_tensor_model_parallel_region, whose backward splits);

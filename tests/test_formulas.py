@@ -85,14 +85,19 @@ def test_no_dropout_writes_no_masks():
 
     from paraplan.loader import load_scenario
     from simulator.simulate import _setup
-    from simulator.workload import _attention_step, _residual_bytes
+    from simulator.workload import _attention_step, _residual
 
     ROOT = Path(__file__).resolve().parents[1]
     sc = load_scenario(ROOT / "scenarios" / "gpt3-175b-1024xa100.yaml", ["training.attention=unfused"])
     ctx = _setup(sc).ctx
     off = _replace(ctx, model=_replace(ctx.model, dropout=0.0))
-    tokens = ctx.tokens / 8  # sequence parallel
-    assert _residual_bytes(ctx) - _residual_bytes(off) == pytest.approx(tokens * 12288)
+    tokens, h = ctx.tokens / 8, 12288  # sequence parallel
+    (forward, factor), (forward_off, factor_off) = _residual(ctx), _residual(off)
+    assert forward - forward_off == pytest.approx(tokens * h)
+    # backward: the dropout's gradient (read 2h and the mask, write 2h) and, without dropout, only
+    # the two branches' gradients added where the residual stream forked (read 4h, write 2h bytes)
+    assert forward * factor == pytest.approx(tokens * (10 * h + h))
+    assert forward_off * factor_off == pytest.approx(tokens * 6 * h)
     assert _attention_step(off, False) < _attention_step(ctx, False)
     assert _attention_step(off, True) < _attention_step(ctx, True)
 
@@ -330,3 +335,29 @@ def test_fp8_linears_keep_one_byte_copies_of_their_inputs():
     assert per_token(p, False) - per_token(p, True) == pytest.approx(2 * 8192 / 8 + 28672 / 8 + 8192 / 8)
     none = replace(p, recompute="none", recompute_modules=())
     assert per_token(none, False) - per_token(none, True) == pytest.approx(2 * 8192 / 8 + 28672 / 8 - 8192 / 8)
+
+
+def test_memory_bound_backwards_move_their_kernels_bytes():
+    """Backward over forward bytes: GELU 3 passes for 2, SwiGLU 5 for 3 (read gate, up and the
+    gradient, write both gradients), a norm 2 (measured; its bytes alone say 1.5)."""
+    from dataclasses import replace as _replace
+
+    from hwmodels.compute import memory_bound_time
+    from paraplan.loader import load_scenario
+    from simulator.simulate import _setup
+    from simulator.workload import activation_time, ffn_norm_residual
+
+    ROOT = Path(__file__).resolve().parents[1]
+    ctx = _setup(load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml")).ctx
+    tokens, width, e = 8192.0, 14336, ctx.act_bytes
+    for activation, passes, backward in (("swiglu", 3, 5), ("gelu", 2, 3)):
+        c = _replace(ctx, model=_replace(ctx.model, activation=activation))
+        assert activation_time(c, tokens, width, False) == pytest.approx(memory_bound_time(ctx.gpu, tokens * passes * width * e))
+        assert activation_time(c, tokens, width, True) == pytest.approx(memory_bound_time(ctx.gpu, tokens * backward * width * e))
+    # the FFN's norm (read + write h) and its residual add without dropout (read 2h, write h): the
+    # norm's backward twice its forward, the add's the branches' gradients summed at the fork
+    h_tokens = ctx.tokens / ctx.plan.tp if ctx.plan.sequence_parallel else ctx.tokens
+    h = ctx.model.hidden_size
+    assert ctx.model.dropout == 0
+    assert ffn_norm_residual(ctx, True) == pytest.approx(
+        memory_bound_time(ctx.gpu, 2 * h_tokens * 2 * h * e) + memory_bound_time(ctx.gpu, h_tokens * 3 * h * e))

@@ -538,10 +538,10 @@ def test_alltoall_dispatcher_sorts_received_tokens_by_local_expert(h100_net):
     draw = draw_routing(sc.model.moe, 4, a2a.tokens)
     load = float(draw.expert_tokens[draw.busiest_rank].sum())
     h = sc.model.hidden_size
-    for backward, factor in ((False, 1), (True, 2)):
+    for backward in (False, True):  # the backward's sort is the inverse permutation: the same bytes
         extra = (moe_block(a2a, draw, ep, etp, overlap_shared=False)(a2a, backward).parts["compute"]
                  - moe_block(flex, draw, ep, etp, overlap_shared=False)(flex, backward).parts["compute"])
-        assert extra == pytest.approx(2 * memory_bound_time(gpu, factor * 2 * load * h * 2), rel=1e-9)
+        assert extra == pytest.approx(2 * memory_bound_time(gpu, 2 * load * h * 2), rel=1e-9)
     # the sort runs after the expert-TP gather, on expert_tp times the tokens, and at EP 1 too
     # (sort_chunks_by_idxs whenever a rank holds more than one expert)
     for plan, ranks in ((dict(base, ep=2, expert_tp=2), 2), (dict(base, ep=1), 1)):
@@ -651,3 +651,26 @@ def test_dispatch_buffers_hold_the_expert_tp_gathered_tokens(h100_net):
         draw = draw_routing(sc.model.moe, 4, ctx.tokens, balanced=True)
         want = (draw.sent_per_rank + etp * float(draw.rank_loads.max())) * h * 2
         assert dispatch_buffer_bytes(ctx, draw) == pytest.approx(want, rel=1e-12)
+
+
+def test_permutation_bytes_follow_transformer_engine_kernels(h100_net, monkeypatch):
+    """Forward, the permute reads and writes each copy and the unpermute reads the copies and writes
+    the tokens; backward, the permute's gradient is an unpermute (copies in, tokens out) and the
+    unpermute's reads the tokens' gradients and the saved copies and writes the copies' gradients
+    (Transformer Engine permutation.py, _moe_permute_mask_map / _moe_unpermute_mask_map)."""
+    import simulator.moe as moe_module
+
+    sc, gpu, net = h100_net
+    _, ctx = _ctx(sc, gpu, net, tp=1, pp=1, dp=64, ep=8, virtual_pipeline_stages=1, schedule="1f1b",
+                  moe_dispatcher="deepep")
+    etp, ep, _ = expert_group_layouts(ctx.plan, 8)
+    draw = draw_routing(sc.model.moe, 8, ctx.tokens)
+    copies, routed = draw.sent_per_rank, moe_module.routed_tokens_per_rank(ctx)
+    row = sc.model.hidden_size * 2
+    seen = []
+    real = moe_module.memory_bound_time
+    monkeypatch.setattr(moe_module, "memory_bound_time", lambda g, nbytes: seen.append(nbytes) or real(g, nbytes))
+    moe_block(ctx, draw, ep, etp, overlap_shared=False)  # prices the forward, then the backward
+    # each direction: the router's softmax, the permute, the unpermute
+    assert seen[1:3] == pytest.approx([2 * copies * row, (copies + routed) * row], rel=1e-12)
+    assert seen[4:6] == pytest.approx([(copies + routed) * row, (2 * copies + routed) * row], rel=1e-12)
