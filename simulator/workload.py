@@ -610,7 +610,7 @@ def head_cost(ctx: LayerContext, backward: bool) -> Cost:
     gemm = linear_time(head, m.hidden_size, vocab, backward)
     logits = ctx.tokens * vocab
     ce = sum(memory_bound_time(ctx.gpu, logits * nbytes) for nbytes in cross_entropy_kernels(ctx, backward))
-    norm = memory_bound_time(ctx.gpu, (2 if backward else 1) * _norm_bytes(ctx))
+    norm = _memory_bound(ctx, [(_norm_bytes(ctx), NORM_BACKWARD)], backward)
     # the head is a ColumnParallelLinear (GPTModel.output_layer): its backward overlaps the input
     # gradient's reduce-scatter (all-reduce) with its weight gradient and the re-gather of its input
     # with its input gradient, as every column-parallel layer's; no userbuffers (not a TE module)
