@@ -573,9 +573,43 @@ def _elementwise(op: str, n: int, device: torch.device, sets: int = 1) -> tuple[
     raise ValueError(f"unknown elementwise op {op!r}")
 
 
+def _elementwise_backward(op: str, n: int, device: torch.device, sets: int = 1) -> Callable[[], object]:
+    """The backward alone of the op on n bf16 elements, as _elementwise shapes them: the forward run
+    once per set with its graph kept, each call the gradients of the inputs (and of a norm's weight
+    and bias) for a fixed output gradient, as Liger-Kernel's benchmarks time a backward
+    (y.backward(dy, retain_graph=True))."""
+    width = min(ELEMENTWISE_WIDTH, n)
+    rows = max(1, n // width)
+
+    def leaf(*shape):
+        return torch.randn(*shape, device=device, dtype=torch.bfloat16).requires_grad_()
+
+    calls = []
+    for _ in range(sets):
+        x = leaf(rows, width)
+        if op in ("layernorm", "rmsnorm"):
+            w = leaf(width)
+            inputs = (x, w, leaf(width)) if op == "layernorm" else (x, w)
+            y = F.layer_norm(x, (width,), *inputs[1:]) if op == "layernorm" else F.rms_norm(x, (width,), w)
+        elif op == "softmax":
+            inputs, y = (x,), torch.softmax(x, dim=-1)
+        elif op == "gelu":
+            inputs, y = (x,), F.gelu(x, approximate="tanh")
+        elif op == "swiglu":
+            up = leaf(rows, width)
+            inputs, y = (x, up), F.silu(x) * up
+        else:
+            raise ValueError(f"unknown elementwise op {op!r}")
+        dy = torch.randn_like(y)
+        calls.append(lambda y=y, inputs=inputs, dy=dy: torch.autograd.grad(y, inputs, dy, retain_graph=True))
+    return _rotating(calls)
+
+
 def run_elementwise(items, *, device: torch.device, clock: Clock, timing: Timing, progress,
                     budget: float | None = None) -> list[Measurement]:
-    """Norms, softmax and activations, each over inputs rotated past the last-level cache (_sets:
+    """Norms, softmax and activations, forward and then backward alone (kind elementwise_bwd, its
+    work the forward's bytes: the check is the ratio of the two times), each over inputs rotated
+    past the last-level cache (_sets:
     a kernel's input in a training step is the previous kernel's output, but one of a size worth
     timing, an activation of thousands of tokens, is long out of the L2 by the time its backward
     reads it)."""
@@ -590,6 +624,18 @@ def run_elementwise(items, *, device: torch.device, clock: Clock, timing: Timing
             fn, kernels = _elementwise(op, n, device, sets)
             t = clock.time(fn, timing, graph=True, cycle=sets)
             results.append(Measurement(kind="elementwise", op=op, dtype="bf16",
+                                       params=dict(elements=n, kernels=kernels, buffers=sets),
+                                       work=float(sum(kernels)), seconds=t.seconds, spread=t.spread,
+                                       repeats=timing.repeats, inner=t.inner, graph=t.graph))
+            del fn
+            # the backward, timed eagerly behind the sleep lead (autograd is not captured); each set
+            # keeps its forward's saved tensors, output and output gradient besides the inputs
+            progress.step(f"elementwise {op} backward {n} elements")
+            sets = _sets(inputs * 4 * 2 * n, span, budget)
+            with torch.enable_grad():
+                fn = _elementwise_backward(op, n, device, sets)
+                t = clock.time(fn, timing, cycle=sets)
+            results.append(Measurement(kind="elementwise_bwd", op=op, dtype="bf16",
                                        params=dict(elements=n, kernels=kernels, buffers=sets),
                                        work=float(sum(kernels)), seconds=t.seconds, spread=t.spread,
                                        repeats=timing.repeats, inner=t.inner, graph=t.graph))

@@ -31,7 +31,7 @@ import numpy as np
 from calibrate import fit as F
 from calibrate.device import CAPACITY_TOLERANCE, DeviceInfo, slug
 from calibrate.errors import CalibrationError
-from hwmodels.compute import KERNEL_OVERHEAD, memory_bound_time
+from hwmodels.compute import BACKWARD_OVER_FORWARD, KERNEL_OVERHEAD, memory_bound_time
 from hwmodels.curves import Curve
 from hwmodels.network import busbw_factor
 from hwmodels.profile import HEAD_DIM_FIELDS, GpuProfile
@@ -354,6 +354,17 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
     if checks:
         prov["hbm.efficiency.check"] = ("memory_bound_time with this profile vs measured torch kernels (short ones as "
                                         "CUDA graph replays on a GPU; MAPE, none of them fitted): " + ", ".join(checks))
+    ratios = _backward_ratios(by_kind.get("elementwise", []), by_kind.get("elementwise_bwd", []))
+    for op, ratio in ratios.items():
+        built.fits[f"memory_bound_backward.{op}"] = {"measured_over_forward": ratio,
+                                                    "model_over_forward": BACKWARD_OVER_FORWARD[op]}
+    if ratios:
+        prov["memory_bound.backward.check"] = (
+            "measured: a kernel's backward time over its forward's, torch's kernels timed both ways at the "
+            f"{BACKWARD_SIZES} largest sizes (median), against the factor the simulator prices the fused "
+            "kernels with (hwmodels.compute.BACKWARD_OVER_FORWARD; torch's SwiGLU is an unfused silu and "
+            "product, whose backward moves 9/5 of its forward's bytes): "
+            + ", ".join(f"{op} {r:.2f} (model {BACKWARD_OVER_FORWARD[op]:.2f})" for op, r in ratios.items()))
 
     # ---- collectives: a CPU profile's links start as flagged placeholders; measurements replace them
     if cpu and base is None:
@@ -368,6 +379,23 @@ def build_profile(*, info: DeviceInfo, base: GpuProfile | None, base_label: str,
     built.profile = _rounded(dataclasses.replace(profile, name=final_name, provenance=tuple(prov.items()),
                                                  calibrated=True), base)
     return built
+
+
+BACKWARD_SIZES = 2
+"""An elementwise op's backward-over-forward ratio is the median over its largest sizes measured
+both ways: the longest kernels, least their launch's."""
+
+
+def _backward_ratios(forward: list, backward: list) -> dict[str, float]:
+    """Per op timed both ways, the median of backward / forward seconds over its BACKWARD_SIZES
+    largest sizes (ops the model has a factor for)."""
+    fwd = {(m.op, m.params.get("elements")): m.seconds for m in forward}
+    pairs: dict[str, list[tuple[float, float]]] = {}
+    for m in backward:
+        key = (m.op, m.params.get("elements"))
+        if key in fwd and m.op in BACKWARD_OVER_FORWARD:
+            pairs.setdefault(m.op, []).append((float(key[1]), m.seconds / fwd[key]))
+    return {op: float(np.median([r for _, r in sorted(rs)[-BACKWARD_SIZES:]])) for op, rs in pairs.items()}
 
 
 def _default_name(info: DeviceInfo, base: GpuProfile | None) -> str:

@@ -398,8 +398,8 @@ def estimate_seconds(plan: Plan, profile, *, ranks: int = 1) -> float:
     for a in plan.attention:
         for bwd in (False, True):
             total += item(attention_time(profile, **a.kwargs(), dtype="bf16", backward=bwd))
-    for _, n in plan.elementwise:
-        total += item(memory_bound_time(profile, 5 * n * 2))
+    for _, n in plan.elementwise:  # forward, then the backward alone (about twice the bytes)
+        total += item(memory_bound_time(profile, 5 * n * 2)) + item(memory_bound_time(profile, 10 * n * 2))
     for n in plan.optimizer:
         total += item(memory_bound_time(profile, ADAMW_BYTES_PER_PARAM * n))
     if ranks > 1 and plan.collective_sizes:

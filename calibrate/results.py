@@ -11,13 +11,13 @@ class Measurement:
     """One single-device benchmark item."""
 
     kind: str
-    """gemm | copy | triad | attention_fwd | attention_bwd | elementwise | optimizer"""
+    """gemm | copy | triad | attention_fwd | attention_bwd | elementwise | elementwise_bwd | optimizer"""
     op: str
     dtype: str
     params: dict
     """the shape: m, n, k; bytes; batch, heads, q_len, kv_len, head_dim, causal; elements and kernels."""
     work: float
-    """FLOPs (gemm, attention) or bytes moved (the rest)."""
+    """FLOPs (gemm, attention) or bytes moved (the rest; an elementwise backward: its forward's)."""
     seconds: float
     """median per-call time."""
     spread: float = 0.0

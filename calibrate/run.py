@@ -354,7 +354,7 @@ def _phases(plan, rates, singles, dtypes, *, device, clock, timing, notes) -> li
         phases.append(("attention fwd/bwd", 2 * len(plan.attention), lambda pr: bench.run_attention(
             plan.attention, progress=pr, notes=notes, **common)))
     if "elementwise" in singles:
-        phases.append(("elementwise", len(plan.elementwise), lambda pr: bench.run_elementwise(
+        phases.append(("elementwise fwd/bwd", 2 * len(plan.elementwise), lambda pr: bench.run_elementwise(
             plan.elementwise, progress=pr, budget=rates.memory_budget, **common)))
         phases.append(("adamw step", len(plan.optimizer), lambda pr: bench.run_optimizer(
             plan.optimizer, progress=pr, notes=notes, **common)))
@@ -489,7 +489,7 @@ def _write(outcome: Outcome, opts: Options) -> None:
 
 MEASUREMENT_DTYPES = {  # per kind, the dtypes calibrate measures it in (bench.py)
     "gemm": ("tf32", "fp16", "bf16", "fp8"), "copy": ("fp32",), "triad": ("fp32",), "attention_fwd": ("bf16",),
-    "attention_bwd": ("bf16",), "elementwise": ("bf16",), "optimizer": ("fp32",)}
+    "attention_bwd": ("bf16",), "elementwise": ("bf16",), "elementwise_bwd": ("bf16",), "optimizer": ("fp32",)}
 MEASUREMENT_KINDS = tuple(MEASUREMENT_DTYPES)
 MAX_RATE = 1e18
 """FLOP/s or bytes/s no device reaches (an H100's bf16 peak is about 1e15): a report's measurement

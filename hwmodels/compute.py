@@ -14,9 +14,10 @@ from hwmodels.curves import Curve
 from hwmodels.profile import GpuProfile
 from paraplan.errors import ConfigError
 
-__all__ = ["ATTENTION_HIDDEN", "ATTENTION_TOKENS", "KERNEL_OVERHEAD", "attention_curve_flops", "attention_flops",
-           "attention_time", "dtype_bytes", "gemm_time",
-           "memory_bound_time", "unfused_attention_time"]
+__all__ = ["ATTENTION_HIDDEN", "ATTENTION_TOKENS", "BACKWARD_OVER_FORWARD", "GELU_BACKWARD", "KERNEL_OVERHEAD",
+           "NORM_BACKWARD", "ROTARY_BACKWARD", "SOFTMAX_BACKWARD", "SWIGLU_BACKWARD", "attention_curve_flops",
+           "attention_flops", "attention_time", "dtype_bytes", "gemm_time", "memory_bound_time",
+           "unfused_attention_time"]
 
 KERNEL_OVERHEAD = 3e-6
 """Seconds a memory-bound kernel costs beyond its bytes: the ~1 us gap between back-to-back
@@ -27,6 +28,26 @@ already include it; it floors them below their smallest measured size, where a c
 first knot would let a tiny GEMM (an MoE router's, a toy model's) finish in a fraction of a
 microsecond. No GEMM in OpenXLA's H100 table runs in under 5.2 us (256^3;
 benchmarks/data/openxla_sm90_matmul.csv)."""
+
+# A memory-bound kernel's backward time over its forward's. From the bytes each moves: GELU reads x
+# and writes y, its backward reads x and dy and writes dx (3 passes for 2); SwiGLU reads gate and up
+# and writes f, its backward reads gate, up and df and writes both gradients (5 for 3); a rotation's
+# backward rotates the gradient (read dy, write dx: 1 for 1); softmax reads the scores and writes the
+# probabilities, its backward reads the probabilities and their gradient and writes the scores'
+# (3 for 2). Liger-Kernel's published fused-kernel timings (linkedin/Liger-Kernel
+# benchmark/data/*_all_benchmark_data*.csv, backward timed alone) agree: SwiGLU 1.59-1.63, ReLU^2
+# 1.45, RoPE 1.00. A norm's backward would be 1.5 by bytes (read x and dy, write dx), but it reduces
+# the weight gradient over the tokens as well, and measures 1.6-2.2: Liger RMSNorm 1.74 (H100) and
+# 1.99 (A100), fused add+RMSNorm 1.63, GroupNorm 1.94, torch LayerNorm 1.92-2.22. `paraplan
+# calibrate` times torch's kernels both ways and prints the ratios beside these.
+NORM_BACKWARD = 2.0
+GELU_BACKWARD = 1.5
+SWIGLU_BACKWARD = 5 / 3
+ROTARY_BACKWARD = 1.0
+SOFTMAX_BACKWARD = 1.5
+BACKWARD_OVER_FORWARD = {"layernorm": NORM_BACKWARD, "rmsnorm": NORM_BACKWARD, "softmax": SOFTMAX_BACKWARD,
+                         "gelu": GELU_BACKWARD, "swiglu": SWIGLU_BACKWARD}
+"""The factors by the kernel names `paraplan calibrate` times."""
 
 _BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
@@ -215,7 +236,7 @@ def unfused_attention_time(gpu: GpuProfile, *, batch: int, heads: int, q_len: in
              + gemm_time(gpu, kv_len, head_dim, q_len, dt, batch=bh)    # dK = dS^T @ Q
              + gemm_time(gpu, q_len, kv_len, head_dim, dt, batch=bh)    # dP = dO @ V^T
              + gemm_time(gpu, kv_len, head_dim, q_len, dt, batch=bh))   # dV = P^T @ dO
-    memory = memory_bound_time(gpu, 3 * e * scores)
+    memory = memory_bound_time(gpu, SOFTMAX_BACKWARD * 2 * e * scores)
     if dropout:
         memory += memory_bound_time(gpu, (2 * e + 1) * scores)
     return gemms + memory

@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from functools import partial
 
-from hwmodels.compute import attention_time, gemm_time, memory_bound_time, unfused_attention_time
+from hwmodels.compute import (GELU_BACKWARD, NORM_BACKWARD, ROTARY_BACKWARD, SWIGLU_BACKWARD, attention_time, gemm_time,
+                              memory_bound_time, unfused_attention_time)
 from hwmodels.network import COMM_SM_SHARE, collective_time, overlapped
 from paraplan.specs import DTYPE_BYTES
 from simulator.schedules import SPLIT_BACKWARD_SCHEDULES
@@ -165,20 +166,6 @@ def _attention_step(ctx: LayerContext, backward: bool) -> float:
         causal=True,
         backward=backward,
     )
-
-
-# A memory-bound kernel's backward time over its forward's. From the bytes each moves: GELU reads x
-# and writes y, its backward reads x and dy and writes dx (3 passes for 2); SwiGLU reads gate and up
-# and writes f, its backward reads gate, up and df and writes both gradients (5 for 3); a rotation's
-# backward rotates the gradient (read dy, write dx: 1 for 1). Liger-Kernel's published fused-kernel
-# timings (benchmark/data/*_all_benchmark_data*.csv, backward timed alone) agree: SwiGLU 1.59-1.63,
-# ReLU^2 1.45, RoPE 1.00. A norm's backward would be 1.5 by bytes (read x and dy, write dx), but it
-# reduces the weight gradient over the tokens as well, and measures 1.6-2.2: Liger RMSNorm 1.74
-# (H100) and 1.99 (A100), fused add+RMSNorm 1.63, GroupNorm 1.94, torch LayerNorm 1.92-2.22.
-NORM_BACKWARD = 2.0
-GELU_BACKWARD = 1.5
-SWIGLU_BACKWARD = 5 / 3
-ROTARY_BACKWARD = 1.0
 
 
 def _memory_bound(ctx: LayerContext, kernels: list[tuple[float, float]], backward: bool) -> float:

@@ -269,3 +269,28 @@ def test_a_base_of_another_gpu_size_is_called_out():
     built = _build(GPU, h200, _measure(H100, plan, ("bf16",)))
     assert any("the base profile h200-sxm-141gb describes a 140 GiB GPU" in n for n in built.notes)
     assert not any("describes a" in n for n in _build(GPU, H100, _measure(H100, plan, ("bf16",))).notes)
+
+
+def test_elementwise_backwards_are_reported_as_their_ratio_to_the_forward():
+    """Timed both ways, each op's backward over forward (median of its two largest sizes) is
+    reported beside the factor the simulator prices the fused kernel with; a small size's ratio,
+    mostly launch, does not count."""
+    from hwmodels.compute import BACKWARD_OVER_FORWARD
+
+    rates = rates_from_profile(H100, ("bf16",), memory_budget=40 * 2**30)
+    plan = build_plan(device="cuda", quick=True, dtypes=("bf16",), rates=rates)
+    forward = _measure(H100, plan, ("bf16",))
+    sizes = sorted({n for _, n in plan.elementwise})
+    assert len(sizes) >= 3
+    ratio = {"layernorm": 2.2, "rmsnorm": 1.8, "softmax": 1.5, "gelu": 1.5, "swiglu": 1.9}
+    backward = [dataclasses.replace(m, kind="elementwise_bwd",
+                                    seconds=m.seconds * (10.0 if m.params["elements"] == sizes[0] else ratio[m.op]))
+                for m in forward if m.kind == "elementwise"]
+    built = _build(GPU, H100, forward + backward)
+    for op, r in ratio.items():
+        assert built.fits[f"memory_bound_backward.{op}"] == {"measured_over_forward": pytest.approx(r),
+                                                             "model_over_forward": BACKWARD_OVER_FORWARD[op]}
+    text = dict(built.profile.provenance)["memory_bound.backward.check"]
+    assert text.startswith("measured:") and "layernorm 2.20 (model 2.00)" in text and "gelu 1.50 (model 1.50)" in text
+    # measured forward only (an older report): no check
+    assert not any(k.startswith("memory_bound_backward.") for k in _build(GPU, H100, forward).fits)

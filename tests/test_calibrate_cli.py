@@ -102,7 +102,13 @@ def test_report_holds_the_held_out_error_of_the_written_profile(cpu_run):
         assert f"predicted those with MAPE {fit['test_mape']:.1f}%" in dict(p.provenance)[f"gemm_efficiency.{dtype}"]
     assert rep["fits"]["hbm.copy"]["n_test"] >= 1 and rep["device"]["kind"] == "cpu"
     assert {m["kind"] for m in rep["measurements"]} == {"gemm", "copy", "triad", "attention_fwd", "attention_bwd",
-                                                        "elementwise", "optimizer"}
+                                                        "elementwise", "elementwise_bwd", "optimizer"}
+    # every elementwise op timed backward too, at each size, and its ratio to the forward reported
+    timed = lambda kind: sorted((m["op"], m["params"]["elements"]) for m in rep["measurements"] if m["kind"] == kind)  # noqa: E731
+    assert timed("elementwise_bwd") == timed("elementwise")
+    ratios = {k.split(".", 1)[1]: v for k, v in rep["fits"].items() if k.startswith("memory_bound_backward.")}
+    assert set(ratios) == {"layernorm", "rmsnorm", "softmax", "gelu", "swiglu"}
+    assert all(v["measured_over_forward"] > 0 for v in ratios.values())
 
 
 def test_simulate_runs_on_the_calibrated_profile(cpu_run):

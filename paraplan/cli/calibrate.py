@@ -132,6 +132,11 @@ def format_summary(o) -> str:
     if mb:
         lines.append("  memory-bound kernels, memory_bound_time vs measured (MAPE, model/measured): "
                      + ", ".join(f"{op} {_pct(v['test_mape'])} x{v['model_over_measured']:.2f}" for op, v in mb))
+    bwd = [(k.split(".", 1)[1], v) for k, v in f.items() if k.startswith("memory_bound_backward.")]
+    if bwd:
+        lines.append("  memory-bound backward over forward, measured (the simulator's fused-kernel factor): "
+                     + ", ".join(f"{op} {v['measured_over_forward']:.2f} ({v['model_over_forward']:.2f})"
+                                 for op, v in bwd))
     coll = [(k.split(".", 2)[1:], v) for k, v in f.items() if k.startswith("collective.")]
     if coll:
         lines.append("  collectives tier   op              ranks  alpha (us)  busbw GB/s  peak measured  held-out MAPE")
