@@ -301,6 +301,9 @@ def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
         out.append(f"model.dropout {sc.model.dropout:g}: the executor trains without dropout")
     if sc.model.qk_layernorm:
         out.append("model.qk_layernorm: the executor's attention has no query/key norm")
+    if sc.model.linear_bias:
+        out.append("model.linear_bias: the executor's linear layers have no biases; model.linear_bias: false "
+                   "predicts it")
     if p.p2p_scatter_gather and p.tp > 1 and p.pp > 1 and not p.sequence_parallel:
         out.append("plan.p2p_scatter_gather: the executor's pipeline stages send whole activations, not 1/tp slices")
     if p.pp > 1 and p.blocking_sends == "forward":

@@ -260,6 +260,7 @@ MODEL = _schema(
     activation=Key(_one_of(ACTIVATIONS), required=True),
     tied_embeddings=Key(_boolean),
     dropout=Key(_probability),
+    linear_bias=Key(_boolean),
     qk_layernorm=Key(_boolean),
     moe=Key(_anything),
     mla=Key(_anything),
@@ -726,7 +727,8 @@ def _expand_model_source(raw: dict, base_dir: Path) -> tuple[dict, str]:
 
 
 def _derive_model_defaults(values: dict) -> dict:
-    """num_kv_heads = heads, head_dim = hidden // heads, ffn_hidden_size = 4 * hidden."""
+    """num_kv_heads = heads, head_dim = hidden // heads, ffn_hidden_size = 4 * hidden, linear biases
+    on GELU models (GPT-2 and GPT-3 have them, Megatron's default) and not on SwiGLU ones."""
     heads, hidden = values["num_attention_heads"], values["hidden_size"]
     kv = values.setdefault("num_kv_heads", heads)
     if heads % kv:
@@ -737,6 +739,7 @@ def _derive_model_defaults(values: dict) -> dict:
                                                 f"divisible by num_attention_heads {heads}")
         values["head_dim"] = hidden // heads
     values.setdefault("ffn_hidden_size", 4 * hidden)
+    values.setdefault("linear_bias", values["activation"] == "gelu")
     return values
 
 

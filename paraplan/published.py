@@ -44,6 +44,8 @@ ASSUMPTIONS = (
     "layers not divisible by pp x vpp: the embedding and the loss count as one layer each (DeepSpeed's "
     "'type:transformer|embedding' partition, Megatron-Core --account-for-embedding/loss-in-pipeline-split), "
     "so the first and last virtual stages hold (L + 2)/(pp x vpp) - 1 layers",
+    "linear biases: GELU models have them (Megatron's default --add-bias-linear: GPT-3, MT-NLG, BLOOM), "
+    "except MPT (llm-foundry's no_bias); SwiGLU models do not",
     "tied_embeddings null -> true for GELU models (Megatron GPT and MPT tie the input embedding and the LM head), "
     "false for SwiGLU ones (the Llama family: Mixtral, Qwen3 untie them)",
     "attention kernel: records from before 2023 -> unfused (Megatron-LM and Megatron-DeepSpeed gained --use-flash-attn in 2023); "
@@ -245,10 +247,15 @@ _SCRIPT_KEYS = {"micro_batch_size", "layers_per_virtual_stage", "ddp_impl", "pre
 MEGATRON_VOCAB_DIVISOR = 128
 
 
+def _llm_foundry(rec: dict) -> bool:
+    """A MosaicML llm-foundry run (the MPT rows)."""
+    return "llm-foundry" in str(rec.get("framework"))
+
+
 def _dropout(rec: dict) -> float:
     """ASSUMPTIONS' dropout: none for SwiGLU (Llama-family) models and llm-foundry's MPT, whose
     configs train without it; Megatron's default 0.1 otherwise."""
-    if rec["model"].get("activation") == "swiglu" or "llm-foundry" in str(rec.get("framework")):
+    if rec["model"].get("activation") == "swiglu" or _llm_foundry(rec):
         return 0.0
     return 0.1
 
@@ -315,6 +322,8 @@ def record_to_scenario(rec: dict) -> dict:
         else bool(m["tied_embeddings"]),
         "dropout": _dropout(rec),
     }
+    if _llm_foundry(rec):
+        model["linear_bias"] = False  # MPT: llm-foundry's MPTConfig no_bias
     if str(m.get("name", "")).lower().startswith("qwen3"):
         model["qk_layernorm"] = True
     if m.get("head_dim"):

@@ -121,6 +121,14 @@ class ModelSpec:
     0.1 by default). 0, as the Llama-family, Mixtral, Qwen3, DeepSeek-V3 and MPT recipes train,
     stores no dropout masks and writes none: torch's dropout with p = 0 returns its input
     (aten/src/ATen/native/Dropout.cpp)."""
+    linear_bias: bool = False
+    """The linear layers have biases (Megatron's default, --add-bias-linear; GPT-2/GPT-3). The
+    scenario loader defaults it by activation: true for GELU models, false for SwiGLU ones (the
+    Llama family). Priced where a bias's gradient is an extra pass: Megatron fuses the MLP's first
+    bias into its GELU and the projections' into the bias-dropout-add, whose backwards return the
+    bias gradient at full size for autograd to reduce over the tokens (a read of that gradient).
+    The query/key/value bias, whose gradient Transformer Engine folds into its weight-gradient GEMM,
+    and the biases' few parameters (under 0.01% of a model's) are not counted."""
     qk_layernorm: bool = False
     """A norm over each attention head's queries and keys before the rotary embedding (Qwen3's
     q_norm / k_norm; Megatron-Core --qk-layernorm builds SelfAttention's q_layernorm and

@@ -164,11 +164,11 @@ FAMILIES = (GPT3, LLAMA3, LLAMA2, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3)
 
 def family_of(model: ModelSpec) -> Family | None:
     """The preset family `model` is named after, if it still has that family's activation,
-    embedding tying and attention kind."""
+    embedding tying, linear biases and attention kind."""
     for fam in FAMILIES:
         if model.name in fam.presets:
             same = (model.activation == fam.activation and model.tied_embeddings == fam.tied_embeddings
-                    and (model.mla is not None) == fam.latent_attention
+                    and model.linear_bias == fam.linear_bias and (model.mla is not None) == fam.latent_attention
                     and (fam.latent_attention or model.qk_layernorm == fam.qk_norm))
             return fam if same else None
     return None
@@ -181,8 +181,8 @@ def megatron_architecture_args(model: ModelSpec) -> list[str]:
     --rotary-scaling-factor, --mscale, --mscale-all-dim, --disable-bias-linear, --qk-layernorm,
     --moe-router-*); none for a model of no known family."""
     fam = family_of(model)
-    if fam is None:
-        return []
+    if fam is None:  # the biases are the model's own (model.linear_bias); the rest is the user's to set
+        return [] if model.linear_bias else ["--disable-bias-linear"]
     a = ["--normalization", fam.normalization, "--norm-epsilon", f"{fam.norm_epsilon:g}",
          "--position-embedding-type", fam.position_embedding]
     if fam.rotary_base is not None:
@@ -201,12 +201,13 @@ def megatron_architecture_comments(model: ModelSpec) -> list[str]:
     must know or set about it."""
     fam = family_of(model)
     if fam is None:
-        return [f"Architecture: paraplan's model schema has no normalization, position-embedding or bias keys and "
+        return [f"Architecture: paraplan's model schema has no normalization or position-embedding keys and "
                 f"{model.name!r} is not a bundled preset family ({', '.join(_preset_names())}) or differs from it "
-                "in activation, embedding tying or attention, so these arguments leave Megatron-LM's defaults "
-                "(LayerNorm, learned absolute positions, biases in every linear layer): set --normalization, "
-                "--norm-epsilon, --position-embedding-type (rope with --rotary-base), --disable-bias-linear or "
-                "--add-qkv-bias, and --qk-layernorm as your model has them."]
+                "in activation, embedding tying, linear biases or attention, so these arguments leave Megatron-LM's "
+                "defaults (LayerNorm, learned absolute positions) and follow model.linear_bias ("
+                + ("biases in every linear layer" if model.linear_bias else "--disable-bias-linear")
+                + "): set --normalization, --norm-epsilon, --position-embedding-type (rope with --rotary-base), "
+                "--add-qkv-bias and --qk-layernorm as your model has them."]
     lines = [f"Architecture: {fam.describe()}; from {fam.source}."]
     lines += [f"Note: {n}" for n in fam.notes]
     return lines

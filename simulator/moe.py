@@ -378,15 +378,20 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     factor = 2 if backward else 1
     # Router: (tokens, h) x (h, E) logits, then softmax and top-k over fp32 logits.
     router = _gemm(outside_fp8(ctx), routed, h, experts, backward) + memory_bound_time(ctx.gpu, factor * 3 * routed * experts * 4)
-    # Permute copies by expert before dispatch: reads and writes each copy; its backward unpermutes
-    # the copies' gradients, reading each and writing one sum per token. Unpermute after the combine:
-    # reads the copies and writes each token's probability-weighted sum; its backward reads each
-    # token's gradient and the saved copies (for the probabilities' gradient) and writes the copies'
-    # gradients (Transformer Engine permutation.py:
-    # _moe_permute_mask_map.backward runs unpermute_with_mask_map, _moe_unpermute_mask_map.backward
-    # unpermute_with_mask_map_bwd_with_merging_probs; Megatron-Core --moe-permute-fusion)
-    permute = memory_bound_time(ctx.gpu, (copies + routed) * h * b if backward else 2 * copies * h * b)
-    unpermute = memory_bound_time(ctx.gpu, ((2 if backward else 1) * copies + routed) * h * b)
+    # Permute and unpermute as Transformer Engine's fused kernels run them (Megatron-Core
+    # --moe-permute-fusion; TE permutation.py): a permute reads each token once and writes one row
+    # per copy, an unpermute reads the copies and writes each token's sum, and each one's backward is
+    # the other's kernel on the gradients; the router's probabilities travel with the copies and
+    # weigh them in the experts' activation, so the unpermute reads nothing more. The alltoall
+    # dispatcher permutes the routed tokens before it sends them (token_dispatcher.py
+    # MoEAlltoAllTokenDispatcher.dispatch_preprocess); DeepEP sends the tokens and the receiving
+    # rank permutes the distinct tokens it received, one per source token and destination rank, into
+    # its local experts' copies (MoEFlexTokenDispatcher.dispatch_postprocess).
+    if ctx.plan.moe_dispatcher == "deepep":
+        rows = load + load * deepep_rank_share(ctx) / ctx.plan.expert_tp
+    else:
+        rows = copies + routed
+    permute = unpermute = memory_bound_time(ctx.gpu, rows * h * b)  # each direction, each kernel
     etp = ctx.plan.expert_tp
     sort = 0.0
     if ctx.plan.moe_dispatcher == "alltoall" and experts // ctx.plan.ep > 1:

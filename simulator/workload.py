@@ -218,21 +218,29 @@ def _residual(ctx: LayerContext) -> tuple[float, float]:
     """One bias-dropout-add on the h-wide tokens, (forward bytes, backward over forward): it reads
     2h and writes h plus a 1-byte mask. Backward, the residual branch takes the incoming gradient as
     it is; with dropout the other branch's gradient is masked (read the gradient and the mask, write
-    2h + 1 bytes a token); and where the residual stream forked, at the layer's input, autograd adds
-    the two branches' gradients (read 2h, write h)."""
+    2h + 1 bytes a token); with a bias (model.linear_bias) autograd reduces the bias gradient the
+    fused function returns at full size (read h); and where the residual stream forked, at the
+    sublayer's input, autograd adds the two branches' gradients (read 2h, write h; Megatron-Core
+    TransformerLayer feeds the sublayer's input to its norm and keeps it as the residual)."""
     h, b = ctx.model.hidden_size, ctx.act_bytes
     mask = h if ctx.model.dropout else 0
     forward = 3 * h * b + mask
-    backward = 3 * h * b + (2 * h * b + mask if ctx.model.dropout else 0)
+    backward = 3 * h * b + (2 * h * b + mask if ctx.model.dropout else 0) + (h * b if ctx.model.linear_bias else 0)
     return _h_wide_tokens(ctx) * forward, backward / forward
 
 
-def activation_time(ctx: LayerContext, tokens: float, width: int, backward: bool) -> float:
+def activation_time(ctx: LayerContext, tokens: float, width: int, backward: bool, *, bias: bool = False) -> float:
     """The activation over a tokens x `width` intermediate (the dense MLP, an expert, the shared
-    experts): GELU reads f and writes f; SwiGLU reads the gate and up halves, 2f, and writes f."""
+    experts): GELU reads f and writes f; SwiGLU reads the gate and up halves, 2f, and writes f.
+    `bias`: the first linear's bias is added in the activation (Megatron bias_gelu / bias_swiglu),
+    whose backward returns the bias gradient at full size for autograd to reduce over the tokens:
+    one more read of f (megatron/core/fusions/fused_bias_gelu.py GeLUFunction.backward)."""
     swiglu = ctx.model.activation == "swiglu"
     act = (3 if swiglu else 2) * width * ctx.act_bytes
-    return _memory_bound(ctx, [(tokens * act, SWIGLU_BACKWARD if swiglu else GELU_BACKWARD)], backward)
+    kernels = [(tokens * act, SWIGLU_BACKWARD if swiglu else GELU_BACKWARD)]
+    if bias and backward:
+        kernels.append((tokens * width * ctx.act_bytes, 1.0))
+    return _memory_bound(ctx, kernels, backward)
 
 
 def _tp_transfers(ctx: LayerContext, linears: list[tuple[int, int, str]]) -> list[tuple[str, float]]:
@@ -438,7 +446,8 @@ def mlp_block(ctx: LayerContext, backward: bool) -> Cost:
     collectives."""
     shapes = [(k, n, ctx.tokens) for k, n in _mlp_shapes(ctx)]
     gemms = [linear_time(ctx, k, n, backward, cast_input=i > 0) for i, (k, n, _) in enumerate(shapes)]  # fc1: norm-fed
-    compute = sum(gemms) + activation_time(ctx, ctx.tokens, ctx.model.ffn_hidden_size // ctx.plan.tp, backward)
+    compute = sum(gemms) + activation_time(ctx, ctx.tokens, ctx.model.ffn_hidden_size // ctx.plan.tp, backward,
+                                           bias=ctx.model.linear_bias)
     tp = tp_exposed(ctx, mlp_transfers(ctx), shapes, gemms, backward)
     return Cost().add("compute", compute).add("tp_comm", tp)
 

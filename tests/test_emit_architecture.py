@@ -168,13 +168,19 @@ def test_families_agree_with_the_bundled_presets():
 
 
 def test_a_model_that_left_its_family_gets_no_guessed_flags():
-    """Sizes may change (the family holds); an activation, tying or attention kind unlike the
-    family's drops it, and the file names the flags to set instead. So does a model of no family."""
+    """Sizes may change (the family holds); an activation, tying, biases or attention kind unlike
+    the family's drops it, and the file names the flags to set instead. So does a model of no
+    family. Its linear biases are the model's own: --disable-bias-linear where it has none."""
     bigger = load_scenario(TINY, ["model=llama3-8b", "model.num_layers=8"])
     assert megatron_parse(megatron_args(bigger)).normalization == "RMSNorm"
-    for sc in (load_scenario(TINY, ["model=llama3-8b", "model.tied_embeddings=true"]), scenario("tiny-gpt-8xa100")):
+    for sc, biased in ((load_scenario(TINY, ["model=llama3-8b", "model.tied_embeddings=true"]), False),
+                       (load_scenario(TINY, ["model=llama3-8b", "model.linear_bias=true"]), True),
+                       (scenario("tiny-gpt-8xa100"), True),
+                       (load_scenario(TINY, ["model.linear_bias=false"]), False)):
         args, text = megatron_args(sc), megatron_args_text(sc)
-        assert "--normalization" not in args and "--disable-bias-linear" not in args
+        assert family_of(sc.model) is None
+        assert "--normalization" not in args and ("--disable-bias-linear" in args) == (not biased)
+        assert megatron_parse(args).add_bias_linear == biased
         assert "leave Megatron-LM's defaults" in text and "--position-embedding-type (rope with --rotary-base)" in text
 
 

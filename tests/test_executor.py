@@ -408,6 +408,14 @@ def test_dropout_the_executor_does_not_run_is_said():
     assert notes(with_dropout, on_gpu=True) == ["model.dropout 0.1: the executor trains without dropout"]
 
 
+def test_linear_biases_the_executor_does_not_build_are_said():
+    sc = scenario("x", dp=2)
+    assert not any("linear_bias" in n for n in notes(sc, on_gpu=True))
+    biased = dataclasses.replace(sc, model=dataclasses.replace(sc.model, linear_bias=True))
+    assert notes(biased, on_gpu=True) == ["model.linear_bias: the executor's linear layers have no biases; "
+                                         "model.linear_bias: false predicts it"]
+
+
 def test_scenario_round_trip():
     sc = scaled_scenario(scenario("x", "moe", dp=2, ep=2))
     assert scenario_from_json(scenario_to_json(sc)) == sc

@@ -92,12 +92,16 @@ def test_no_dropout_writes_no_masks():
     ctx = _setup(sc).ctx
     off = _replace(ctx, model=_replace(ctx.model, dropout=0.0))
     tokens, h = ctx.tokens / 8, 12288  # sequence parallel
-    (forward, factor), (forward_off, factor_off) = _residual(ctx), _residual(off)
-    assert forward - forward_off == pytest.approx(tokens * h)
-    # backward: the dropout's gradient (read 2h and the mask, write 2h) and, without dropout, only
-    # the two branches' gradients added where the residual stream forked (read 4h, write 2h bytes)
-    assert forward * factor == pytest.approx(tokens * (10 * h + h))
-    assert forward_off * factor_off == pytest.approx(tokens * 6 * h)
+    plain = _replace(off, model=_replace(off.model, linear_bias=False))
+    assert ctx.model.linear_bias  # GPT-3: biases, as every GELU model by default
+    (forward, factor), (forward_off, factor_off), (forward_plain, factor_plain) = map(_residual, (ctx, off, plain))
+    assert forward - forward_off == pytest.approx(tokens * h) and forward_off == forward_plain
+    # backward: the two branches' gradients added where the residual stream forked (read 4h, write
+    # 2h bytes), the bias gradient reduced (read 2h) and the dropout's gradient (read 2h and the
+    # mask, write 2h)
+    assert forward_plain * factor_plain == pytest.approx(tokens * 6 * h)
+    assert forward_off * factor_off == pytest.approx(tokens * 8 * h)
+    assert forward * factor == pytest.approx(tokens * (12 * h + h))
     assert _attention_step(off, False) < _attention_step(ctx, False)
     assert _attention_step(off, True) < _attention_step(ctx, True)
 
@@ -354,6 +358,10 @@ def test_memory_bound_backwards_move_their_kernels_bytes():
         c = _replace(ctx, model=_replace(ctx.model, activation=activation))
         assert activation_time(c, tokens, width, False) == pytest.approx(memory_bound_time(ctx.gpu, tokens * passes * width * e))
         assert activation_time(c, tokens, width, True) == pytest.approx(memory_bound_time(ctx.gpu, tokens * backward * width * e))
+        # a bias added in the activation: its gradient reduced over the tokens, one more read of f
+        assert activation_time(c, tokens, width, False, bias=True) == activation_time(c, tokens, width, False)
+        assert activation_time(c, tokens, width, True, bias=True) == pytest.approx(
+            memory_bound_time(ctx.gpu, tokens * backward * width * e) + memory_bound_time(ctx.gpu, tokens * width * e))
     # the FFN's norm (read + write h) and its residual add without dropout (read 2h, write h): the
     # norm's backward twice its forward, the add's the branches' gradients summed at the fork
     h_tokens = ctx.tokens / ctx.plan.tp if ctx.plan.sequence_parallel else ctx.tokens

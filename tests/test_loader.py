@@ -813,6 +813,19 @@ def test_dropout_defaults_to_megatrons_and_the_presets_say_theirs():
         assert err.path == "model.dropout" and words in str(err)
 
 
+def test_linear_biases_default_by_activation_and_the_presets_say_theirs():
+    """GELU models have linear biases (GPT-2, GPT-3: Megatron's default), SwiGLU ones do not (the
+    Llama family); MPT is a GELU model without them (llm-foundry no_bias)."""
+    assert load_scenario(tiny()).model.linear_bias and load_scenario({**tiny(), "model": "gpt3-175b"}).model.linear_bias
+    for preset in ("llama3-8b", "mpt-7b", "mpt-30b", "mixtral-8x7b", "qwen3-235b-a22b", "deepseek-v3"):
+        assert not load_scenario({**tiny(), "model": preset}).model.linear_bias, preset
+    assert load_scenario({**tiny(), "model": {"hf_config": str(FIXTURES / "hf-gpt2")}}).model.linear_bias
+    assert not load_scenario({**tiny(), "model": {"hf_config": str(FIXTURES / "hf-llama3-8b")}}).model.linear_bias
+    assert not load_scenario(tiny(), ["model.linear_bias=false"]).model.linear_bias
+    err = error_of(tiny(), ["model.linear_bias=1"])
+    assert err.path == "model.linear_bias" and "expected true or false" in str(err)
+
+
 @pytest.mark.parametrize("fixture, want", [("hf-gpt2", 0.1), ("hf-llama3-8b", 0.0)])
 def test_hf_configs_give_their_dropout(tmp_path, fixture, want):
     folder = FIXTURES / fixture

@@ -524,35 +524,37 @@ def test_a_recomputed_moe_layer_holds_no_dense_mlp():
     assert all(w > b for w, b in zip(activations(replace(sc.model, moe=wider)), base))
 
 
-def test_alltoall_dispatcher_sorts_received_tokens_by_local_expert(h100_net):
+def _moe_kernel_bytes(monkeypatch, ctx, draw, ep, etp) -> list[float]:
+    """The bytes of every memory-bound kernel simulator.moe prices for one MoE block, forward then
+    backward (router softmax, permute, unpermute, then any sort, per direction)."""
+    import simulator.moe as moe_module
+
+    seen: list[float] = []
+    real = moe_module.memory_bound_time
+    monkeypatch.setattr(moe_module, "memory_bound_time", lambda g, nbytes: seen.append(nbytes) or real(g, nbytes))
+    moe_block(ctx, draw, ep, etp, overlap_shared=False)
+    monkeypatch.setattr(moe_module, "memory_bound_time", real)
+    return seen
+
+
+def test_alltoall_dispatcher_sorts_received_tokens_by_local_expert(h100_net, monkeypatch):
     """Megatron-Core's alltoall dispatcher sorts what it received by local expert and back
     ("Permutation 2" / "Unpermutation 2"): with two local experts (EP 4 of Mixtral's 8) each
-    direction pays one more read and write of the received tokens; DeepEP's and one expert's do not."""
-    from hwmodels.compute import memory_bound_time
-
+    direction pays one more read and write of the received tokens (the backward's sort is the
+    inverse permutation: the same bytes); DeepEP's and one expert's do not."""
     sc, gpu, net = h100_net
-    base = dict(tp=1, pp=1, dp=64, ep=4, virtual_pipeline_stages=1, schedule="1f1b")
-    _, a2a = _ctx(sc, gpu, net, **base, moe_dispatcher="alltoall")
-    _, flex = _ctx(sc, gpu, net, **base, moe_dispatcher="deepep")
-    etp, ep, _ = expert_group_layouts(a2a.plan, 8)
-    draw = draw_routing(sc.model.moe, 4, a2a.tokens)
-    load = float(draw.expert_tokens[draw.busiest_rank].sum())
     h = sc.model.hidden_size
-    for backward in (False, True):  # the backward's sort is the inverse permutation: the same bytes
-        extra = (moe_block(a2a, draw, ep, etp, overlap_shared=False)(a2a, backward).parts["compute"]
-                 - moe_block(flex, draw, ep, etp, overlap_shared=False)(flex, backward).parts["compute"])
-        assert extra == pytest.approx(2 * memory_bound_time(gpu, 2 * load * h * 2), rel=1e-9)
+    base = dict(tp=1, pp=1, dp=64, ep=4, virtual_pipeline_stages=1, schedule="1f1b")
     # the sort runs after the expert-TP gather, on expert_tp times the tokens, and at EP 1 too
     # (sort_chunks_by_idxs whenever a rank holds more than one expert)
-    for plan, ranks in ((dict(base, ep=2, expert_tp=2), 2), (dict(base, ep=1), 1)):
+    for plan, ranks in ((base, 4), (dict(base, ep=2, expert_tp=2), 2), (dict(base, ep=1), 1)):
         _, a2a = _ctx(sc, gpu, net, **plan, moe_dispatcher="alltoall")
         _, flex = _ctx(sc, gpu, net, **plan, moe_dispatcher="deepep")
         etp, ep, _ = expert_group_layouts(a2a.plan, 8)
         draw = draw_routing(sc.model.moe, ranks, a2a.tokens)
-        load = float(draw.expert_tokens[draw.busiest_rank].sum()) * a2a.plan.expert_tp
-        extra = (moe_block(a2a, draw, ep, etp, overlap_shared=False)(a2a, False).parts["compute"]
-                 - moe_block(flex, draw, ep, etp, overlap_shared=False)(flex, False).parts["compute"])
-        assert extra == pytest.approx(2 * memory_bound_time(gpu, 2 * load * h * 2), rel=1e-9)
+        sort = 2 * float(draw.expert_tokens[draw.busiest_rank].sum()) * a2a.plan.expert_tp * h * 2
+        assert _moe_kernel_bytes(monkeypatch, a2a, draw, ep, etp).count(pytest.approx(sort, rel=1e-12)) == 2
+        assert pytest.approx(sort, rel=1e-12) not in _moe_kernel_bytes(monkeypatch, flex, draw, ep, etp)
 
 
 def test_deepep_moves_a_token_once_per_destination_rank(h100_net):
@@ -654,23 +656,25 @@ def test_dispatch_buffers_hold_the_expert_tp_gathered_tokens(h100_net):
 
 
 def test_permutation_bytes_follow_transformer_engine_kernels(h100_net, monkeypatch):
-    """Forward, the permute reads and writes each copy and the unpermute reads the copies and writes
-    the tokens; backward, the permute's gradient is an unpermute (copies in, tokens out) and the
-    unpermute's reads the tokens' gradients and the saved copies and writes the copies' gradients
-    (Transformer Engine permutation.py, _moe_permute_mask_map / _moe_unpermute_mask_map)."""
-    import simulator.moe as moe_module
+    """Transformer Engine's fused permute reads each token once and writes its copies, the
+    unpermute the reverse, and each one's backward is the other's kernel (TE permutation.py): every
+    one moves copies + tokens rows. The alltoall dispatcher permutes the routed tokens before
+    sending; DeepEP's receiving rank permutes the distinct tokens it received (one per source token
+    and destination rank) into its experts' copies."""
+    from simulator.moe import deepep_rank_share, routed_tokens_per_rank
 
     sc, gpu, net = h100_net
-    _, ctx = _ctx(sc, gpu, net, tp=1, pp=1, dp=64, ep=8, virtual_pipeline_stages=1, schedule="1f1b",
-                  moe_dispatcher="deepep")
-    etp, ep, _ = expert_group_layouts(ctx.plan, 8)
-    draw = draw_routing(sc.model.moe, 8, ctx.tokens)
-    copies, routed = draw.sent_per_rank, moe_module.routed_tokens_per_rank(ctx)
     row = sc.model.hidden_size * 2
-    seen = []
-    real = moe_module.memory_bound_time
-    monkeypatch.setattr(moe_module, "memory_bound_time", lambda g, nbytes: seen.append(nbytes) or real(g, nbytes))
-    moe_block(ctx, draw, ep, etp, overlap_shared=False)  # prices the forward, then the backward
-    # each direction: the router's softmax, the permute, the unpermute
-    assert seen[1:3] == pytest.approx([2 * copies * row, (copies + routed) * row], rel=1e-12)
-    assert seen[4:6] == pytest.approx([(copies + routed) * row, (2 * copies + routed) * row], rel=1e-12)
+    for dispatcher in ("alltoall", "deepep"):
+        _, ctx = _ctx(sc, gpu, net, tp=1, pp=1, dp=64, ep=8, virtual_pipeline_stages=1, schedule="1f1b",
+                      moe_dispatcher=dispatcher)
+        etp, ep, _ = expert_group_layouts(ctx.plan, 8)
+        draw = draw_routing(sc.model.moe, 8, ctx.tokens)
+        load = float(draw.expert_tokens[draw.busiest_rank].sum())
+        rows = (draw.sent_per_rank + routed_tokens_per_rank(ctx) if dispatcher == "alltoall"
+                else load * (1 + deepep_rank_share(ctx)))
+        seen = _moe_kernel_bytes(monkeypatch, ctx, draw, ep, etp)
+        # each direction: the router's softmax, then the permute, priced once for the unpermute too
+        # (the same rows; one expert a rank: no sort)
+        assert len(seen) == 4
+        assert [seen[1], seen[3]] == pytest.approx([rows * row] * 2, rel=1e-12)
