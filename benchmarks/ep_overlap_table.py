@@ -2,7 +2,7 @@
 exposed expert-parallel communication, the pipeline bubble and the peak memory without and with it;
 and the one published pair that measured it.
 
-    python benchmarks/ep_overlap_table.py [--markdown] [--records ../shared/validation/public_runs.yaml]
+    python benchmarks/ep_overlap_table.py [--markdown] [--records paraplan/data/public_runs.yaml]
 
 The published pair: the Megatron MoE Model Zoo's Qwen3 page (yanring/Megatron-MoE-ModelZoo,
 best_practice/qwen3/readme.md, H100 table) ran Qwen3-235B-A22B on 256 H100 (TP 2, EP 32, PP 8 x

@@ -150,8 +150,16 @@ def compare(sc, sim, measurement: dict, *, config: str, tolerance_pct: float, no
                    "only the total is compared",
             "predicted_breakdown_s": dict(sim.breakdown),
         },
-        "notes": list(notes) + list(measurement.get("notes", [])),
+        "notes": _profile_notes(prof, measurement) + list(notes) + list(measurement.get("notes", [])),
     }
+
+
+def _profile_notes(prof, measurement: dict) -> list[str]:
+    """A GPU's profile predicting a run on CPUs: the error then measures the CPU, not the model."""
+    if measurement.get("device") != "cpu" or prof.name.startswith("cpu"):
+        return []
+    return [f"predicted with {prof.name}, a GPU's profile, for a run on CPUs: the error compares two devices; "
+            "calibrate this CPU (paraplan calibrate --device cpu --out cpu.yaml) and validate with --profile cpu.yaml"]
 
 
 # ------------------------------------------------------------------------------------------ refit

@@ -157,7 +157,7 @@ class Evaluator:
         self.simulations += 1
         try:
             r = simulate(self.space.scenario_for(cand), imbalance_reference=False, record_spans=False)
-            if planner_rules and not r.fits:
+            if planner_rules and not self._fits(r):
                 moved = self._fitting_edges(cand, [st.memory["total"] for st in r.stages])
                 if moved != cand:
                     self.simulations += 1
@@ -166,12 +166,16 @@ class Evaluator:
         except InfeasiblePlanError as e:  # a rule the structural check does not know yet
             return Evaluation(candidate=cand, status="invalid", reasons=e.reasons, world_size=world)
         return Evaluation(
-            candidate=cand, status="ok" if r.fits else "oom", world_size=world,
+            candidate=cand, status="ok" if self._fits(r) else "oom", world_size=world,
             step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s, mfu=r.mfu,
             peak_memory_bytes=r.peak_memory_bytes, memory_capacity_bytes=r.memory_capacity_bytes,
             num_microbatches=r.num_microbatches, breakdown=tuple(r.breakdown.items()),
         )
 
+
+    def _fits(self, r) -> bool:
+        """Fits the GPU, less the search section's memory_headroom."""
+        return r.fits and r.peak_memory_bytes <= self.space.memory_limit
 
     def _fitting_edges(self, cand: Candidate, stage_memory: list[float]) -> Candidate:
         """The candidate, or where its derived uneven split leaves one edge stage over the GPU's
@@ -189,7 +193,7 @@ class Evaluator:
         rest = self.space.edge_layers(cand)
         if rest is None:
             return cand
-        cap = self.space.memory_capacity
+        cap = self.space.memory_limit
 
         def over(c: Candidate) -> list[bool]:
             return [m > cap for m in stage_peak_memory(self.space.scenario_for(c))]

@@ -16,6 +16,7 @@ from typing import Any
 from paraplan.specs import PlanSpec
 from planner.objective import GiB, Evaluation, Objective, pareto_front
 from planner.search import SearchResult
+from simulator.memory import gib_pair
 from planner.space import reason_key
 
 
@@ -182,8 +183,10 @@ def format_report(rep: Report) -> str:
     n = len(res.records)
     rate = (n - res.trials_before) / res.wall_time_s if res.wall_time_s > 0 else 0.0
     resumed = f", {res.trials_before} before this run" if res.trials_before else ""
+    headroom = (f" leaving {res.memory_headroom:.0%} of it free (search.memory_headroom)"
+                if res.memory_headroom else "")
     lines.append(f"  trials: {n} ({rep.distinct} distinct plans{resumed}), {rep.fits} of the {rep.distinct} plans "
-                 f"fit in memory; {res.simulations} simulated in this run, {res.wall_time_s:.1f} s, "
+                 f"fit in memory{headroom}; {res.simulations} simulated in this run, {res.wall_time_s:.1f} s, "
                  f"{rate:.1f} trials/s")
     lines.append(f"  study: {res.study_name} in {res.storage}")
     lines.append("")
@@ -245,7 +248,7 @@ def format_report(rep: Report) -> str:
     if rep.oom:
         c = rep.closest_oom
         lines.append(f"    {rep.oom:>6,} out of memory (closest: {plan_label(c.candidate.plan)} needs "
-                     f"{c.peak_memory_bytes / GiB:.1f} of {c.memory_capacity_bytes / GiB:.1f} GiB)")
+                     "{} of {} GiB)".format(*gib_pair(c.peak_memory_bytes, c.memory_capacity_bytes)))
     for _, count, example in rep.trial_rejections[:6]:
         lines.append(f"    {count:>6,} {_plural(count, 'trial')}, e.g. {example}")
     if enum is not None and enum.rejections:

@@ -105,6 +105,8 @@ class SearchResult:
     """Trials of dead processes marked failed on this resume."""
     study: Any = dataclasses.field(default=None, compare=False, repr=False)
     """The optuna.Study (for importances and plots)."""
+    memory_headroom: float = 0.0
+    """search.memory_headroom: the share of GPU memory a plan had to leave free to fit."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -313,7 +315,7 @@ def run_search(req: SearchRequest, *, progress: Callable[[int, int, Evaluation |
         baseline_in_space=space.valid(baseline_cand) and baseline.simulated,
         baseline_twin=space.candidate(space.params_of(baseline_cand)) if space.in_space(baseline_cand) else None,
         budget=budget, wall_time_s=time.perf_counter() - t0, simulations=sims,
-        trials_before=before, trials_failed=failed, study=study,
+        trials_before=before, trials_failed=failed, study=study, memory_headroom=space.spec.memory_headroom,
     )
 
 
@@ -482,7 +484,9 @@ def _work(job: _Job, *, evaluator: Evaluator | None, study_storage, progress) ->
                 trial.set_constraint("structure", STRUCTURE_VIOLATION)
                 study.tell(trial, state=TrialState.PRUNED)
         except BaseException:
-            study.tell(trial, state=TrialState.FAIL)
+            # an interrupt can land after the tell was recorded (while Optuna reads the trial back):
+            # the trial is then finished already, and stays as it was told
+            study.tell(trial, state=TrialState.FAIL, skip_if_finished=True)
             raise
         if e.fits and (best is None or objective.better(e, best)):
             best = e

@@ -9,6 +9,7 @@ search:
   trials: 300                  # Optuna budget (trials of every state, pruned ones included)
   exhaustive_threshold: 3000   # enumerate every valid plan when there are at most this many
   gpu_hour_cost: 2.5           # currency per GPU-hour, for --objective cost
+  memory_headroom: 0.1         # a plan fits if its peak leaves this share of GPU memory free (default 0)
   num_nodes: [64, 128]         # optional: let the planner choose the cluster size too
 ```
 
@@ -118,7 +119,7 @@ MOE_KNOBS = ("expert_tp", "moe_dispatcher", "moe_shared_expert_overlap", "overla
 # zero-bubble, zbv and dualpipev are searched only when the scenario lists them: Megatron-LM, whose
 # arguments `plan` writes, has none of them (torchtitan and `paraplan launch` run them).
 DEFAULT_SCHEDULES = tuple(s for s in SCHEDULES if s not in ("zero-bubble", "zbv", "dualpipev"))
-SETTINGS = ("allow_tp_across_nodes", "trials", "exhaustive_threshold", "gpu_hour_cost")
+SETTINGS = ("allow_tp_across_nodes", "trials", "exhaustive_threshold", "gpu_hour_cost", "memory_headroom")
 # The schedules that run on one stage: with pp = 1 they are one, the first the search lists (one_stage_schedule).
 ONE_STAGE_SCHEDULES = ("1f1b", "gpipe")
 VIRTUAL_SCHEDULES = {"interleaved-1f1b": 2, "zero-bubble": 1, "zbv": 2, "dualpipev": 2}
@@ -202,6 +203,10 @@ class SearchSpec:
     exhaustive_threshold: int = DEFAULT_EXHAUSTIVE_THRESHOLD
     gpu_hour_cost: float | None = None
     """Currency per GPU-hour; None prices the cost objective in GPU-hours."""
+    memory_headroom: float = 0.0
+    """Share of a GPU's memory a plan must leave free to count as fitting: a margin for what the
+    memory model leaves out (allocator fragmentation beyond its allowance, a framework's own
+    buffers), which a run near the limit meets as an out-of-memory error."""
     given: tuple[str, ...] = ()
     """The knobs the section listed (the others took their defaults)."""
 
@@ -363,6 +368,11 @@ def parse_search(scenario: Scenario, raw: Any = None) -> SearchSpec:
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
             raise ConfigError("search.gpu_hour_cost", f"expected a positive number, got {_show(v)}")
         settings["gpu_hour_cost"] = float(v)
+    if "memory_headroom" in raw:
+        v = raw["memory_headroom"]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v < 1:
+            raise ConfigError("search.memory_headroom", f"expected a share of GPU memory in [0, 1), got {_show(v)}")
+        settings["memory_headroom"] = float(v)
 
     given = {k: _check_candidates(k, v) for k, v in raw.items() if k in KNOBS}
     if "recompute" in given:
@@ -513,6 +523,19 @@ def interleaved_edges(num_layers: int, virtual_stages: int) -> tuple[int | None,
     return (None, None) if edge is None else (edge, edge)
 
 
+def edge_split_hint(sc: Scenario) -> str | None:
+    """Where a plan's layers do not split evenly over its (virtual) stages: the first and last
+    stage layers the planner would give it (uneven_stages, interleaved_edges), as the --set
+    arguments that ask for them; None where it would reject the plan too."""
+    p = sc.plan
+    stages = p.pp * p.virtual_pipeline_stages
+    first, last = (uneven_stages(sc.model.num_layers, stages) if p.virtual_pipeline_stages == 1
+                   else interleaved_edges(sc.model.num_layers, stages))
+    if first is None:
+        return None
+    return f"--set plan.first_stage_layers={first} --set plan.last_stage_layers={last}"
+
+
 def one_stage_schedule(schedules: tuple[str, ...]) -> str | None:
     """The schedule a pp = 1 plan of gpipe or 1f1b takes, of the candidate `schedules`: 1f1b, else
     gpipe; None when neither is listed (interleaved-1f1b and zero-bubble need pp >= 2, so with pp = 1
@@ -542,7 +565,9 @@ class PlanSpace:
         gpu = load_profile(scenario.cluster.gpu)
         self._arch = gpu.arch
         self.memory_capacity = gpu.hbm_capacity
-        """Bytes a GPU of the scenario's cluster holds (what a plan's peak memory must fit in)."""
+        """Bytes a GPU of the scenario's cluster holds."""
+        self.memory_limit = gpu.hbm_capacity * (1 - spec.memory_headroom)
+        """What a plan's peak memory must fit in: the capacity less search.memory_headroom."""
         # every plan field the search does not set keeps the scenario's (stages are derived in _make)
         self._template = scenario.plan
         self._cands = dict(spec.candidates)

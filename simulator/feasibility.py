@@ -88,7 +88,7 @@ def _pipeline_problems(sc: Scenario) -> list[str]:
                    f"got {vpp}")
     if p.schedule not in ("interleaved-1f1b", "zero-bubble", "zbv", "dualpipev") and vpp > 1:
         out.append(f"plan.virtual_pipeline_stages: {vpp} virtual stages need schedule interleaved-1f1b, "
-                   "zero-bubble, zbv or dualpipev")
+                   f"zero-bubble, zbv or dualpipev (or virtual_pipeline_stages 1 for {p.schedule})")
     if p.schedule in ("interleaved-1f1b", "zero-bubble", "zbv", "dualpipev") and p.pp < 2:
         out.append(f"plan.schedule: {p.schedule} needs pp >= 2 (one stage has no pipeline bubble to fill)")
     uneven = p.first_stage_layers is not None or p.last_stage_layers is not None

@@ -15,6 +15,16 @@ from paraplan.specs import DTYPE_BYTES
 
 GiB = 1024**3
 
+
+def gib_pair(need: float, capacity: float) -> tuple[str, str]:
+    """Bytes needed and available as GiB with one decimal, or as many more (up to three) as it takes
+    for a plan that does not fit not to read as needing what the GPU has (80.02 of 80.00 GiB)."""
+    for digits in (1, 2, 3):
+        a, b = f"{need / GiB:.{digits}f}", f"{capacity / GiB:.{digits}f}"
+        if a != b or need <= capacity:
+            break
+    return a, b
+
 # Fixed reservation on every GPU: CUDA context (~0.5 GiB), NCCL communicator buffers and cuBLAS
 # workspaces (~0.5 GiB together). Stated allowance, not measured per scenario.
 RESERVED_BYTES = 1 * GiB

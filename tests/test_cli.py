@@ -441,3 +441,44 @@ def test_an_output_path_spelt_as_a_folder_is_refused(tmp_path):
     r = paraplan("simulate", TINY, "--trace", f"{tmp_path}/newdir/")
     assert r.returncode == 2 and r.stderr == f"error: --trace: {tmp_path}/newdir/ names a folder; expected a file name\n"
     assert not (tmp_path / "newdir").exists()
+
+
+def test_simulate_says_which_plan_it_simulated():
+    """--json carries the plan as --set left it (dp derived) and the GPU profile; the text's plan
+    line names an MoE model's expert parallelism and dispatcher."""
+    r = paraplan("simulate", "scenarios/mixtral-8x7b-64xh100.yaml", "--set", "plan.ep=4",
+                 "--set", "cluster.gpu=h100-sxm-80gb", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert out["gpu"] == "h100-sxm-80gb"
+    assert {k: out["plan"][k] for k in ("tp", "pp", "dp", "ep")} == {"tp": 1, "pp": 4, "dp": 16, "ep": 4}
+    text = paraplan("simulate", "scenarios/mixtral-8x7b-64xh100.yaml", "--set", "plan.ep=4").stdout
+    assert "cp 1  ep 4  alltoall  mbs 1" in text
+    assert "  ep " not in paraplan("simulate", "scenarios/tiny-gpt-8xa100.yaml").stdout  # dense: no EP
+
+
+def test_memory_that_does_not_fit_never_reads_as_equal_to_the_capacity():
+    from simulator.memory import GiB, gib_pair
+
+    assert gib_pair(80.02 * GiB, 80 * GiB) == ("80.02", "80.00")
+    assert gib_pair(80.0004 * GiB, 80 * GiB) == ("80.000", "80.000")  # three decimals at most
+    assert gib_pair(79.99 * GiB, 80 * GiB) == ("80.0", "80.0")  # fits: one decimal
+    assert gib_pair(33.8 * GiB, 80 * GiB) == ("33.8", "80.0")
+    r = paraplan("simulate", "scenarios/gpt3-175b-1024xa100.yaml", "--set", "plan.tp=4", "--set",
+                 "plan.virtual_pipeline_stages=6", "--set", "plan.sequence_parallel=false", "--set", "plan.recompute=none")
+    assert r.returncode == 2 and "80.02 GiB of 80.00 GiB  -> DOES NOT FIT" in r.stdout
+    assert r.stderr == "error: out of memory: stage 0 needs 80.02 GiB per GPU, the GPU has 80.00 GiB\n"
+
+
+def test_layers_that_do_not_split_get_the_planners_split_suggested():
+    """DeepSeek-V3's 61 layers on 8 stages: the scenario's 4/1 edges leave 56 for 6 stages; simulate
+    names the edges the planner would give it, which then simulate."""
+    r = paraplan("simulate", "scenarios/deepseek-v3-2048xh800.yaml", "--set", "plan.pp=8")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert r.stderr.rstrip().endswith("(the planner would split them: --set plan.first_stage_layers=7 "
+                                      "--set plan.last_stage_layers=6)")
+    ok = paraplan("simulate", "scenarios/deepseek-v3-2048xh800.yaml", "--set", "plan.pp=8", "--set",
+                  "plan.first_stage_layers=7", "--set", "plan.last_stage_layers=6", "--json")
+    assert ok.returncode in (0, 2) and json.loads(ok.stdout)["plan"]["pp"] == 8  # simulated (it may not fit)
+    r = paraplan("simulate", "scenarios/gpt3-175b-1024xa100.yaml", "--set", "plan.schedule=1f1b")
+    assert "(or virtual_pipeline_stages 1 for 1f1b)" in r.stderr

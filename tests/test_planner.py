@@ -819,3 +819,22 @@ def test_expert_plans_follow_the_dense_and_the_moe_tuning_guides():
     plans = expert_plans(sp, limit=8)[1:]
     assert plans and all(c.plan.ep * c.plan.expert_tp <= c.plan.tp * c.plan.dp for c in plans)
     assert {c.plan.pp: c.plan.ep for c in plans if c.plan.tp == 1} == {2: 4, 4: 2, 8: 1}
+
+
+def test_memory_headroom_holds_plans_to_a_share_of_the_gpu():
+    """search.memory_headroom: a plan fits only if its peak leaves that share of the GPU's memory
+    free; the same plan fits without it. Out of range, it is a one-line error naming the key."""
+    sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml")
+    knobs = {"tp": [1], "pp": [1], "cp": [1], "micro_batch_size": [1], "zero_stage": [2], "recompute": ["none"],
+             "schedule": ["1f1b"], "sequence_parallel": [False]}
+    plain = Evaluator(PlanSpace(sc, parse_search(sc, knobs))).evaluate(PlanSpace(sc, parse_search(sc, knobs)).candidate({}))
+    share = plain.peak_memory_bytes / plain.memory_capacity_bytes
+    assert plain.status == "ok" and 0.5 < share < 0.95
+    for headroom, status in ((round(1 - share, 3) - 0.01, "ok"), (round(1 - share, 3) + 0.01, "oom")):
+        sp = PlanSpace(sc, parse_search(sc, {**knobs, "memory_headroom": headroom}))
+        e = Evaluator(sp).evaluate(sp.candidate({}))
+        assert e.status == status and e.peak_memory_bytes == plain.peak_memory_bytes
+    for bad in (1.0, -0.1, True, "10%"):
+        with pytest.raises(ConfigError) as err:
+            parse_search(sc, {"memory_headroom": bad})
+        assert err.value.path == "search.memory_headroom" and "expected a share of GPU memory in [0, 1)" in str(err.value)

@@ -322,3 +322,22 @@ def test_a_resume_without_plots_removes_the_earlier_runs_plots(tmp_path):
     assert r.returncode == 0, r.stderr
     assert not (out / "history.png").exists() and not (out / "importance.png").exists()
     assert "removed the earlier run's history.png" in r.stdout
+
+
+def test_an_interrupted_search_says_how_to_resume(tmp_path):
+    """Ctrl-C keeps the journal's finished trials; the message names it and --resume, with no
+    traceback wherever in a trial the interrupt lands (after its result was recorded, too)."""
+    import signal
+
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "paraplan", "plan", str(ROOT / "scenarios" / "llama3-8b-64xh100.yaml"),
+                             "--strategy", "tpe", "--trials", "100000", "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    first = proc.stderr.readline()  # the progress line of the first trial: the search is running
+    assert first.startswith("searching 1/100000 trials"), first
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130
+    lines = [line for line in err.splitlines() if not line.startswith("searching")]
+    assert lines == [f"interrupted: the finished trials are kept in {out / 'study.journal'}; continue with the same "
+                     "command and --resume", "error: interrupted"], err

@@ -221,3 +221,16 @@ def test_refit_says_when_no_efficiency_reaches_the_measurement():
     assert fit.factor < 1e3 and fit.error_after_pct > 10
     assert all(y == 1.0 for _, c in fit.profile.gemm_efficiency for y in c.ys)
     assert fit.note in dict(fit.profile.provenance)["refit"]
+
+
+def test_a_gpu_profile_predicting_a_cpu_run_is_said():
+    from types import SimpleNamespace
+
+    from calibrate.validate import _profile_notes
+    from hwmodels.profile import load_profile
+
+    gpu = load_profile("a100-sxm-80gb")
+    said = _profile_notes(gpu, {"device": "cpu"})
+    assert len(said) == 1 and said[0].startswith("predicted with a100-sxm-80gb, a GPU's profile, for a run on CPUs")
+    assert _profile_notes(gpu, {"device": "NVIDIA A100-SXM4-80GB"}) == []
+    assert _profile_notes(SimpleNamespace(name="cpu-amd-epyc"), {"device": "cpu"}) == []

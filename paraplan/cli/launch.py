@@ -83,6 +83,12 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
     if args.nnodes < 1 or (args.nproc is not None and args.nproc < 1):
         raise ParaplanError("--nproc and --nnodes must be positive")
     world = sc.plan.world_size
+    gpn = sc.cluster.gpus_per_node
+    if args.nproc is None and args.nnodes == 1 and world > gpn and sc.run.backend == "nccl":
+        raise ParaplanError(f"the plan's {world} processes run on {-(-world // gpn)} nodes of {gpn} GPUs "
+                            f"(cluster.gpus_per_node): start it on each node with --nnodes {-(-world // gpn)} "
+                            "--node-rank N --rdzv-endpoint HOST:PORT, or on this node scaled down with "
+                            "--backend gloo (or --nproc, if this node has the GPUs)")
     nproc = args.nproc if args.nproc is not None else world // args.nnodes
     if nproc * args.nnodes != world:
         raise ParaplanError(f"the plan needs tp*pp*cp*dp = {sc.plan.tp}*{sc.plan.pp}*{sc.plan.cp}*{sc.plan.dp} = {world} "

@@ -182,6 +182,15 @@ def run(args) -> int:
             if progress is not None:
                 progress.close()
         return _write_outputs(scenario, result, objective, out, args)
+    except KeyboardInterrupt:
+        if created:
+            _remove_if_empty(out)
+        if args.storage or (out / JOURNAL).exists():  # the study is there: say how to pick up from it
+            from planner.search import mask_url
+
+            print(f"interrupted: the finished trials are kept in {mask_url(storage)}; continue with the same "
+                  "command and --resume", file=sys.stderr)
+        raise
     except BaseException:
         if created:  # a failed start (a bad --storage, say) leaves no empty folder
             _remove_if_empty(out)
@@ -332,12 +341,14 @@ def _failure(rep, result, scenario) -> ParaplanError | None:
         _, count, example = rep.trial_rejections[0]
         return ConfigError("search", f"no valid plan among the {len(result.records)} trials; {count} fail one rule, "
                                      f"e.g. {example}")
+    from simulator.memory import gib_pair
+
     c = rep.closest_oom
     detail = ""
     if c is not None:
         p = c.candidate.plan
         detail = (f"; the closest, tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}, needs "
-                  f"{c.peak_memory_bytes / 2**30:.1f} of {c.memory_capacity_bytes / 2**30:.1f} GiB per GPU: "
+                  + "{} of {} GiB per GPU: ".format(*gib_pair(c.peak_memory_bytes, c.memory_capacity_bytes))
                   + (_too_few_gpus(scenario, c.memory_capacity_bytes, _largest_cluster(scenario, result))
                      or "allow more pp, recompute or zero_stage in the search section"))
     return ParaplanError(f"no plan fits in memory among the {rep.distinct} plans evaluated{detail}")

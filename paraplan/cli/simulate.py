@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 
-from paraplan.errors import ParaplanError
+from paraplan.errors import InfeasiblePlanError, ParaplanError
 from paraplan.cli.tables import elided
 from paraplan.fileio import check_distinct_files, check_output_file, write_files_atomic
+from simulator.memory import gib_pair
 
 
 GiB = 1024**3
@@ -34,7 +35,10 @@ def run(args) -> int:
         from planner.space import parse_search
 
         parse_search(scenario)
-    result = simulate(scenario, record_spans=bool(args.trace or args.plot))  # the timeline only when drawn
+    try:
+        result = simulate(scenario, record_spans=bool(args.trace or args.plot))  # the timeline only when drawn
+    except InfeasiblePlanError as exc:
+        raise _with_split_hint(scenario, exc) from None
     outputs = []  # written together or not at all; an infeasible run ends with an error and writes nothing
     if result.fits and args.trace:
         from simulator.trace import chrome_trace_json
@@ -46,16 +50,37 @@ def run(args) -> int:
         outputs.append((args.plot, timeline_png(result), "--plot"))
     write_files_atomic(outputs)
     if args.json:
-        print(json.dumps(result.to_json(), indent=2))
+        from paraplan.serialize import plan_to_mapping
+
+        # what was simulated, as --set left it: the plan (its derived dp too) and the GPU profile
+        out = result.to_json()
+        out = {"scenario": out.pop("scenario"), "gpu": scenario.cluster.gpu, "plan": plan_to_mapping(scenario.plan), **out}
+        print(json.dumps(out, indent=2))
     else:
         print(format_result(scenario, result))
     if not result.fits:
         worst = max(result.stages, key=lambda s: s.memory["total"])
-        raise ParaplanError(
-            f"out of memory: stage {worst.stage} needs {worst.memory['total'] / GiB:.1f} GiB per GPU, "
-            f"the GPU has {result.memory_capacity_bytes / GiB:.1f} GiB"
-        )
+        need, capacity = gib_pair(worst.memory["total"], result.memory_capacity_bytes)
+        raise ParaplanError(f"out of memory: stage {worst.stage} needs {need} GiB per GPU, the GPU has {capacity} GiB")
     return 0
+
+
+def _with_split_hint(scenario, exc: InfeasiblePlanError) -> InfeasiblePlanError:
+    """The error, with the first and last stage layers the planner would choose where the layers
+    do not split over the stages as given."""
+    uneven = ("plan.pp: model.num_layers", "plan.first_stage_layers/last_stage_layers: the ")
+    if not any(r.startswith(uneven) for r in exc.reasons):
+        return exc
+    from dataclasses import replace
+
+    from planner.space import edge_split_hint
+
+    hint = edge_split_hint(replace(scenario, plan=replace(scenario.plan, first_stage_layers=None,
+                                                          last_stage_layers=None)))
+    if hint is None:
+        return exc
+    return InfeasiblePlanError([f"{r} (the planner would split them: {hint})" if r.startswith(uneven) else r
+                                for r in exc.reasons])
 
 
 def format_result(sc, r) -> str:
@@ -65,7 +90,10 @@ def format_result(sc, r) -> str:
         f"{sc.name}",
         f"  {sc.model.name} on {sc.cluster.world_size} x {_gpu_label(sc.cluster.gpu)}{_network_label(sc.cluster)}, "
         f"seq {sc.training.seq_length}, global batch {sc.training.global_batch_size}, {sc.training.precision}",
-        f"  plan: tp {p.tp}  pp {p.pp}  dp {p.dp}  cp {p.cp}  mbs {p.micro_batch_size}  "
+        f"  plan: tp {p.tp}  pp {p.pp}  dp {p.dp}  cp {p.cp}"
+        + (f"  ep {p.ep}" + (f"  etp {p.expert_tp}" if p.expert_tp > 1 else "") + f"  {p.moe_dispatcher}"
+           if sc.model.moe is not None else "")
+        + f"  mbs {p.micro_batch_size}  "
         f"{p.schedule}" + (f" x{p.virtual_pipeline_stages}" if p.virtual_pipeline_stages > 1 else "")
         + (f"  sp {'on' if p.sequence_parallel else 'off'}" if p.tp > 1 else "")
         + f"  zero {p.zero_stage}  recompute {p.recompute_label}"
@@ -76,8 +104,8 @@ def format_result(sc, r) -> str:
         f"  TFLOP/s per GPU  {_figure(r.tflops_per_gpu):>10}   (model FLOPs, see below)",
         f"  MFU              {r.mfu * 100:9.1f} %  of {r.peak_flops_per_gpu / 1e12:.4g} TFLOP/s   (HFU {r.hfu * 100:.1f} %)"
         + ("  bf16 dense peak, the usual basis for fp8 runs" if sc.training.precision == "fp8" else ""),
-        f"  peak memory      {r.peak_memory_bytes / GiB:10.1f} GiB of {r.memory_capacity_bytes / GiB:.1f} GiB"
-        f"  -> {'fits' if r.fits else 'DOES NOT FIT'}",
+        "  peak memory      {:>10} GiB of {} GiB".format(*gib_pair(r.peak_memory_bytes, r.memory_capacity_bytes))
+        + f"  -> {'fits' if r.fits else 'DOES NOT FIT'}",
         "",
         f"  breakdown (stage {r.critical_stage}, the one that ends last; the pipeline's bottleneck):",
     ]

@@ -87,7 +87,7 @@ def format_report(r: dict) -> str:
         f"  plan: tp {p['tp']}  pp {p['pp']}  dp {p['dp']}  cp {p['cp']}  mbs {p['micro_batch_size']}  "
         f"{p['schedule'] if p['pp'] > 1 else 'no pipeline'}",
         f"  profile {r['profile']}{source}; {r['world_size']} ranks on {r['device']} ({r['backend']}), "
-        f"{r['steps']} measured steps",
+        f"{r['steps']} measured steps; simulated in {r['precision_simulated']}, run in {r['compute_dtype_measured']}",
         "",
         f"  step time  predicted {r['predicted_step_time_s'] * 1e3:9.2f} ms   measured (median) "
         f"{r['measured_step_time_s'] * 1e3:9.2f} ms   error {r['error_pct']:+.1f} %  "
