@@ -89,6 +89,9 @@ class Span:
     category: str
     start: float
     end: float
+    parts: dict | None = None
+    """An op's cost by component (compute, recompute, exposed tp_comm, ep_comm, ...), seconds, before
+    what sharing a NIC or the SMs with overlapping traffic adds: the span's breakdown."""
 
 
 def _op_name(op, num_chunks: int) -> str:
@@ -120,8 +123,8 @@ class Timeline(Sequence):
             key = key if key >= 0 else ~key
             return Span(stage, "pp-comm", f"{what} {'FB'[key & 1]}{(key >> 1) // self._num_vstages}", "pp_comm",
                         start, end)
-        stage, op, category, start, end = rec  # an op, or a combined pair of them
-        return Span(stage, "compute", _op_name(op, self._num_chunks), category, start, end)
+        stage, op, category, start, end, parts = rec  # an op, or a combined pair of them
+        return Span(stage, "compute", _op_name(op, self._num_chunks), category, start, end, parts)
 
     def _built(self) -> list[Span]:
         if self._spans is None:
@@ -543,7 +546,7 @@ def run_iteration(
             slots += [(_pair_slot(fc, bc, num_chunks), PAIR_CATEGORY, cost) for (fc, bc), cost in work.pair_cost.items()]
         for slot, category, cost in slots:
             nic = cost.nic
-            table[slot] = (cost.total, min(nic, cost.total), category, cost.dp_spans)
+            table[slot] = (cost.total, min(nic, cost.total), category, cost.dp_spans, cost.parts)
             if nic:
                 shares[slot] = tuple((k, v / nic) for k, v in cost.nic_parts.items() if v)
         return table, shares
@@ -571,7 +574,7 @@ def run_iteration(
         sm_share = COMM_SM_SHARE
         gate = launched_after = None
         for dep, slot, produces, special, op, pair in ops:
-            duration, nic, category, dp_spans = costs[slot]
+            duration, nic, category, dp_spans, parts = costs[slot]
             start = env.now
             recv = 0.0  # waiting for the input to arrive, folded into the op's timeout (one event)
             if pair is None:
@@ -662,7 +665,7 @@ def run_iteration(
             slowed += sm
             end = env.now
             if record_spans:
-                spans.append((stage, op, category, start, end))  # named when the timeline is read
+                spans.append((stage, op, category, start, end, parts))  # named when the timeline is read
                 for a, b, what in dp_spans:  # transfers inside the op (ZeRO-2/3), placed on its span
                     name = _op_name(op, num_chunks)
                     spans.append(Span(stage, "dp-comm", f"{what} {name}", "dp_comm",

@@ -53,6 +53,11 @@ def test_trace_and_plot_files(tmp_path):
     assert {e["cat"] for e in events if e["ph"] == "X"} >= {"forward", "backward", "optimizer"}
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no temp files left
+    # an op's event carries its cost by component: the tiny plan's TP 2 leaves some exposed, and an
+    # op's components are its nominal cost, which its span (uncontended, here) lasts at least
+    ops = [e for e in events if e["ph"] == "X" and e["cat"] in ("forward", "backward")]
+    assert ops and all("compute ms" in e["args"] for e in ops) and any("tp_comm ms" in e["args"] for e in ops)
+    assert all(sum(e["args"].values()) <= e["dur"] / 1e3 + 1e-5 for e in ops)  # args rounded to the ns
 
 
 def test_trace_of_merged_pairs(tmp_path):
