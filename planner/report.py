@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paraplan.specs import PlanSpec
-from planner.objective import GiB, Evaluation, Objective, pareto_front
+from planner.objective import TIGHT_MEMORY, GiB, Evaluation, Objective, pareto_front
 from planner.search import SearchResult
 from simulator.memory import gib_pair
 from planner.space import reason_key
@@ -224,6 +224,11 @@ def format_report(rep: Report) -> str:
                          "where they differ from the rest; - even)")
         if obj.name == "cost":
             lines.append(f"  (cost {obj.cost_unit})")
+        tight = sum(1 for r in rep.plans if r.evaluation.simulated and r.evaluation.headroom < TIGHT_MEMORY)
+        if tight and not res.memory_headroom:
+            lines.append(f"  ({tight} of these {len(rep.plans)} use over {1 - TIGHT_MEMORY:.0%} of GPU memory, where the "
+                         "memory model's error can mean an out-of-memory run: search.memory_headroom holds plans "
+                         "to a share of it)")
     lines.append("")
     base = res.baseline
     if base.simulated and rep.best is not None:

@@ -341,3 +341,18 @@ def test_an_interrupted_search_says_how_to_resume(tmp_path):
     lines = [line for line in err.splitlines() if not line.startswith("searching")]
     assert lines == [f"interrupted: the finished trials are kept in {out / 'study.journal'}; continue with the same "
                      "command and --resume", "error: interrupted"], err
+
+
+def test_plans_near_the_memory_limit_point_to_the_headroom_setting(tmp_path):
+    """Top plans over 95% of GPU memory get a note naming search.memory_headroom; with it set,
+    no plan that close is kept, and the trials line says what fitting meant."""
+    scenario = str(ROOT / "scenarios" / "llama3-70b-1024xh100.yaml")
+    r = paraplan("plan", scenario, "--trials", "60", "--strategy", "tpe", "--no-plots", "--out", str(tmp_path / "a"))
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"\(\d+ of these 10 use over 95% of GPU memory, .*search\.memory_headroom", r.stdout)
+    r = paraplan("plan", scenario, "--trials", "60", "--strategy", "tpe", "--no-plots", "--out", str(tmp_path / "b"),
+                 "--set", "search.memory_headroom=0.15")
+    assert r.returncode == 0, r.stderr
+    assert "use over 95% of GPU memory" not in r.stdout and "leaving 15% of it free (search.memory_headroom)" in r.stdout
+    free = [int(m) for m in re.findall(r"/79\.2\s+(\d+)%", r.stdout)]
+    assert free and min(free) >= 15
