@@ -223,6 +223,11 @@ def test_flags_the_search_had_no_use_for_are_named(tmp_path):
     assert "note: --trials 5 not used: the exhaustive search simulates every valid plan" in r.stdout
     assert "note: --gpu-hour-cost not used: only --objective cost prices the plans" in r.stdout
     assert "note: --trials" in (tmp_path / "report.txt").read_text()
+    # said as the search starts too, beside its progress (not with --quiet)
+    r = paraplan("plan", TINY, "--out", str(tmp_path / "again"), "--trials", "5", "--no-plots", *SMALL)
+    first = r.stderr.splitlines()[0]
+    assert first.startswith("note: --trials 5 not used: the exhaustive search simulates every valid plan (") and \
+        r.stderr.count("note: --trials") == 1
 
 
 def test_a_cluster_too_small_for_any_plan_says_how_many_gpus_are_needed(tmp_path):

@@ -113,10 +113,12 @@ def _default_out(stem: str, resume: bool, storage_given: bool) -> Path:
 class _Progress:
     """A one-line progress bar with the best plan so far, on stderr (plain lines when not a terminal)."""
 
-    def __init__(self, stream, label: str):
+    def __init__(self, stream, label: str, trials: int | None = None):
         self.stream = stream
         self.tty = stream.isatty()
         self.label = label
+        self.trials = trials
+        """--trials as given: said at once when the search turns out to run another number (exhaustive)."""
         self.t0 = time.monotonic()
         self.last_decile = -1
         self.shown = False
@@ -124,6 +126,10 @@ class _Progress:
     def __call__(self, done: int, total: int, best) -> None:
         from planner.report import plan_label
 
+        if self.trials is not None and total != self.trials:
+            self.stream.write(f"note: --trials {self.trials} not used: the exhaustive search simulates every valid "
+                              f"plan ({total:,}; --strategy tpe samples {self.trials} of them instead)\n")
+            self.trials = None
         frac = min(1.0, done / total) if total else 1.0
         rate = done / max(time.monotonic() - self.t0, 1e-9)
         best_text = (f"best {best.tokens_per_s:,.0f} tok/s ({plan_label(best.candidate.plan)})"
@@ -174,7 +180,7 @@ def run(args) -> int:
     req = SearchRequest(scenario=scenario, spec=spec, objective=objective, storage=storage, study_name=study,
                         strategy=args.strategy, trials=args.trials, workers=args.workers, seed=args.seed,
                         resume=args.resume)
-    progress = None if args.quiet else _Progress(sys.stderr, "searching")
+    progress = None if args.quiet else _Progress(sys.stderr, "searching", args.trials)
     try:
         try:
             result = run_search(req, progress=progress)
