@@ -80,6 +80,7 @@ def model_to_mapping(m: ModelSpec) -> dict[str, Any]:
         "num_attention_heads": m.num_attention_heads, "num_kv_heads": m.num_kv_heads,
         "head_dim": m.head_dim, "ffn_hidden_size": m.ffn_hidden_size, "vocab_size": m.vocab_size,
         "activation": m.activation, "tied_embeddings": m.tied_embeddings, "dropout": m.dropout,
+        "linear_bias": m.linear_bias,
     }
     if m.qk_layernorm:
         out["qk_layernorm"] = True

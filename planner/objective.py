@@ -50,6 +50,8 @@ class Evaluation:
     mfu: float = 0.0
     peak_memory_bytes: float = 0.0
     memory_capacity_bytes: float = 0.0
+    memory_limit_bytes: float = 0.0
+    """What the peak had to fit in: the capacity less search.memory_headroom (0: the capacity)."""
     num_microbatches: int = 0
     breakdown: tuple[tuple[str, float], ...] = ()
     """Seconds per component on the critical stage (simulator.result.BREAKDOWN_KEYS)."""
@@ -70,15 +72,24 @@ class Evaluation:
         return (self.memory_capacity_bytes - self.peak_memory_bytes) / self.memory_capacity_bytes
 
     @property
+    def limit(self) -> float:
+        """Bytes the plan's peak memory had to fit in (search.memory_headroom)."""
+        return self.memory_limit_bytes or self.memory_capacity_bytes
+
+    @property
     def overflow(self) -> float:
-        """The memory constraint told to Optuna: (peak - capacity) / capacity, > 0 when it does not fit."""
-        return -self.headroom
+        """The memory constraint told to Optuna: (peak - limit) / capacity, > 0 when it does not fit
+        (the limit is the capacity less search.memory_headroom)."""
+        if not self.memory_capacity_bytes:
+            return 0.0
+        return (self.peak_memory_bytes - self.limit) / self.memory_capacity_bytes
 
     def limiter(self) -> str:
         """What limits the plan: memory when (nearly) full, then the largest non-compute share."""
         parts = []
         if self.status == "oom":
-            parts.append(f"memory (+{self.overflow * 100:.0f}% over)")
+            over = "over" if self.limit >= self.memory_capacity_bytes else "over the headroom's limit"
+            parts.append(f"memory (+{self.overflow * 100:.0f}% {over})")
         elif self.simulated and self.headroom < TIGHT_MEMORY:
             parts.append(f"memory ({(1 - self.headroom) * 100:.0f}% used)")
         overheads = sorted(((v, k) for k, v in self.breakdown if k != "compute" and v > 0), reverse=True)
@@ -103,6 +114,7 @@ class Evaluation:
             "mfu": self.mfu,
             "peak_memory_bytes": self.peak_memory_bytes,
             "memory_capacity_bytes": self.memory_capacity_bytes,
+            "memory_limit_bytes": self.limit,
             "num_microbatches": self.num_microbatches,
             "breakdown": dict(self.breakdown),
         }
@@ -116,6 +128,7 @@ class Evaluation:
             step_time_s=math.nan if step is None else float(step), tokens_per_s=float(d["tokens_per_s"]),
             mfu=float(d["mfu"]), peak_memory_bytes=float(d["peak_memory_bytes"]),
             memory_capacity_bytes=float(d["memory_capacity_bytes"]),
+            memory_limit_bytes=float(d.get("memory_limit_bytes", 0.0)),
             num_microbatches=int(d["num_microbatches"]),
             breakdown=tuple((k, float(v)) for k, v in d.get("breakdown", {}).items()),
         )
@@ -169,6 +182,7 @@ class Evaluator:
             candidate=cand, status="ok" if self._fits(r) else "oom", world_size=world,
             step_time_s=r.step_time_s, tokens_per_s=r.tokens_per_s, mfu=r.mfu,
             peak_memory_bytes=r.peak_memory_bytes, memory_capacity_bytes=r.memory_capacity_bytes,
+            memory_limit_bytes=min(self.space.memory_limit, r.memory_capacity_bytes),
             num_microbatches=r.num_microbatches, breakdown=tuple(r.breakdown.items()),
         )
 

@@ -172,6 +172,11 @@ def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool, r
     return "  ".join(cols) + f"  {e.limiter()}{tag}"
 
 
+def _limit_note(e: Evaluation) -> str:
+    """Where the limit is the GPU's memory less search.memory_headroom, says so."""
+    return "" if e.limit >= e.memory_capacity_bytes else " allowed by search.memory_headroom"
+
+
 def format_report(rep: Report) -> str:
     res, obj = rep.result, rep.objective
     lines = [f"{rep.scenario}: {res.strategy} search, objective {obj.name}"]
@@ -225,7 +230,7 @@ def format_report(rep: Report) -> str:
         if obj.name == "cost":
             lines.append(f"  (cost {obj.cost_unit})")
         tight = sum(1 for r in rep.plans if r.evaluation.simulated and r.evaluation.headroom < TIGHT_MEMORY)
-        if tight and not res.memory_headroom:
+        if tight and res.memory_headroom < TIGHT_MEMORY:
             lines.append(f"  ({tight} of these {len(rep.plans)} use over {1 - TIGHT_MEMORY:.0%} of GPU memory, where the "
                          "memory model's error can mean an out-of-memory run: search.memory_headroom holds plans "
                          "to a share of it)")
@@ -253,7 +258,7 @@ def format_report(rep: Report) -> str:
     if rep.oom:
         c = rep.closest_oom
         lines.append(f"    {rep.oom:>6,} out of memory (closest: {plan_label(c.candidate.plan)} needs "
-                     "{} of {} GiB)".format(*gib_pair(c.peak_memory_bytes, c.memory_capacity_bytes)))
+                     "{} of {} GiB{})".format(*gib_pair(c.peak_memory_bytes, c.limit), _limit_note(c)))
     for _, count, example in rep.trial_rejections[:6]:
         lines.append(f"    {count:>6,} {_plural(count, 'trial')}, e.g. {example}")
     if enum is not None and enum.rejections:
@@ -321,6 +326,7 @@ def report_json(rep: Report) -> dict[str, Any]:
         "search": {
             "trials": n, "trials_before_this_run": res.trials_before, "budget": res.budget,
             "distinct_plans": rep.distinct, "fit": rep.fits, "out_of_memory": rep.oom, "invalid": rep.invalid,
+            "memory_headroom": res.memory_headroom,
             "simulations_this_run": res.simulations, "wall_time_s": res.wall_time_s,
             "trials_per_s": (n - res.trials_before) / res.wall_time_s if res.wall_time_s > 0 else None,
             "rejected_trials": [{"reason": k, "count": c, "example": ex} for k, c, ex in rep.trial_rejections],

@@ -525,12 +525,16 @@ def interleaved_edges(num_layers: int, virtual_stages: int) -> tuple[int | None,
 
 def edge_split_hint(sc: Scenario) -> str | None:
     """Where a plan's layers do not split evenly over its (virtual) stages: the first and last
-    stage layers the planner would give it (uneven_stages, interleaved_edges), as the --set
-    arguments that ask for them; None where it would reject the plan too."""
-    p = sc.plan
+    stage layers the planner would give it (uneven_stages balancing the edge stages' forward FLOPs,
+    as PlanSpace._split does; interleaved_edges), as the --set arguments that ask for them; None
+    where it would reject the plan too."""
+    p, m, seq = sc.plan, sc.model, sc.training.seq_length
     stages = p.pp * p.virtual_pipeline_stages
-    first, last = (uneven_stages(sc.model.num_layers, stages) if p.virtual_pipeline_stages == 1
-                   else interleaved_edges(sc.model.num_layers, stages))
+    if p.virtual_pipeline_stages == 1:
+        costs = [layer_forward_flops_per_token(m, i, seq) for i in range(m.num_layers)]
+        first, last = uneven_stages(m.num_layers, stages, costs, last_stage_extra_flops_per_token(m, seq))
+    else:
+        first, last = interleaved_edges(m.num_layers, stages)
     if first is None:
         return None
     return f"--set plan.first_stage_layers={first} --set plan.last_stage_layers={last}"

@@ -355,7 +355,8 @@ def _shared_experts(ctx, backward: bool) -> tuple[float, float, float]:
         return 0.0, 0.0, 0.0
     shapes = [(k, w, ctx.tokens) for k, w in _shared_linears(ctx)]
     gemms = [_gemm(ctx, ctx.tokens, k, w, backward) for k, w, _ in shapes]
-    up = gemms[0] + activation_time(ctx, ctx.tokens, _shared_width(ctx), backward)
+    # the shared experts are a dense MLP (Megatron-Core SharedExpertMLP), biased like the model's
+    up = gemms[0] + activation_time(ctx, ctx.tokens, _shared_width(ctx), backward, bias=ctx.model.linear_bias)
     # Transformer Engine's userbuffers serve the attention and dense MLP GEMMs, not the shared experts'
     return up, gemms[1], tp_exposed(ctx, mlp_transfers(ctx), shapes, gemms, backward, userbuffers=False)
 
@@ -387,8 +388,8 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     # MoEAlltoAllTokenDispatcher.dispatch_preprocess); DeepEP sends the tokens and the receiving
     # rank permutes the distinct tokens it received, one per source token and destination rank, into
     # its local experts' copies (MoEFlexTokenDispatcher.dispatch_postprocess).
-    if ctx.plan.moe_dispatcher == "deepep":
-        rows = load + load * deepep_rank_share(ctx) / ctx.plan.expert_tp
+    if ctx.plan.moe_dispatcher == "deepep":  # the expert-TP group's copies, from the distinct tokens received
+        rows = load * ctx.plan.expert_tp + load * deepep_rank_share(ctx)
     else:
         rows = copies + routed
     permute = unpermute = memory_bound_time(ctx.gpu, rows * h * b)  # each direction, each kernel

@@ -238,8 +238,8 @@ def activation_time(ctx: LayerContext, tokens: float, width: int, backward: bool
     swiglu = ctx.model.activation == "swiglu"
     act = (3 if swiglu else 2) * width * ctx.act_bytes
     kernels = [(tokens * act, SWIGLU_BACKWARD if swiglu else GELU_BACKWARD)]
-    if bias and backward:
-        kernels.append((tokens * width * ctx.act_bytes, 1.0))
+    if bias and backward:  # the bias of fc1's output: f wide, 2f for SwiGLU's gate and up halves
+        kernels.append((tokens * (2 if swiglu else 1) * width * ctx.act_bytes, 1.0))
     return _memory_bound(ctx, kernels, backward)
 
 

@@ -477,13 +477,20 @@ def test_memory_that_does_not_fit_never_reads_as_equal_to_the_capacity():
 
 def test_layers_that_do_not_split_get_the_planners_split_suggested():
     """DeepSeek-V3's 61 layers on 8 stages: the scenario's 4/1 edges leave 56 for 6 stages; simulate
-    names the edges the planner would give it, which then simulate."""
+    names the edges the planner derives for pp 8 (balancing the edge stages' FLOPs, the LM head and
+    multi-token prediction on the last), which then simulate."""
+    from paraplan.loader import load_scenario
+    from planner.space import PlanSpace, parse_search
+
+    sc = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml")
+    first, last = PlanSpace(sc, parse_search(sc, {}))._split(8)
     r = paraplan("simulate", "scenarios/deepseek-v3-2048xh800.yaml", "--set", "plan.pp=8")
     assert r.returncode == 2 and r.stderr.count("\n") == 1
-    assert r.stderr.rstrip().endswith("(the planner would split them: --set plan.first_stage_layers=7 "
-                                      "--set plan.last_stage_layers=6)")
+    assert r.stderr.rstrip().endswith(f"(the planner would split them: --set plan.first_stage_layers={first} "
+                                      f"--set plan.last_stage_layers={last})")
+    assert (first, last) == (8, 5)
     ok = paraplan("simulate", "scenarios/deepseek-v3-2048xh800.yaml", "--set", "plan.pp=8", "--set",
-                  "plan.first_stage_layers=7", "--set", "plan.last_stage_layers=6", "--json")
+                  f"plan.first_stage_layers={first}", "--set", f"plan.last_stage_layers={last}", "--json")
     assert ok.returncode in (0, 2) and json.loads(ok.stdout)["plan"]["pp"] == 8  # simulated (it may not fit)
     r = paraplan("simulate", "scenarios/gpt3-175b-1024xa100.yaml", "--set", "plan.schedule=1f1b")
     assert "(or virtual_pipeline_stages 1 for 1f1b)" in r.stderr

@@ -322,6 +322,11 @@ def test_a_plan_wider_than_a_node_needs_its_nodes_named(config):
     for extra in (["--backend", "gloo"], ["--backend", "nccl", "--nproc", "2"]):
         r = paraplan(config, "--dry-run", *wide, *extra)
         assert r.returncode == 0, r.stderr
+    # fewer nodes than the plan's: each would get more processes than it has GPUs
+    four = ["--set", "cluster.gpus_per_node=1", "--set", "cluster.num_nodes=4", "--set", "plan.dp=2"]
+    r = paraplan(config, "--backend", "nccl", "--dry-run", *four, "--nnodes", "2", "--rdzv-endpoint", "node0:29500")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "--nnodes 2 puts 2 processes on each node, more than its 1 GPUs" in r.stderr
 
 
 def test_a_replicated_pipeline_run_logs_no_stage_view_warning(config, tmp_path):

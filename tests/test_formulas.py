@@ -358,10 +358,12 @@ def test_memory_bound_backwards_move_their_kernels_bytes():
         c = _replace(ctx, model=_replace(ctx.model, activation=activation))
         assert activation_time(c, tokens, width, False) == pytest.approx(memory_bound_time(ctx.gpu, tokens * passes * width * e))
         assert activation_time(c, tokens, width, True) == pytest.approx(memory_bound_time(ctx.gpu, tokens * backward * width * e))
-        # a bias added in the activation: its gradient reduced over the tokens, one more read of f
+        # a bias added in the activation: its gradient reduced over the tokens, one more read of fc1's
+        # output (f for GELU, the gate and up halves' 2f for SwiGLU)
         assert activation_time(c, tokens, width, False, bias=True) == activation_time(c, tokens, width, False)
         assert activation_time(c, tokens, width, True, bias=True) == pytest.approx(
-            memory_bound_time(ctx.gpu, tokens * backward * width * e) + memory_bound_time(ctx.gpu, tokens * width * e))
+            memory_bound_time(ctx.gpu, tokens * backward * width * e)
+            + memory_bound_time(ctx.gpu, tokens * (passes - 1) * width * e))
     # the FFN's norm (read + write h) and its residual add without dropout (read 2h, write h): the
     # norm's backward twice its forward, the add's the branches' gradients summed at the fork
     h_tokens = ctx.tokens / ctx.plan.tp if ctx.plan.sequence_parallel else ctx.tokens

@@ -678,3 +678,12 @@ def test_permutation_bytes_follow_transformer_engine_kernels(h100_net, monkeypat
         # (the same rows; one expert a rank: no sort)
         assert len(seen) == 4
         assert [seen[1], seen[3]] == pytest.approx([rows * row] * 2, rel=1e-12)
+    # DeepEP with expert TP: every expert-TP rank of a chosen expert receives the token and runs its
+    # copies (deepep_rank_share counts those ranks), so the rows are the group's copies
+    _, ctx = _ctx(sc, gpu, net, tp=1, pp=1, dp=64, ep=4, expert_tp=2, virtual_pipeline_stages=1, schedule="1f1b",
+                  moe_dispatcher="deepep")
+    etp, ep, _ = expert_group_layouts(ctx.plan, 8)
+    draw = draw_routing(sc.model.moe, 4, ctx.tokens)
+    load = float(draw.expert_tokens[draw.busiest_rank].sum())
+    seen = _moe_kernel_bytes(monkeypatch, ctx, draw, ep, etp)
+    assert seen[1] == pytest.approx((2 * load + load * deepep_rank_share(ctx)) * row, rel=1e-12)

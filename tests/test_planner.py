@@ -834,6 +834,9 @@ def test_memory_headroom_holds_plans_to_a_share_of_the_gpu():
         sp = PlanSpace(sc, parse_search(sc, {**knobs, "memory_headroom": headroom}))
         e = Evaluator(sp).evaluate(sp.candidate({}))
         assert e.status == status and e.peak_memory_bytes == plain.peak_memory_bytes
+        # what Optuna is told agrees: the memory constraint is over the limit exactly when the plan is
+        assert (e.overflow > 0) == (status == "oom") and e.limit == pytest.approx(sp.memory_limit)
+        assert Evaluation.from_json(e.to_json()) == e
     for bad in (1.0, -0.1, True, "10%"):
         with pytest.raises(ConfigError) as err:
             parse_search(sc, {"memory_headroom": bad})

@@ -393,3 +393,37 @@ def test_the_table_shows_the_moe_settings_when_the_search_varies_them(tmp_path):
     ovl = search("ovl", "search.schedule=[interleaved-1f1b]", "search.virtual_pipeline_stages=[2]",
                  "search.overlap_moe_expert_parallel_comm=[false, true]")
     assert "a2a 1f1b-ovl" in ovl and "(1f1b-ovl gains are an upper bound" in ovl
+
+
+def test_an_interrupt_after_a_trial_is_told_leaves_it_as_told(tmp_path, monkeypatch):
+    """Ctrl-C can land after study.tell recorded a trial (while Optuna reads it back): the search
+    then stops with the KeyboardInterrupt, the trial keeps its result, and no second tell (FAIL)
+    of a finished trial turns it into a ValueError."""
+    import optuna
+    from optuna.trial import TrialState
+
+    from paraplan.loader import load_scenario
+    from planner.objective import make_objective
+    from planner.search import SearchRequest, run_search
+    from planner.space import parse_search
+
+    real, told = optuna.Study.tell, []
+
+    def tell(self, trial, values=None, state=None, skip_if_finished=False):
+        out = real(self, trial, values, state, skip_if_finished)
+        if values is not None:
+            told.append(trial.number)
+            if len(told) == 3:
+                raise KeyboardInterrupt
+        return out
+
+    monkeypatch.setattr(optuna.Study, "tell", tell)
+    sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml")
+    storage = str(tmp_path / "j.journal")
+    req = SearchRequest(scenario=sc, spec=parse_search(sc), objective=make_objective("throughput"),
+                        storage=storage, study_name="s", strategy="tpe", trials=10)
+    with pytest.raises(KeyboardInterrupt):
+        run_search(req)
+    study = optuna.load_study(study_name="s", storage=optuna.storages.JournalStorage(
+        optuna.storages.journal.JournalFileBackend(storage)))
+    assert study.trials[told[-1]].state == TrialState.COMPLETE

@@ -25,6 +25,17 @@ def test_round_trip_of_every_bundled_scenario(path):
     assert back == dataclasses.replace(sc, search=())
 
 
+@pytest.mark.parametrize("overrides", [["model=mpt-7b"], ["model.linear_bias=false"], ["model=llama3-8b",
+                                                                                     "model.linear_bias=true"]])
+def test_linear_biases_that_are_not_the_activations_default_survive_the_round_trip(overrides):
+    """MPT is a GELU model without biases, and either default can be overridden: written back,
+    the flag is kept rather than re-derived from the activation."""
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml", overrides)
+    assert sc.model.linear_bias != (sc.model.activation == "gelu")
+    back = load_scenario(_through_yaml(scenario_to_mapping(sc)))
+    assert back.model.linear_bias == sc.model.linear_bias and back == dataclasses.replace(sc, search=())
+
+
 def test_units_are_the_loaders_and_read_cleanly():
     sc = load_scenario(ROOT / "scenarios" / "gpt3-175b-1024xa100.yaml")
     m = scenario_to_mapping(sc)

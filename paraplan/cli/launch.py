@@ -90,6 +90,9 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
                             "--node-rank N --rdzv-endpoint HOST:PORT, or on this node scaled down with "
                             "--backend gloo (or --nproc, if this node has the GPUs)")
     nproc = args.nproc if args.nproc is not None else world // args.nnodes
+    if args.nproc is None and args.nnodes > 1 and nproc > gpn and sc.run.backend == "nccl":
+        raise ParaplanError(f"--nnodes {args.nnodes} puts {nproc} processes on each node, more than its {gpn} GPUs "
+                            f"(cluster.gpus_per_node): the plan's {world} processes run on {-(-world // gpn)} nodes")
     if nproc * args.nnodes != world:
         raise ParaplanError(f"the plan needs tp*pp*cp*dp = {sc.plan.tp}*{sc.plan.pp}*{sc.plan.cp}*{sc.plan.dp} = {world} "
                             f"processes, but --nproc {nproc} x --nnodes {args.nnodes} = {nproc * args.nnodes}")

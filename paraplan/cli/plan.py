@@ -309,7 +309,7 @@ def _refuse_a_hopeless_search(scenario, spec) -> None:
     from hwmodels.profile import load_profile
 
     gpus = max(spec.values("num_nodes")) * scenario.cluster.gpus_per_node
-    reason = _too_few_gpus(scenario, load_profile(scenario.cluster.gpu).hbm_capacity, gpus)
+    reason = _too_few_gpus(scenario, load_profile(scenario.cluster.gpu).hbm_capacity * (1 - spec.memory_headroom), gpus)
     if reason is not None:
         raise ParaplanError(reason)
 
@@ -354,7 +354,9 @@ def _failure(rep, result, scenario) -> ParaplanError | None:
     if c is not None:
         p = c.candidate.plan
         detail = (f"; the closest, tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}, needs "
-                  + "{} of {} GiB per GPU: ".format(*gib_pair(c.peak_memory_bytes, c.memory_capacity_bytes))
-                  + (_too_few_gpus(scenario, c.memory_capacity_bytes, _largest_cluster(scenario, result))
+                  + "{} of {} GiB per GPU{}: ".format(*gib_pair(c.peak_memory_bytes, c.limit),
+                                                      "" if c.limit >= c.memory_capacity_bytes
+                                                      else " (the GPU's memory less search.memory_headroom)")
+                  + (_too_few_gpus(scenario, c.limit, _largest_cluster(scenario, result))
                      or "allow more pp, recompute or zero_stage in the search section"))
     return ParaplanError(f"no plan fits in memory among the {rep.distinct} plans evaluated{detail}")
