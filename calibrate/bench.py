@@ -547,6 +547,33 @@ def run_attention(configs: tuple[AttentionConfig, ...], *, device: torch.device,
 # ----------------------------------------------------------------------------- elementwise
 
 
+def _elementwise_params(op: str, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The op's inputs besides x: a norm's weight (and LayerNorm's bias), SwiGLU's up half."""
+    width = x.shape[-1]
+    if op == "layernorm":
+        return torch.ones(width, device=x.device, dtype=x.dtype), torch.zeros(width, device=x.device, dtype=x.dtype)
+    if op == "rmsnorm":
+        return (torch.ones(width, device=x.device, dtype=x.dtype),)
+    if op in ("softmax", "gelu"):
+        return ()
+    if op == "swiglu":
+        return (torch.randn_like(x),)
+    raise ValueError(f"unknown elementwise op {op!r}")
+
+
+def _elementwise_apply(op: str, x: torch.Tensor, params: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The op on x (and its _elementwise_params), as torch eager runs it."""
+    if op == "layernorm":
+        return F.layer_norm(x, (x.shape[-1],), *params)
+    if op == "rmsnorm":
+        return F.rms_norm(x, (x.shape[-1],), *params)
+    if op == "softmax":
+        return torch.softmax(x, dim=-1)
+    if op == "gelu":
+        return F.gelu(x, approximate="tanh")
+    return F.silu(x) * params[0]  # swiglu: silu(gate) * up
+
+
 def _elementwise(op: str, n: int, device: torch.device, sets: int = 1) -> tuple[Callable[[], object], list[float]]:
     """The op on n bf16 elements as (rows, 4096), rotating over `sets` inputs (_sets), and the bytes
     each kernel torch eager launches for it moves (what hwmodels.compute.memory_bound_time is
@@ -556,21 +583,9 @@ def _elementwise(op: str, n: int, device: torch.device, sets: int = 1) -> tuple[
     e = 2  # bf16
     xs = torch.randn(sets, rows, width, device=device, dtype=torch.bfloat16)
     nbytes = float(rows * width * e)
-    if op == "layernorm":
-        w = torch.ones(width, device=device, dtype=torch.bfloat16)
-        b = torch.zeros(width, device=device, dtype=torch.bfloat16)
-        return _rotating([lambda x=x: F.layer_norm(x, (width,), w, b) for x in xs]), [2 * nbytes]
-    if op == "rmsnorm":
-        w = torch.ones(width, device=device, dtype=torch.bfloat16)
-        return _rotating([lambda x=x: F.rms_norm(x, (width,), w) for x in xs]), [2 * nbytes]
-    if op == "softmax":
-        return _rotating([lambda x=x: torch.softmax(x, dim=-1) for x in xs]), [2 * nbytes]
-    if op == "gelu":
-        return _rotating([lambda x=x: F.gelu(x, approximate="tanh") for x in xs]), [2 * nbytes]
-    if op == "swiglu":  # silu(gate) * up, unfused: silu reads and writes f, the product reads 2f, writes f
-        ups = torch.randn_like(xs)
-        return _rotating([lambda x=x, up=up: F.silu(x) * up for x, up in zip(xs, ups)]), [2 * nbytes, 3 * nbytes]
-    raise ValueError(f"unknown elementwise op {op!r}")
+    fns = [lambda x=x, params=_elementwise_params(op, x): _elementwise_apply(op, x, params) for x in xs]
+    # swiglu unfused: silu reads and writes f, the product reads 2f, writes f; the rest read and write once
+    return _rotating(fns), ([2 * nbytes, 3 * nbytes] if op == "swiglu" else [2 * nbytes])
 
 
 def _elementwise_backward(op: str, n: int, device: torch.device, sets: int = 1) -> Callable[[], object]:
@@ -580,28 +595,13 @@ def _elementwise_backward(op: str, n: int, device: torch.device, sets: int = 1) 
     (y.backward(dy, retain_graph=True))."""
     width = min(ELEMENTWISE_WIDTH, n)
     rows = max(1, n // width)
-
-    def leaf(*shape):
-        return torch.randn(*shape, device=device, dtype=torch.bfloat16).requires_grad_()
-
     calls = []
     for _ in range(sets):
-        x = leaf(rows, width)
-        if op in ("layernorm", "rmsnorm"):
-            w = leaf(width)
-            inputs = (x, w, leaf(width)) if op == "layernorm" else (x, w)
-            y = F.layer_norm(x, (width,), *inputs[1:]) if op == "layernorm" else F.rms_norm(x, (width,), w)
-        elif op == "softmax":
-            inputs, y = (x,), torch.softmax(x, dim=-1)
-        elif op == "gelu":
-            inputs, y = (x,), F.gelu(x, approximate="tanh")
-        elif op == "swiglu":
-            up = leaf(rows, width)
-            inputs, y = (x, up), F.silu(x) * up
-        else:
-            raise ValueError(f"unknown elementwise op {op!r}")
+        x = torch.randn(rows, width, device=device, dtype=torch.bfloat16).requires_grad_()
+        params = tuple(t.requires_grad_() for t in _elementwise_params(op, x.detach()))
+        y = _elementwise_apply(op, x, params)
         dy = torch.randn_like(y)
-        calls.append(lambda y=y, inputs=inputs, dy=dy: torch.autograd.grad(y, inputs, dy, retain_graph=True))
+        calls.append(lambda y=y, inputs=(x, *params), dy=dy: torch.autograd.grad(y, inputs, dy, retain_graph=True))
     return _rotating(calls)
 
 
