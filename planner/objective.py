@@ -77,6 +77,11 @@ class Evaluation:
         return self.memory_limit_bytes or self.memory_capacity_bytes
 
     @property
+    def limit_note(self) -> str:
+        """Where the limit is the GPU's memory less search.memory_headroom, words that say so."""
+        return "" if self.limit >= self.memory_capacity_bytes else " (the GPU's memory less search.memory_headroom)"
+
+    @property
     def overflow(self) -> float:
         """The memory constraint told to Optuna: (peak - limit) / capacity, > 0 when it does not fit
         (the limit is the capacity less search.memory_headroom)."""

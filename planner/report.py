@@ -16,8 +16,8 @@ from typing import Any
 from paraplan.specs import PlanSpec
 from planner.objective import TIGHT_MEMORY, GiB, Evaluation, Objective, pareto_front
 from planner.search import SearchResult
-from simulator.memory import gib_pair
 from planner.space import reason_key
+from simulator.memory import gib_pair
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,11 +172,6 @@ def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool, r
     return "  ".join(cols) + f"  {e.limiter()}{tag}"
 
 
-def _limit_note(e: Evaluation) -> str:
-    """Where the limit is the GPU's memory less search.memory_headroom, says so."""
-    return "" if e.limit >= e.memory_capacity_bytes else " allowed by search.memory_headroom"
-
-
 def format_report(rep: Report) -> str:
     res, obj = rep.result, rep.objective
     lines = [f"{rep.scenario}: {res.strategy} search, objective {obj.name}"]
@@ -258,7 +253,7 @@ def format_report(rep: Report) -> str:
     if rep.oom:
         c = rep.closest_oom
         lines.append(f"    {rep.oom:>6,} out of memory (closest: {plan_label(c.candidate.plan)} needs "
-                     "{} of {} GiB{})".format(*gib_pair(c.peak_memory_bytes, c.limit), _limit_note(c)))
+                     "{} of {} GiB{})".format(*gib_pair(c.peak_memory_bytes, c.limit), c.limit_note))
     for _, count, example in rep.trial_rejections[:6]:
         lines.append(f"    {count:>6,} {_plural(count, 'trial')}, e.g. {example}")
     if enum is not None and enum.rejections:

@@ -83,16 +83,17 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
     if args.nnodes < 1 or (args.nproc is not None and args.nproc < 1):
         raise ParaplanError("--nproc and --nnodes must be positive")
     world = sc.plan.world_size
-    gpn = sc.cluster.gpus_per_node
-    if args.nproc is None and args.nnodes == 1 and world > gpn and sc.run.backend == "nccl":
-        raise ParaplanError(f"the plan's {world} processes run on {-(-world // gpn)} nodes of {gpn} GPUs "
-                            f"(cluster.gpus_per_node): start it on each node with --nnodes {-(-world // gpn)} "
-                            "--node-rank N --rdzv-endpoint HOST:PORT, or on this node scaled down with "
-                            "--backend gloo (or --nproc, if this node has the GPUs)")
     nproc = args.nproc if args.nproc is not None else world // args.nnodes
-    if args.nproc is None and args.nnodes > 1 and nproc > gpn and sc.run.backend == "nccl":
+    gpn = sc.cluster.gpus_per_node
+    if args.nproc is None and nproc > gpn and sc.run.backend == "nccl":  # more processes than a node has GPUs
+        nodes = -(-world // gpn)
+        if args.nnodes == 1:
+            raise ParaplanError(f"the plan's {world} processes run on {nodes} nodes of {gpn} GPUs "
+                                f"(cluster.gpus_per_node): start it on each node with --nnodes {nodes} "
+                                "--node-rank N --rdzv-endpoint HOST:PORT, or on this node scaled down with "
+                                "--backend gloo (or --nproc, if this node has the GPUs)")
         raise ParaplanError(f"--nnodes {args.nnodes} puts {nproc} processes on each node, more than its {gpn} GPUs "
-                            f"(cluster.gpus_per_node): the plan's {world} processes run on {-(-world // gpn)} nodes")
+                            f"(cluster.gpus_per_node): the plan's {world} processes run on {nodes} nodes")
     if nproc * args.nnodes != world:
         raise ParaplanError(f"the plan needs tp*pp*cp*dp = {sc.plan.tp}*{sc.plan.pp}*{sc.plan.cp}*{sc.plan.dp} = {world} "
                             f"processes, but --nproc {nproc} x --nnodes {args.nnodes} = {nproc * args.nnodes}")

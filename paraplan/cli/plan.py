@@ -188,18 +188,14 @@ def run(args) -> int:
             if progress is not None:
                 progress.close()
         return _write_outputs(scenario, result, objective, out, args)
-    except KeyboardInterrupt:
-        if created:
+    except BaseException as exc:
+        if created:  # a failed start (a bad --storage, say) leaves no empty folder
             _remove_if_empty(out)
-        if args.storage or (out / JOURNAL).exists():  # the study is there: say how to pick up from it
-            from planner.search import mask_url
+        if isinstance(exc, KeyboardInterrupt) and (args.storage or (out / JOURNAL).exists()):
+            from planner.search import mask_url  # the study is there: say how to pick up from it
 
             print(f"interrupted: the finished trials are kept in {mask_url(storage)}; continue with the same "
                   "command and --resume", file=sys.stderr)
-        raise
-    except BaseException:
-        if created:  # a failed start (a bad --storage, say) leaves no empty folder
-            _remove_if_empty(out)
         raise
 
 
@@ -354,9 +350,7 @@ def _failure(rep, result, scenario) -> ParaplanError | None:
     if c is not None:
         p = c.candidate.plan
         detail = (f"; the closest, tp {p.tp} x pp {p.pp} x cp {p.cp} x dp {p.dp}, needs "
-                  + "{} of {} GiB per GPU{}: ".format(*gib_pair(c.peak_memory_bytes, c.limit),
-                                                      "" if c.limit >= c.memory_capacity_bytes
-                                                      else " (the GPU's memory less search.memory_headroom)")
+                  + "{} of {} GiB per GPU{}: ".format(*gib_pair(c.peak_memory_bytes, c.limit), c.limit_note)
                   + (_too_few_gpus(scenario, c.limit, _largest_cluster(scenario, result))
                      or "allow more pp, recompute or zero_stage in the search section"))
     return ParaplanError(f"no plan fits in memory among the {rep.distinct} plans evaluated{detail}")
