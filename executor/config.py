@@ -304,6 +304,9 @@ def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
     if sc.model.linear_bias:
         out.append("model.linear_bias: the executor's linear layers have no biases; model.linear_bias: false "
                    "predicts it")
+    if p.cp > 1 and p.cp_comm_type == "p2p":
+        out.append("plan.cp_comm_type p2p: the executor all-gathers the keys and values over the context-parallel "
+                   "group instead of passing them round a ring; plan.cp_comm_type: all_gather predicts it")
     if p.p2p_scatter_gather and p.tp > 1 and p.pp > 1 and not p.sequence_parallel:
         out.append("plan.p2p_scatter_gather: the executor's pipeline stages send whole activations, not 1/tp slices")
     if p.pp > 1 and p.blocking_sends == "forward":

@@ -67,7 +67,11 @@ class Attention(nn.Module):
         self.wo = nn.Linear(spec.q_channels, h, bias=False)
         self.selective_recompute = False
         self.cp_group = None
-        """Context-parallel group: keys and values are all-gathered over it (Llama 3 style CP)."""
+        """Context-parallel group: keys and values are all-gathered over it (Llama 3 style CP, the
+        plan's cp_comm_type all_gather; p2p runs so too), or with `cp_heads` the heads are scattered."""
+        self.cp_heads = False
+        """cp_comm_type a2a (DeepSpeed-Ulysses): all-to-alls trade the sequence split for a head split
+        around the attention core."""
         self.unfused = False
         """training.attention unfused: the s x s scores as tensors of their own (_core_attention)."""
         self._rotary = rotary_ref  # [Rotary], shared by the stage's blocks
@@ -79,12 +83,16 @@ class Attention(nn.Module):
         k = rot.apply(self.wk(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
         mask = None
-        if self.cp_group is not None:
+        if self.cp_group is not None and self.cp_heads:
+            q, k, v, mask = _cp_scatter_heads(q, k, v, rot.positions, self.cp_group)
+        elif self.cp_group is not None:
             k, v, mask = _cp_gather_kv(k, v, rot.positions, self.cp_group)
         if self.selective_recompute:
             out = checkpoint(_core_attention, q, k, v, mask, self.unfused, use_reentrant=False)
         else:
             out = _core_attention(q, k, v, mask, self.unfused)
+        if self.cp_group is not None and self.cp_heads:
+            out = _cp_gather_heads(out, self.cp_group)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -112,16 +120,57 @@ def _cp_gather_kv(k, v, positions, group):
     """All-gather K and V (and the positions they hold) over the CP group; the causal mask follows
     the true positions, so the load-balanced chunk order does not matter. The all-gather's
     backward is a reduce-scatter of the K/V gradients (functional collectives, differentiable)."""
-    import torch.distributed as dist
     import torch.distributed._functional_collectives as funcol
 
     k_all = funcol.all_gather_tensor_autograd(k.contiguous(), gather_dim=2, group=group)
     v_all = funcol.all_gather_tensor_autograd(v.contiguous(), gather_dim=2, group=group)
+    mask = positions[:, None] >= _all_positions(positions, group)[None, :]
+    return k_all, v_all, mask
+
+
+def _all_positions(positions, group):
+    """The sequence positions every CP rank holds, in rank order (the load-balanced chunks)."""
+    import torch.distributed as dist
+
     pos_all = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
     dist.all_gather(pos_all, positions, group=group)
-    pos_all = torch.cat(pos_all)
-    mask = positions[:, None] >= pos_all[None, :]
-    return k_all, v_all, mask
+    return torch.cat(pos_all)
+
+
+def _cp_scatter_heads(q, k, v, positions, group):
+    """DeepSpeed-Ulysses (Transformer Engine's cp_comm_type a2a): an all-to-all per tensor sends
+    head group j of this rank's sequence chunk to CP rank j, which then holds the whole sequence
+    (the chunks in rank order) for 1/cp of the heads; the causal mask follows the true positions.
+    Query group j's heads read key/value group j's (GQA groups are contiguous). Differentiable
+    (functional collectives): the backward is the inverse all-to-all."""
+    pos_all = _all_positions(positions, group)
+    q, k, v = (_heads_to_sequence(t, group) for t in (q, k, v))
+    return q, k, v, pos_all[:, None] >= pos_all[None, :]
+
+
+def _heads_to_sequence(x, group):
+    """[b, heads, s, d] -> [b, heads/cp, cp*s, d]: head group j to rank j, the chunks received in rank order."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    cp = dist.get_world_size(group)
+    b, h, s, d = x.shape
+    send = x.reshape(b, cp, h // cp, s, d).transpose(0, 1).contiguous()  # [cp, b, h/cp, s, d]
+    recv = funcol.all_to_all_single_autograd(send, None, None, group)  # [cp (source rank), b, h/cp, s, d]
+    return recv.permute(1, 2, 0, 3, 4).reshape(b, h // cp, cp * s, d)
+
+
+def _cp_gather_heads(out, group):
+    """The inverse of _heads_to_sequence: [b, heads/cp, cp*s, d] -> [b, heads, s, d], each rank's
+    chunk of the sequence back to it, the head groups in rank order."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as funcol
+
+    cp = dist.get_world_size(group)
+    b, h, total, d = out.shape
+    send = out.reshape(b, h, cp, total // cp, d).permute(2, 0, 1, 3, 4).contiguous()  # [cp (dest), b, h, s, d]
+    recv = funcol.all_to_all_single_autograd(send, None, None, group)  # [cp (head group), b, h, s, d]
+    return recv.transpose(0, 1).reshape(b, cp * h, total // cp, d)
 
 
 class MLP(nn.Module):

@@ -95,6 +95,7 @@ class _Job:
             st.set_recompute(p.recompute, p.recompute_modules)
             for block in st.layers.values():
                 block.attn.cp_group = cp_group
+                block.attn.cp_heads = p.cp_comm_type == "a2a"
                 block.attn.unfused = sc.training.attention == "unfused"
             if p.tp > 1:
                 apply_tp(st, sc, self.g)

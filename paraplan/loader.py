@@ -32,9 +32,9 @@ import yaml
 from paraplan.errors import ConfigError
 from paraplan.fileio import parse_yaml, read_text, yaml_problem
 from paraplan.specs import (
-    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, BANDWIDTH_RANGE, GRAD_REDUCE_DTYPES, LATENCY_RANGE, MOE_DISPATCHERS,
-    OVERSUBSCRIPTION_RANGE, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, ROUTING_DISTRIBUTIONS, SCHEDULES, TOPOLOGIES,
-    ZERO_STAGES,
+    ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, BANDWIDTH_RANGE, CP_COMM_TYPES, GRAD_REDUCE_DTYPES, LATENCY_RANGE,
+    MOE_DISPATCHERS, OVERSUBSCRIPTION_RANGE, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, ROUTING_DISTRIBUTIONS, SCHEDULES,
+    TOPOLOGIES, ZERO_STAGES,
     ClusterSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
 )
 
@@ -339,6 +339,7 @@ PLAN = _schema(
     pp=Key(POSITIVE),
     dp=Key(POSITIVE),
     cp=Key(POSITIVE),
+    cp_comm_type=Key(_one_of(CP_COMM_TYPES)),
     ep=Key(POSITIVE),
     micro_batch_size=Key(POSITIVE),
     virtual_pipeline_stages=Key(POSITIVE),

@@ -38,6 +38,8 @@ DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
 ROUTING_DISTRIBUTIONS = ("uniform", "zipf", "histogram")
 MOE_DISPATCHERS = ("alltoall", "deepep")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+"""Context-parallel attention exchanges, by Transformer Engine's cp_comm_type (Megatron --cp-comm-type)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -352,6 +354,14 @@ class PlanSpec:
     """alltoall: NCCL all-to-all-v of every token copy (Megatron --moe-token-dispatcher-type alltoall);
     deepep: DeepEP's kernels, which send a token over the network once per destination node and fan
     it out to that node's experts over NVLink (Megatron flex dispatcher with DeepEP)."""
+    cp_comm_type: str = "p2p"
+    """How context parallelism exchanges keys and values (Megatron --cp-comm-type, Transformer
+    Engine's cp_comm_type; simulator.workload prices each): p2p passes each rank's K and V round a
+    ring, one step per rank, hidden behind that step's attention (ring attention, Megatron's
+    default); all_gather gathers the whole sequence's K and V before the attention and
+    reduce-scatters their gradients, exposed (Llama 3, Dubey et al. 2024 Sec. 3.3.2); a2a trades
+    the sequence split for a head split with all-to-alls of Q, K, V and the output, exposed
+    (DeepSpeed-Ulysses, Jacobs et al. 2023), which needs the heads of a TP rank divisible by cp."""
     micro_batch_size: int = 1
     virtual_pipeline_stages: int = 1
     schedule: str = "1f1b"

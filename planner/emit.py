@@ -81,6 +81,10 @@ def megatron_args(sc: Scenario) -> list[str]:
         "--pipeline-model-parallel-size", str(p.pp),
         "--context-parallel-size", str(p.cp),
     ]
+    if p.cp > 1:
+        # TransformerConfig.cp_comm_type, passed to Transformer Engine as written: TE's spellings
+        # (p2p, all_gather, a2a), though arguments.py's help says "allgather"
+        a += ["--cp-comm-type", p.cp_comm_type]
     a += _megatron_pipeline_split(sc)
     if p.sequence_parallel and p.tp > 1:
         a.append("--sequence-parallel")
@@ -483,6 +487,9 @@ def megatron_args_text(sc: Scenario) -> str:
 # torchtitan job config keys and values: torchtitan/config/job_config.py after the quantization
 # rename of Sept 2025 (float8 converter "quantize.linear.float8"), the 0.2 releases.
 TORCHTITAN_KEYS_VERSION = "torchtitan 0.2.x (torchtitan/config/job_config.py)"
+_TORCHTITAN_ROTATE = {"p2p": "alltoall", "all_gather": "allgather", "a2a": "allgather"}
+"""plan.cp_comm_type -> [parallelism] context_parallel_rotate_method: a ring of shard swaps, or
+one all-gather (torchtitan has no Ulysses-style head scatter)."""
 
 
 def torchtitan_toml(sc: Scenario) -> str:
@@ -523,10 +530,15 @@ def torchtitan_toml(sc: Scenario) -> str:
                      "(slower than simulated) unless the prototype quantize.grouped_mm.float8 converter is added "
                      'with [quantize.grouped_mm.float8] fqns = ["experts"]')
     if p.cp > 1:
-        # job_config.py context_parallel_rotate_method, default "allgather"
-        notes.append("torchtitan's context parallelism all-gathers the key/value shards by default "
-                     "(context_parallel_rotate_method), where the simulation passes them round a ring as "
-                     "Megatron-Core does")
+        # PyTorch's context_parallel (torch/distributed/tensor/experimental/_context_parallel/_attention.py):
+        # "alltoall" (_AllToAllRotater) passes the K/V shards round a ring, each step's overlapped;
+        # "allgather" (_AllGatherRotater) gathers them once beside the first step; either way the
+        # backward passes dK/dV round the ring in fp32
+        notes.append(f"torchtitan's context parallelism passes dK/dV round a ring in fp32 in the backward "
+                     f"(context_parallel_rotate_method {_TORCHTITAN_ROTATE[p.cp_comm_type]!r}), not as "
+                     f"Transformer Engine's {p.cp_comm_type} the simulation prices"
+                     + ("; it has no head-scattering (a2a) context parallelism: the config keeps its all-gather"
+                        if p.cp_comm_type == "a2a" else ""))
     name, flavor, architecture = torchtitan_model(m)
     chosen = name != "CHANGE-ME" and flavor != "CHANGE-ME"
     lines = [
@@ -570,6 +582,7 @@ def torchtitan_toml(sc: Scenario) -> str:
         lines += _torchtitan_stage_split(sc)
     lines += [
         f"context_parallel_degree = {p.cp}",
+        *([f'context_parallel_rotate_method = "{_TORCHTITAN_ROTATE[p.cp_comm_type]}"'] if p.cp > 1 else []),
         *expert_lines,
         "",
         "[activation_checkpoint]",

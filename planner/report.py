@@ -95,12 +95,13 @@ def build_report(scenario: str, result: SearchResult, objective: Objective, *, t
 
 
 def plan_label(p: PlanSpec) -> str:
-    """`tp8 pp8 dp16 mbs1 interleaved x6 sp zero1 selective` (cp/ep only when > 1; the MoE settings,
+    """`tp8 pp8 dp16 mbs1 interleaved x6 sp zero1 selective` (cp/ep only when > 1, cp with its
+    exchange unless p2p, e.g. `cp4-all_gather`; the MoE settings,
     e.g. `ep8 etp2 deepep shared-overlap ep-overlap`, only where they are not expert_tp 1, alltoall
     and no overlap)."""
     parts = [f"tp{p.tp}", f"pp{p.pp}", f"dp{p.dp}"]
     if p.cp > 1:
-        parts.append(f"cp{p.cp}")
+        parts.append(f"cp{p.cp}" + ("" if p.cp_comm_type == "p2p" else f"-{p.cp_comm_type}"))
     if p.ep > 1:
         parts.append(f"ep{p.ep}")
     if p.expert_tp > 1:

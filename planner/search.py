@@ -42,7 +42,7 @@ from paraplan.errors import ConfigError, ParaplanError, first_line
 from paraplan.specs import RunSpec, Scenario
 from planner.objective import Evaluation, Evaluator, Objective
 from planner.space import (
-    ENUMERATION_LIMIT, MOE_KNOBS, PIPELINE, Candidate, Enumeration, PlanSpace, SearchSpec, binding_constraint,
+    ENUMERATION_LIMIT, OPT_IN_KNOBS, PIPELINE, Candidate, Enumeration, PlanSpace, SearchSpec, binding_constraint,
     pipeline_values,
 )
 from planner.strategies import make_strategy
@@ -198,9 +198,9 @@ def _check_journal_file(path: str, spec: str) -> None:
 def fingerprint(sc: Scenario, spec: SearchSpec, objective: Objective, strategy: str, choices) -> str:
     """What a study was made for: trials of another scenario, search or objective must not mix."""
     plain = dataclasses.replace(sc, name="", search=(), run=RunSpec())
-    # the MoE knobs a search leaves out take the plan's values (in `plain`); left out of the key, a
+    # the opt-in knobs a search leaves out take the plan's values (in `plain`); left out of the key, a
     # study made before they were knobs is still this search's
-    cands = tuple((k, v) for k, v in spec.candidates if k in spec.given or k not in MOE_KNOBS)
+    cands = tuple((k, v) for k, v in spec.candidates if k in spec.given or k not in OPT_IN_KNOBS)
     key = repr((plain, dataclasses.replace(spec, trials=0, candidates=cands), objective, strategy, choices))
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 

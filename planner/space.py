@@ -31,6 +31,7 @@ range**, so `search: {}` or no section at all means "every valid factorisation o
 | zero_stage | 0, 1, 2, 3 |
 | recompute | none, selective, full |
 | expert_tp | the scenario's plan.expert_tp (an MoE knob: searched only when listed) |
+| cp_comm_type | the scenario's plan.cp_comm_type (p2p, all_gather, a2a; searched only when listed; acts with cp > 1) |
 | moe_dispatcher | the scenario's plan.moe_dispatcher (alltoall, deepep; searched only when listed) |
 | moe_shared_expert_overlap | the scenario's plan.moe_shared_expert_overlap (false, true; searched only when listed) |
 | overlap_moe_expert_parallel_comm | the scenario's plan.overlap_moe_expert_parallel_comm (false, true; searched only when listed) |
@@ -40,6 +41,8 @@ or, inside a [..] list where a comma would split it, `selective(moe_act+layernor
 --recompute-modules; the modules of plan.recompute_modules), beside plain `selective`, which
 recomputes the scenario's own plan.recompute_modules (core_attn by default).
 
+cp_comm_type is opt-in too: ring attention (p2p) is Megatron's default, and the others change
+which kernels run and what must divide (a2a: the heads of a TP rank by cp).
 The four MoE knobs are opt-in, as zero-bubble is: each changes what Megatron-Core runs (expert
 tensor parallelism, DeepEP's kernels, the shared experts beside the dispatch, combined 1F1B) in ways
 a team picks deliberately, and leaving them out keeps a dense search and an MoE one of a fixed MoE setup as small
@@ -88,6 +91,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 import math
 import re
 from collections import Counter
@@ -97,7 +101,7 @@ from typing import Any
 
 from paraplan.errors import ConfigError
 from paraplan.loader import FrozenMapping
-from paraplan.specs import (MOE_DISPATCHERS, RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, ZERO_STAGES, PlanSpec, Scenario,
+from paraplan.specs import (CP_COMM_TYPES, MOE_DISPATCHERS, RECOMPUTE, RECOMPUTE_MODULES, SCHEDULES, ZERO_STAGES, PlanSpec, Scenario,
                             nodes_x_gpus)
 from simulator import layout
 from simulator.flops import last_stage_extra_flops_per_token, layer_forward_flops_per_token
@@ -105,16 +109,17 @@ from simulator.flops import last_stage_extra_flops_per_token, layer_forward_flop
 # Knobs in the order they are enumerated and shown.
 KNOBS = (
     "num_nodes", "tp", "pp", "dp", "cp", "ep", "micro_batch_size", "schedule",
-    "virtual_pipeline_stages", "sequence_parallel", "zero_stage", "recompute",
+    "virtual_pipeline_stages", "sequence_parallel", "zero_stage", "recompute", "cp_comm_type",
     "expert_tp", "moe_dispatcher", "moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm",
 )
 DEGREE_KNOBS = ("num_nodes", "tp", "pp", "dp", "cp", "ep", "micro_batch_size", "virtual_pipeline_stages",
                 "expert_tp")
 ENUM_KNOBS = {"schedule": SCHEDULES, "zero_stage": ZERO_STAGES, "recompute": RECOMPUTE,
-              "sequence_parallel": (False, True), "moe_dispatcher": MOE_DISPATCHERS,
+              "sequence_parallel": (False, True), "moe_dispatcher": MOE_DISPATCHERS, "cp_comm_type": CP_COMM_TYPES,
               "moe_shared_expert_overlap": (False, True), "overlap_moe_expert_parallel_comm": (False, True)}
 MAX_DEGREE = 2**20
 MOE_KNOBS = ("expert_tp", "moe_dispatcher", "moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm")
+OPT_IN_KNOBS = ("cp_comm_type", *MOE_KNOBS)
 """Searched only when the search section lists them (their default is the scenario's value)."""
 # zero-bubble, zbv and dualpipev are searched only when the scenario lists them: Megatron-LM, whose
 # arguments `plan` writes, has none of them (torchtitan and `paraplan launch` run them).
@@ -441,6 +446,7 @@ def _defaults(sc: Scenario, num_nodes: tuple[int, ...], allow_tp_across_nodes: b
         "sequence_parallel": (False, True),
         "zero_stage": ZERO_STAGES,
         "recompute": RECOMPUTE,
+        "cp_comm_type": (sc.plan.cp_comm_type,),
         "expert_tp": (sc.plan.expert_tp,),
         "moe_dispatcher": (sc.plan.moe_dispatcher,),
         "moe_shared_expert_overlap": (sc.plan.moe_shared_expert_overlap,),
@@ -625,8 +631,10 @@ class PlanSpace:
             first, last = interleaved_edges(layers, v["pp"] * vpp)
         else:
             first, last = self._split(v["pp"])
+        # the exchange acts only with cp > 1: elsewhere one plan, the scenario's value
+        cp_comm = v["cp_comm_type"] if v["cp"] > 1 else self._template.cp_comm_type
         plan = dataclasses.replace(
-            self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], ep=v["ep"],
+            self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], cp_comm_type=cp_comm, ep=v["ep"],
             expert_tp=etp, moe_dispatcher=dispatcher, moe_shared_expert_overlap=shared_overlap,
             overlap_moe_expert_parallel_comm=ep_overlap,
             first_stage_layers=first, last_stage_layers=last,
@@ -702,6 +710,7 @@ class PlanSpace:
                 "virtual_pipeline_stages": p.virtual_pipeline_stages,
                 "sequence_parallel": p.sequence_parallel, "zero_stage": p.zero_stage,
                 "recompute": self._recompute_value(p), "expert_tp": p.expert_tp,
+                "cp_comm_type": p.cp_comm_type if p.cp > 1 else c["cp_comm_type"][0],
                 "moe_dispatcher": p.moe_dispatcher if p.ep * p.expert_tp > 1 else c["moe_dispatcher"][0],
                 "moe_shared_expert_overlap": (p.moe_shared_expert_overlap if self._overlap_matters(p.ep, p.moe_dispatcher)
                                               else c["moe_shared_expert_overlap"][0]),
@@ -736,6 +745,8 @@ class PlanSpace:
         checks = {"num_nodes": cand.num_nodes, "tp": p.tp, "pp": p.pp, "cp": p.cp, "ep": p.ep,
                   "micro_batch_size": p.micro_batch_size, "schedule": p.schedule,
                   "recompute": self._recompute_value(p), "expert_tp": p.expert_tp}
+        if p.cp > 1:
+            checks["cp_comm_type"] = p.cp_comm_type
         if p.ep * p.expert_tp > 1:
             checks["moe_dispatcher"] = p.moe_dispatcher
         if self._overlap_matters(p.ep, p.moe_dispatcher):
@@ -809,7 +820,8 @@ class PlanSpace:
         """Canonical combinations of the knobs below the layout."""
         c = self._cands
         sps = c["sequence_parallel"] if tp > 1 else c["sequence_parallel"][:1]
-        for ep, etp, dispatcher, overlap in self._expert_settings():
+        cp_comms = c["cp_comm_type"] if cp > 1 else c["cp_comm_type"][:1]
+        for (ep, etp, dispatcher, overlap), cp_comm in itertools.product(self._expert_settings(), cp_comms):
             zeros = c["zero_stage"] if self._zero_matters(tp, dp, cp, ep, etp) else c["zero_stage"][:1]
             for mbs in c["micro_batch_size"]:
                 for schedule in self._schedules(pp, self._microbatches(dp, mbs)):
@@ -823,6 +835,7 @@ class PlanSpace:
                                         self._modules(modules))
                                     for ep_overlap in c["overlap_moe_expert_parallel_comm"] if acts else (False,):
                                         yield {"ep": ep, "expert_tp": etp, "moe_dispatcher": dispatcher,
+                                               "cp_comm_type": cp_comm,
                                                "moe_shared_expert_overlap": overlap, "micro_batch_size": mbs,
                                                "schedule": schedule, "virtual_pipeline_stages": vpp,
                                                "sequence_parallel": sp, "zero_stage": zero, "recompute": rc,
@@ -887,7 +900,7 @@ class PlanSpace:
         the EP-overlap candidates again where that knob acts (it acts on a product of conditions,
         _ep_overlap_matters, so the combinations where it does multiply out)."""
         c = self._cands
-        n_sp = len(c["sequence_parallel"]) if tp > 1 else 1
+        n_sp = (len(c["sequence_parallel"]) if tp > 1 else 1) * (len(c["cp_comm_type"]) if cp > 1 else 1)
         extra = len(c["overlap_moe_expert_parallel_comm"]) - 1
         rcs = [recompute_choice(rc) for rc in c["recompute"]]
         total = 0

@@ -25,7 +25,7 @@ from optuna.distributions import BaseDistribution
 from optuna.samplers import BaseSampler
 from optuna.trial import FrozenTrial, TrialState
 
-from planner.space import MOE_KNOBS, Candidate, PlanSpace
+from planner.space import OPT_IN_KNOBS, Candidate, PlanSpace
 
 PLAN_INDEX_ATTR = "paraplan:plan_index"
 # TPE: trials before its model kicks in (Optuna's default is 10; 20 explored better on the bundled
@@ -334,11 +334,11 @@ def expert_plans(space: PlanSpace, *, limit: int) -> list[Candidate]:
     # splitting (Megatron-Core MoE README: "Keep the model parallism size as small as possible",
     # "Prefer EP over TP for the expert layer"; its Mixtral 8x7B mapping is TP 1 EP 8)
     tps = [t for t in sorted(vals["tp"], reverse=not moe) if t <= gpn] or sorted(vals["tp"])
-    moe_knobs = {k: pick(k, [getattr(base.plan, k)]) for k in MOE_KNOBS}
+    opt_in = {k: pick(k, [getattr(base.plan, k)]) for k in OPT_IN_KNOBS}
     # MoE: the widest expert parallelism whose EP x expert-TP group stays in the NVLink domain of a
     # node (Megatron-Core MoE README, "Tuning Guide of Parallel Mappings": "Ensure the EPxTP
     # communication within the NVLink domain", "Prefer EP over TP for the expert layer")
-    in_node = sorted((e for e in vals["ep"] if e * moe_knobs["expert_tp"] <= gpn), reverse=True)
+    in_node = sorted((e for e in vals["ep"] if e * opt_in["expert_tp"] <= gpn), reverse=True)
     ep_order = in_node + [e for e in vals["ep"] if e not in in_node]
     common = {
         "num_nodes": base.num_nodes if base.num_nodes in vals["num_nodes"] else vals["num_nodes"][-1],
@@ -347,8 +347,9 @@ def expert_plans(space: PlanSpace, *, limit: int) -> list[Candidate]:
         "sequence_parallel": pick("sequence_parallel", [True]),
         "zero_stage": pick("zero_stage", [1, 0, 2, 3]),
         "recompute": pick("recompute", ["selective", "none", "full"]),
-        # the MoE knobs as the scenario sets them, where they are among the candidates
-        **moe_knobs,
+        # the opt-in knobs (the MoE ones, cp_comm_type) as the scenario sets them, where they are among the
+        # candidates
+        **opt_in,
     }
     vpps = [v for v in vals["virtual_pipeline_stages"] if v >= 2]
     def candidate(params: dict[str, Any]) -> Candidate:

@@ -44,6 +44,18 @@ def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
         # does not support context parallelism"; unfused leaves flash and fused off, so nothing runs
         out.append("plan.cp: context parallelism needs a fused attention kernel (training.attention flash or flash3), "
                    "not unfused")
+    if p.cp > 1 and p.cp_comm_type != "p2p" and m.mla is not None:
+        # Transformer Engine's attn_forward_func_with_cp: MLA (differing K and V head dims) "is only
+        # supported with" p2p and a2a+p2p
+        out.append(f"plan.cp_comm_type: {p.cp_comm_type} cannot run multi-latent attention (model.mla), whose keys "
+                   f"and values differ in head dim; Transformer Engine runs it with p2p")
+    elif p.cp > 1 and p.cp_comm_type == "a2a":
+        # AttnFuncWithCPAndQKVOA2A: "The number of attention heads needs to be divisible by CP size!"
+        heads = {"num_attention_heads": m.num_attention_heads, "num_kv_heads": m.num_kv_heads}
+        for key, count in heads.items():
+            if count % (p.tp * p.cp):
+                out.append(f"plan.cp_comm_type: a2a splits each TP rank's heads over the cp ranks, but model.{key} "
+                           f"({count}) is not divisible by tp x cp = {p.tp} x {p.cp}")
     if p.sequence_parallel and p.tp > 1 and (t.seq_length // p.cp) % p.tp:
         out.append(f"plan.sequence_parallel: seq_length/cp = {t.seq_length // p.cp} is not divisible by tp = {p.tp}")
     if p.tp_comm_overlap and not (p.sequence_parallel and p.tp > 1):

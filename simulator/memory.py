@@ -257,6 +257,24 @@ def unrecomputed_activation_bytes(model, plan, seq_length: int, attention_kernel
                                       moe_ffn_bytes=moe_ffn_bytes, act_bytes=act_bytes, fp8_inputs=fp8_inputs)
 
 
+def cp_exchange_working_bytes(model, plan, seq_length: int, act_bytes: int = 2) -> float:
+    """What a layer's context-parallel exchange holds while its attention runs, on top of the stored
+    activations, by plan.cp_comm_type (Transformer Engine's context_parallel.py): p2p keeps every
+    K/V chunk the ring brought in until the forward returns (p2p_comm_buffers: cp chunks, the whole
+    sequence's K and V), and two K/V + dK/dV buffers in the backward; all_gather the gathered K and
+    V and their reordered copy in the forward, the gathered K and V and the whole sequence's dK and
+    dV in the backward; a2a about three copies of the rank's Q, K and V while they are exchanged."""
+    if plan.cp == 1:
+        return 0.0
+    local = plan.micro_batch_size * seq_length // plan.cp * act_bytes / plan.tp  # one channel of the rank's slice
+    kv = local * (model.k_channels + model.v_channels)
+    if plan.cp_comm_type == "p2p":
+        return max(plan.cp, 4) * kv
+    if plan.cp_comm_type == "all_gather":
+        return 2 * plan.cp * kv
+    return 3 * (local * model.q_channels + kv)
+
+
 def recompute_working_bytes(model, plan, seq_length: int, attention_kernel: str, act_bytes: int = 2,
                             moe_ffn_bytes: float | None = None, *, fp8_inputs: bool = False) -> float:
     """What recomputing one layer holds during its backward, on top of the stored activations: under

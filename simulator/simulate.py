@@ -20,8 +20,8 @@ from simulator.feasibility import structural_problems
 from simulator.flops import flops_formula_for, hardware_flops, model_flops
 from simulator.layout import layers_per_chunk, layers_per_virtual_stage
 from simulator.memory import (
-    CE_SOFTMAX_BYTES, activation_bytes_per_layer, logits_bytes, recompute_working_bytes, stage_memory,
-    state_bytes_per_param, unrecomputed_activation_bytes,
+    CE_SOFTMAX_BYTES, activation_bytes_per_layer, cp_exchange_working_bytes, logits_bytes, recompute_working_bytes,
+    stage_memory, state_bytes_per_param, unrecomputed_activation_bytes,
 )
 from simulator.moe import (
     dispatch_buffer_bytes, draw_routing, moe_activation_bytes, moe_block, moe_rebuilt_bytes, routed_tokens_per_rank,
@@ -460,12 +460,14 @@ def _layer_kinds(ctx, a2a_layout, etp_layout, *, balanced: bool):
     fp8 = ctx.dtype == "fp8"  # linears keep fp8 copies of their inputs (memory.activation_bytes_per_layer)
     dense_acts = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, act_bytes=ctx.act_bytes,
                                             fp8_inputs=fp8)
+    # the attention's exchange buffers and a recomputed layer's tensors can be live at once: both counted
+    cp_working = cp_exchange_working_bytes(m, p, ctx.seq_length, ctx.act_bytes)
     kinds = _Layers(
         fwd={"dense": layer_forward(ctx)}, bwd={"dense": layer_backward(ctx)}, wgrad={"dense": layer_weight_grad(ctx)},
         params={"dense": (attn_params + m.ffn_matrices * m.hidden_size * m.ffn_hidden_size / p.tp, 0.0)},
         acts={"dense": dense_acts},
-        working={"dense": recompute_working_bytes(m, p, ctx.seq_length, ctx.attention_kernel, ctx.act_bytes,
-                                                  fp8_inputs=fp8)},
+        working={"dense": cp_working + recompute_working_bytes(m, p, ctx.seq_length, ctx.attention_kernel,
+                                                               ctx.act_bytes, fp8_inputs=fp8)},
         uncached={"dense": m.norm_params()},
     )
     rebuilds = p.schedule in SPLIT_BACKWARD_SCHEDULES and (p.recompute == "full" or p.recomputed_modules)
@@ -491,7 +493,7 @@ def _layer_kinds(ctx, a2a_layout, etp_layout, *, balanced: bool):
     if rebuilds:
         kinds.rebuilt["moe"] = unrecomputed_activation_bytes(
             m, p, ctx.seq_length, ctx.attention_kernel, ffn_whole, ctx.act_bytes, fp8_inputs=fp8) - kinds.acts["moe"]
-    kinds.working["moe"] = dispatch_buffer_bytes(ctx, draw) + recompute_working_bytes(
+    kinds.working["moe"] = cp_working + dispatch_buffer_bytes(ctx, draw) + recompute_working_bytes(
         m, p, ctx.seq_length, ctx.attention_kernel, ctx.act_bytes,
         moe_ffn_bytes=ffn_whole if recomputed_ffn else moe_rebuilt_bytes(ctx, draw), fp8_inputs=fp8)
     if p.overlap_moe_expert_parallel_comm:

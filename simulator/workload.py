@@ -138,18 +138,31 @@ def mlp_linear_shapes(model, width: int) -> list[tuple[int, int]]:
 
 
 def _attention_core(ctx: LayerContext, backward: bool) -> float:
-    """Softmax(QK^T)V for this rank's heads. Under context parallelism each rank owns s/cp queries,
-    split into 2 chunks of the 2cp-chunk causal load balance, and runs cp kernels, one per ring
-    step (Transformer Engine AttnFuncWithCPAndKVP2P): the diagonal step a causal (s/cp)^2 block,
-    the others (s/cp) x (s/2cp) unmasked ones, all of the same FLOPs. So cp calls of a causal
-    (s/cp)^2 attention, together 1/cp of the full causal work, each priced at its own size."""
-    return ctx.plan.cp * _attention_step(ctx, backward)
+    """Softmax(QK^T)V for this rank's heads, as plan.cp_comm_type runs it under context parallelism
+    (Transformer Engine, transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py).
+    Each rank owns s/cp queries, 2 chunks of the 2cp-chunk causal load balance (DualChunkSwap):
+    - p2p (AttnFuncWithCPAndKVP2P): cp kernels, one per ring step: the diagonal step a causal
+      (s/cp)^2 block, the others (s/cp) x (s/2cp) unmasked ones, all of the same FLOPs. So cp calls
+      of a causal (s/cp)^2 attention, together 1/cp of the full causal work, each at its own size.
+    - all_gather (AttnFuncWithCPAndKVAllGather): one call per local chunk, s/2cp queries against
+      the gathered keys up to that chunk (bottom-right causal): (r + 1) and (2cp - r) chunks of keys
+      on rank r. Every rank has the same FLOPs but not the same shapes; the slowest rank's pair.
+    - a2a (AttnFuncWithCPAndQKVOA2A): one causal call over the whole sequence with 1/cp of the
+      rank's heads."""
+    p = ctx.plan
+    if p.cp == 1 or p.cp_comm_type == "p2p":
+        return p.cp * _attention_call(ctx, backward, ctx.seq_length // p.cp, ctx.seq_length // p.cp)
+    if p.cp_comm_type == "a2a":
+        return _attention_call(ctx, backward, ctx.seq_length, ctx.seq_length, heads_split=p.cp)
+    chunk = ctx.seq_length // (2 * p.cp)
+    return max(_attention_call(ctx, backward, chunk, (r + 1) * chunk)
+               + _attention_call(ctx, backward, chunk, (2 * p.cp - r) * chunk) for r in range(p.cp))
 
 
-def _attention_step(ctx: LayerContext, backward: bool) -> float:
-    """One of those cp kernels: a causal (s/cp)^2 attention (the whole attention when cp = 1)."""
+def _attention_call(ctx: LayerContext, backward: bool, q_len: int, kv_len: int, heads_split: int = 1) -> float:
+    """One causal (bottom-right aligned) attention kernel of q_len queries and kv_len keys over this
+    TP rank's heads, or 1/heads_split of them."""
     m, p = ctx.model, ctx.plan
-    step_len = ctx.seq_length // p.cp
     if ctx.attention_kernel == "unfused":
         fn = partial(unfused_attention_time, dropout=bool(m.dropout))
     else:
@@ -157,9 +170,9 @@ def _attention_step(ctx: LayerContext, backward: bool) -> float:
     return fn(
         ctx.gpu,
         batch=p.micro_batch_size,
-        heads=m.num_attention_heads // p.tp,
-        q_len=step_len,
-        kv_len=step_len,
+        heads=m.num_attention_heads // p.tp // heads_split,
+        q_len=q_len,
+        kv_len=kv_len,
         # QK^T runs over q_head_dim, AV over v's; their mean gives the FLOPs (equal but for MLA)
         head_dim=(m.q_head_dim + m.o_channels // m.num_attention_heads) / 2,
         dtype=ctx.dtype,
@@ -311,22 +324,44 @@ def mlp_transfers(ctx: LayerContext) -> list[tuple[str, float]]:
     return _tp_transfers(ctx, [(h, 0, "column"), (h, h, "row")])
 
 
-def _cp_ring(ctx: LayerContext, backward: bool) -> Cost:
-    """Ring attention KV exchange (Megatron-Core context parallelism): cp-1 steps, each sending
-    this rank's K and V chunk to the next rank while computing on the current one; the backward
-    also returns dK, dV (twice the bytes). Only the part not hidden behind the attention compute
-    of a step is exposed (cp_comm); the hidden part slows that compute by COMM_SM_SHARE of itself.
-    When the group leaves the node every step's send holds the NIC, hidden or not (Cost.nic), and
-    the engine shares the NIC with them."""
+def _cp_exchange(ctx: LayerContext, backward: bool) -> Cost:
+    """The context-parallel exchange of one attention core, forward or backward, by
+    plan.cp_comm_type (Transformer Engine's context_parallel.py; see _attention_core):
+    - p2p: cp-1 ring steps, each sending this rank's K and V chunk to the next rank while
+      computing on the current one; the backward also returns dK, dV (twice the bytes). Only the
+      part not hidden behind a step's attention is exposed; the hidden part slows that compute by
+      COMM_SM_SHARE of itself.
+    - all_gather: an all-gather of K and one of V over the whole sequence, exposed (TE: "KV
+      all-gather between CP ranks is exposed"); the backward gathers them again (they are not
+      saved) and reduce-scatters dK and dV, exposed too.
+    - a2a: all-to-alls of Q, K and V before the attention and of its output after, exposed; the
+      backward's of the output and its gradient, then of dQ, dK and dV.
+    When the group leaves the node every transfer holds the NIC, hidden or not (Cost.nic), and the
+    engine shares the NIC with them."""
     p, m = ctx.plan, ctx.model
     if p.cp == 1:
         return Cost()
-    kv_bytes = ctx.tokens * (m.k_channels + m.v_channels) // p.tp * ctx.act_bytes * (2 if backward else 1)
-    step_comm = collective_time(ctx.network, "send_recv", kv_bytes, ctx.cp_layout)
-    step_compute = _attention_step(ctx, backward)
-    cost = Cost().add("cp_comm", (p.cp - 1) * (overlapped(step_compute, step_comm) - step_compute))
+    e = ctx.act_bytes
+    local = ctx.tokens * e / p.tp  # bytes per channel of this rank's slice of the sequence
+
+    def each(op: str, *nbytes: float) -> float:
+        return sum(collective_time(ctx.network, op, b, ctx.cp_layout) for b in nbytes)
+
+    if p.cp_comm_type == "p2p":
+        kv_bytes = local * (m.k_channels + m.v_channels) * (2 if backward else 1)
+        step_comm = collective_time(ctx.network, "send_recv", kv_bytes, ctx.cp_layout)
+        step_compute = _attention_call(ctx, backward, ctx.seq_length // p.cp, ctx.seq_length // p.cp)
+        exposed = (p.cp - 1) * (overlapped(step_compute, step_comm) - step_compute)
+        on_links = (p.cp - 1) * step_comm
+    elif p.cp_comm_type == "all_gather":
+        k_all, v_all = p.cp * local * m.k_channels, p.cp * local * m.v_channels  # gathered (nccl-tests size)
+        exposed = on_links = each("all_gather", k_all, v_all) + (each("reduce_scatter", k_all, v_all) if backward else 0)
+    else:  # a2a: each tensor's all-to-all in turn (nccl-tests size: the rank's send buffer)
+        q, k, v, o = (local * c for c in (m.q_channels, m.k_channels, m.v_channels, m.o_channels))
+        exposed = on_links = each("all_to_all", o, o, q, k, v) if backward else each("all_to_all", q, k, v, o)
+    cost = Cost().add("cp_comm", exposed)
     if ctx.cp_layout.num_nodes > 1:
-        cost.add_nic("cp_comm", (p.cp - 1) * step_comm)
+        cost.add_nic("cp_comm", on_links)
     return cost
 
 
@@ -437,7 +472,7 @@ def attention_block(ctx: LayerContext, backward: bool) -> Cost:
     compute = sum(gemms) + _attention_core(ctx, backward) + _attention_elementwise(ctx, backward)
     tp = tp_exposed(ctx, transfers, shapes, gemms, backward)
     cost = Cost().add("compute", compute).add("tp_comm", tp)
-    cost += _cp_ring(ctx, backward)
+    cost += _cp_exchange(ctx, backward)
     return cost
 
 
@@ -498,10 +533,10 @@ def selective_recompute(ctx: LayerContext, ffn=dense_ffn_block) -> Cost:
     mods = ctx.plan.recompute_modules
     cost = Cost()
     if "core_attn" in mods:
-        # the checkpointed call is the whole CP attention, its K/V ring included (Megatron-Core
-        # Attention._checkpointed_attention_forward around TE's AttnFuncWithCPAndKVP2P)
+        # the checkpointed call is the whole CP attention, its exchange included (Megatron-Core
+        # Attention._checkpointed_attention_forward around TE's attn_forward_func_with_cp)
         cost.add("recompute", _attention_core(ctx, False))
-        cost += _cp_ring(ctx, False)
+        cost += _cp_exchange(ctx, False)
     dense = ffn is dense_ffn_block
     norms = norm_outputs_recomputed(ctx.model, mods, moe_layer=not dense)
     if norms:  # the separate norms under layernorm; a dense mlp's fused norm (re-run inside its fc1)

@@ -92,6 +92,12 @@ BAD_INPUT = [
     (["--set", "plan.schedule=zero-bubble", "--set", "plan.pp=1", "--set", "plan.tp=4"],
      "plan.schedule: zero-bubble needs pp >= 2"),
     (["--set", "plan.moe_dispatcher=deepep"], "plan.moe_dispatcher: deepep needs an MoE model"),
+    (["--set", "plan.cp_comm_type=allgather"], "plan.cp_comm_type: 'allgather' is not one of p2p, all_gather, a2a, "
+                                                "did you mean 'all_gather'?"),
+    (["--set", "model.num_attention_heads=12", "--set", "model.head_dim=64", "--set", "plan.tp=4", "--set", "plan.pp=1",
+      "--set", "plan.cp=2", "--set", "plan.cp_comm_type=a2a"],
+     "plan.cp_comm_type: a2a splits each TP rank's heads over the cp ranks, but model.num_attention_heads (12) is not "
+     "divisible by tp x cp = 4 x 2"),
     (["--set", "model=mixtral-8x7b", "--set", "plan.ep=2", "--set", "plan.tp=1", "--set", "plan.pp=1",
       "--set", "training.precision=fp16", "--set", "training.global_batch_size=16"],
      "training.precision: fp16 with expert parallelism"),

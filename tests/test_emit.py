@@ -585,8 +585,24 @@ def test_torchtitan_notes_name_what_it_runs_otherwise():
     fp8_moe = torchtitan_toml(scenario("deepseek-v3-2048xh800"))
     assert "routed experts' grouped GEMMs run in bf16" in fp8_moe
     cp = torchtitan_toml(scenario("llama3-8b-64xh100", "plan.cp=2", "plan.dp=32"))
-    assert "all-gathers the key/value shards" in cp
+    assert "dK/dV round a ring in fp32" in cp
     assert "--job.config_file" in dense
     te = megatron_args_text(scenario("llama3-8b-64xh100", "training.precision=fp8", "plan.recompute=selective",
                                      "plan.recompute_modules=[core_attn, layernorm]"))
     assert "needs Transformer Engine 2.6 or later" in te
+
+
+@pytest.mark.parametrize("cp_comm_type, rotate", [("p2p", "alltoall"), ("all_gather", "allgather"),
+                                                  ("a2a", "allgather")])
+def test_the_context_parallel_exchange_reaches_both_configs(cp_comm_type, rotate):
+    """plan.cp_comm_type is Megatron's --cp-comm-type in Transformer Engine's spelling (all_gather,
+    which TE takes as written) and torchtitan's context_parallel_rotate_method: a ring of shard
+    swaps for p2p, the all-gather otherwise (torchtitan has no a2a, and says so)."""
+    sets = ("plan.cp=2", "plan.dp=32", f"plan.cp_comm_type={cp_comm_type}")
+    args = megatron_args(scenario("llama3-8b-64xh100", *sets))
+    assert args[args.index("--cp-comm-type") + 1] == cp_comm_type
+    toml = torchtitan_toml(scenario("llama3-8b-64xh100", *sets))
+    assert f'context_parallel_rotate_method = "{rotate}"' in toml
+    assert ("no head-scattering (a2a)" in toml) == (cp_comm_type == "a2a")
+    assert "--cp-comm-type" not in megatron_args(scenario("llama3-8b-64xh100"))  # cp 1: nothing to say
+    assert "context_parallel_rotate_method" not in torchtitan_toml(scenario("llama3-8b-64xh100"))

@@ -82,6 +82,9 @@ PLANS = {
         scenario("cp2", cp=2, micro_batch_size=4),
         # the unfused attention's own mask over the gathered keys, against the fused kernel's reference
         scenario("cp2-unfused", cp=2, micro_batch_size=4, attention="unfused"),
+        # DeepSpeed-Ulysses: heads scattered, the sequence gathered, GQA groups kept together
+        scenario("cp2-a2a", cp=2, micro_batch_size=4, cp_comm_type="a2a"),
+        scenario("cp2-a2a-selective", cp=2, micro_batch_size=4, cp_comm_type="a2a", recompute="selective"),
         scenario("moe-dp2-ddp", "moe", dp=2, micro_batch_size=2),
         scenario("moe-ep2", "moe", dp=2, ep=2, micro_batch_size=2),
         scenario("moe-ep2-zero1-adam", "moe", dp=2, ep=2, micro_batch_size=2, zero_stage=1, opt="adam"),
@@ -111,6 +114,7 @@ PLANS = {
         scenario("moe-dp4-ep2", "moe", dp=4, ep=2, micro_batch_size=1),
         scenario("moe-dp4-ep4-zero2", "moe", dp=4, ep=4, micro_batch_size=1, zero_stage=2),
         scenario("cp2-tp2-sp", cp=2, tp=2, micro_batch_size=2, sequence_parallel=True),
+        scenario("cp2-tp2-sp-a2a", "tied", cp=2, tp=2, micro_batch_size=2, sequence_parallel=True, cp_comm_type="a2a"),
         scenario("cp2-dp2-zero3", cp=2, dp=2, micro_batch_size=2, zero_stage=3),
         scenario("moe-cp2-dp2-ep4", "moe", cp=2, dp=2, ep=4, micro_batch_size=2),
         scenario("moe-tp2-sp-dp2-ep2-zero1", "moe", tp=2, dp=2, ep=2, micro_batch_size=2, sequence_parallel=True,
@@ -406,6 +410,17 @@ def test_dropout_the_executor_does_not_run_is_said():
     sc = scenario("x", dp=2)
     with_dropout = dataclasses.replace(sc, model=dataclasses.replace(sc.model, dropout=0.1))
     assert notes(with_dropout, on_gpu=True) == ["model.dropout 0.1: the executor trains without dropout"]
+
+
+def test_the_ring_the_executor_runs_as_an_all_gather_is_said():
+    """plan.cp_comm_type p2p runs as the executor's all-gather (said, with the key that predicts it);
+    all_gather and a2a run as written."""
+    ring = scenario("cp2", cp=2, micro_batch_size=4)
+    assert any("plan.cp_comm_type p2p" in n for n in notes(ring, on_gpu=False))
+    for kind in ("all_gather", "a2a"):
+        sc = scenario("cp2", cp=2, micro_batch_size=4, cp_comm_type=kind)
+        assert not any("cp_comm_type" in n for n in notes(sc, on_gpu=False))
+    assert not any("cp_comm_type" in n for n in notes(scenario("dp2", dp=2), on_gpu=False))
 
 
 def test_linear_biases_the_executor_does_not_build_are_said():

@@ -207,7 +207,7 @@ def test_the_ffn_norm_and_residual_move_their_bytes():
 def test_context_parallel_backward_sends_twice_the_kv_bytes():
     """Ring attention's backward returns dK and dV with K and V: each step's send_recv moves twice
     the forward's bytes (Llama-3 70B at CP 2 over two nodes, where every step's send holds the NIC)."""
-    from simulator.workload import _cp_ring  # noqa: PLC2701
+    from simulator.workload import _cp_exchange  # noqa: PLC2701
 
     sc, setup, _, _ = _setup("llama3-70b-1024xh100.yaml", ["plan.cp=2"])
     ctx, m, p = setup.ctx, sc.model, sc.plan
@@ -215,7 +215,116 @@ def test_context_parallel_backward_sends_twice_the_kv_bytes():
     kv = ctx.tokens * (m.k_channels + m.v_channels) // p.tp * ctx.act_bytes
     for backward, factor in ((False, 1), (True, 2)):
         step = collective_time(ctx.network, "send_recv", kv * factor, ctx.cp_layout)
-        assert _cp_ring(ctx, backward).nic == pytest.approx((p.cp - 1) * step, rel=1e-12)
+        assert _cp_exchange(ctx, backward).nic == pytest.approx((p.cp - 1) * step, rel=1e-12)
+
+
+def test_an_all_gather_exchange_gathers_k_and_v_and_reduce_scatters_their_gradients():
+    """cp_comm_type all_gather (Transformer Engine's AttnFuncWithCPAndKVAllGather): the forward
+    all-gathers K and V over the whole sequence, exposed; the backward gathers them again and
+    reduce-scatters dK and dV (nccl-tests sizes: the gathered tensor). Llama-3 70B at CP 2 over two
+    nodes, where every transfer holds the NIC."""
+    from simulator.workload import _cp_exchange  # noqa: PLC2701
+
+    sc, setup, _, _ = _setup("llama3-70b-1024xh100.yaml", ["plan.cp=2", "plan.cp_comm_type=all_gather"])
+    ctx, m, p = setup.ctx, sc.model, sc.plan
+    assert ctx.cp_layout.num_nodes > 1
+    whole = p.micro_batch_size * sc.training.seq_length * m.k_channels / p.tp * ctx.act_bytes  # K (V alike)
+    gather = collective_time(ctx.network, "all_gather", whole, ctx.cp_layout)
+    scatter = collective_time(ctx.network, "reduce_scatter", whole, ctx.cp_layout)
+    assert m.k_channels == m.v_channels
+    for backward, want in ((False, 2 * gather), (True, 2 * gather + 2 * scatter)):
+        cost = _cp_exchange(ctx, backward)
+        assert cost.parts["cp_comm"] == pytest.approx(want, rel=1e-12)
+        assert cost.nic == pytest.approx(want, rel=1e-12)
+
+
+def test_an_all_gather_attention_runs_two_chunk_calls_on_the_slowest_rank():
+    """Each rank's two chunks of s/2cp queries attend to the gathered keys up to themselves (r + 1
+    and 2cp - r chunks, bottom-right causal): together 1/cp of the causal FLOPs on every rank, and
+    the slowest rank's pair is the layer's."""
+    from hwmodels.compute import attention_flops, attention_time
+    from simulator.workload import _attention_core  # noqa: PLC2701
+
+    cp = 4
+    sc, setup, _, _ = _setup("llama3-70b-1024xh100.yaml", [f"plan.cp={cp}", "plan.cp_comm_type=all_gather",
+                                                          "training.seq_length=32768", "training.global_batch_size=256"])
+    ctx, m, p = setup.ctx, sc.model, sc.plan
+    seq, chunk = sc.training.seq_length, sc.training.seq_length // (2 * cp)
+    kw = dict(batch=p.micro_batch_size, heads=m.num_attention_heads // p.tp, head_dim=m.head_dim, causal=True)
+    for r in range(cp):
+        pair = sum(attention_flops(q_len=chunk, kv_len=k * chunk, backward=False, **kw) for k in (r + 1, 2 * cp - r))
+        assert pair == pytest.approx(attention_flops(q_len=seq, kv_len=seq, backward=False, **kw) / cp, rel=1e-12)
+    for backward in (False, True):
+        pairs = [sum(attention_time(ctx.gpu, q_len=chunk, kv_len=k * chunk, dtype="bf16", backward=backward,
+                                    kernel=ctx.attention_kernel, **kw) for k in (r + 1, 2 * cp - r)) for r in range(cp)]
+        assert _attention_core(ctx, backward) == pytest.approx(max(pairs), rel=1e-12)
+        assert len({round(t, 15) for t in pairs}) > 1  # the ranks' shapes differ
+
+
+def test_the_cp_exchange_buffers_count_in_the_working_set():
+    """What the exchange holds beside the stored activations (Transformer Engine): p2p every K/V
+    chunk the ring brought in (cp of them, at least the backward's 4), all_gather the gathered K/V
+    and a copy (2cp chunks), a2a three copies of the rank's Q, K and V; the working set of a stage
+    grows by exactly that. Llama-3 70B, 64k tokens, tp 1, cp 8: K/V of one rank's slice is
+    8,192 tokens x 2 x 1,024 channels x 2 bytes."""
+    from simulator.memory import cp_exchange_working_bytes
+
+    base = ["training.seq_length=65536", "training.global_batch_size=256", "plan.cp=8", "plan.tp=1", "plan.dp=null"]
+    kv = 8192 * 2 * 1024 * 2
+    q = 8192 * 8192 * 2
+    want = {"p2p": 8 * kv, "all_gather": 16 * kv, "a2a": 3 * (q + kv)}
+    peaks = {}
+    for kind, expected in want.items():
+        sc, setup, kinds, _ = _setup("llama3-70b-1024xh100.yaml", [*base, f"plan.cp_comm_type={kind}"])
+        assert cp_exchange_working_bytes(sc.model, sc.plan, 65536, 2) == expected
+        peaks[kind] = kinds.working["dense"]
+    assert peaks["all_gather"] - peaks["p2p"] == pytest.approx(8 * kv)
+    assert peaks["a2a"] - peaks["p2p"] == pytest.approx(3 * (q + kv) - 8 * kv)
+    assert cp_exchange_working_bytes(sc.model, PlanSpec(), 65536, 2) == 0  # cp 1: no exchange
+
+
+def test_an_a2a_exchange_trades_the_sequence_split_for_a_head_split():
+    """cp_comm_type a2a (DeepSpeed-Ulysses, TE's AttnFuncWithCPAndQKVOA2A): all-to-alls of Q, K, V
+    and the output in the forward, of the output, its gradient, dQ, dK and dV in the backward, all
+    exposed; one causal attention over the whole sequence on 1/cp of the rank's heads. Llama-3 8B
+    (32 heads, 8 KV heads) at TP 2, CP 4 inside a node."""
+    from hwmodels.compute import attention_time
+    from simulator.workload import _attention_core, _cp_exchange  # noqa: PLC2701
+
+    sc, setup, _, _ = _setup("llama3-8b-64xh100.yaml", ["plan.tp=2", "plan.cp=4", "plan.cp_comm_type=a2a",
+                                                        "plan.pp=1", "plan.dp=8"])
+    ctx, m, p = setup.ctx, sc.model, sc.plan
+    assert ctx.cp_layout.num_nodes == 1
+    local = ctx.tokens / p.tp * ctx.act_bytes
+    q, kv = (collective_time(ctx.network, "all_to_all", local * c, ctx.cp_layout) for c in (m.q_channels, m.k_channels))
+    assert m.o_channels == m.q_channels and m.k_channels == m.v_channels
+    assert _cp_exchange(ctx, False).parts["cp_comm"] == pytest.approx(2 * q + 2 * kv, rel=1e-12)
+    assert _cp_exchange(ctx, True).parts["cp_comm"] == pytest.approx(3 * q + 2 * kv, rel=1e-12)
+    assert _cp_exchange(ctx, True).nic == 0  # inside a node
+    seq = sc.training.seq_length
+    whole = attention_time(ctx.gpu, batch=p.micro_batch_size, heads=m.num_attention_heads // p.tp // p.cp, q_len=seq,
+                           kv_len=seq, head_dim=m.head_dim, dtype="bf16", causal=True, backward=False,
+                           kernel=ctx.attention_kernel)
+    assert _attention_core(ctx, False) == pytest.approx(whole, rel=1e-12)
+
+
+def test_a2a_needs_each_tp_ranks_heads_divisible_by_cp_and_mla_needs_p2p():
+    """Transformer Engine: "The number of attention heads needs to be divisible by CP size!" (per TP
+    rank, query and key/value heads alike); multi-latent attention runs with p2p only."""
+    from simulator.feasibility import structural_problems
+
+    sc = load_scenario(ROOT / "scenarios" / "llama3-70b-1024xh100.yaml", ["plan.cp=4", "plan.cp_comm_type=a2a"])
+    problems = structural_problems(sc)
+    assert problems == ["plan.cp_comm_type: a2a splits each TP rank's heads over the cp ranks, but "
+                        "model.num_kv_heads (8) is not divisible by tp x cp = 8 x 4"]
+    fine = load_scenario(ROOT / "scenarios" / "llama3-70b-1024xh100.yaml",
+                         ["plan.cp=4", "plan.tp=2", "plan.dp=32", "plan.cp_comm_type=a2a"])
+    assert not structural_problems(fine)
+    for kind in ("all_gather", "a2a"):
+        mla = load_scenario(ROOT / "scenarios" / "deepseek-v3-2048xh800.yaml", ["plan.cp=2", "plan.dp=64",
+                                                                                f"plan.cp_comm_type={kind}"])
+        assert any(x.startswith(f"plan.cp_comm_type: {kind} cannot run multi-latent attention")
+                   for x in structural_problems(mla))
 
 
 def test_an_mtp_module_splits_its_projection_over_tp_and_keeps_its_norms_whole():

@@ -85,7 +85,7 @@ def test_no_dropout_writes_no_masks():
 
     from paraplan.loader import load_scenario
     from simulator.simulate import _setup
-    from simulator.workload import _attention_step, _residual
+    from simulator.workload import _attention_core, _residual
 
     ROOT = Path(__file__).resolve().parents[1]
     sc = load_scenario(ROOT / "scenarios" / "gpt3-175b-1024xa100.yaml", ["training.attention=unfused"])
@@ -102,8 +102,8 @@ def test_no_dropout_writes_no_masks():
     assert forward_plain * factor_plain == pytest.approx(tokens * 6 * h)
     assert forward_off * factor_off == pytest.approx(tokens * 8 * h)
     assert forward * factor == pytest.approx(tokens * (12 * h + h))
-    assert _attention_step(off, False) < _attention_step(ctx, False)
-    assert _attention_step(off, True) < _attention_step(ctx, True)
+    assert _attention_core(off, False) < _attention_core(ctx, False)
+    assert _attention_core(off, True) < _attention_core(ctx, True)
 
 
 def test_fp32_activations_take_four_bytes_an_element():

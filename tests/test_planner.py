@@ -173,6 +173,43 @@ def test_moe_knobs_are_searched_where_they_change_the_plan():
     assert sp.count_combinations() == 3
 
 
+def test_the_cp_exchange_is_searched_only_where_context_parallelism_runs():
+    """plan.cp_comm_type keeps the scenario's value unless listed; listed, it is a knob of the plans
+    with cp > 1 only (at cp 1 every exchange is one plan, the first candidate); a2a plans whose
+    heads do not split over cp are invalid; enumerate agrees with the count, every plan maps back
+    to its knob values, and a sampler reaches exactly the enumerated plans."""
+    import itertools
+
+    from planner.search import _knob_choices
+
+    fixed = ["search.pp=[4]", "search.micro_batch_size=[1]", "search.schedule=[1f1b]", "search.zero_stage=[1]",
+             "search.recompute=[selective]", "search.sequence_parallel=[true]", "training.seq_length=32768",
+             "training.global_batch_size=256"]
+    sc = load_scenario(ROOT / "scenarios" / "llama3-70b-1024xh100.yaml", [*fixed, "search.tp=[2, 8]", "search.cp=[1, 4]"])
+    assert parse_search(sc).values("cp_comm_type") == ("p2p",)
+    listed = load_scenario(ROOT / "scenarios" / "llama3-70b-1024xh100.yaml",
+                           [*fixed, "search.tp=[2, 8]", "search.cp=[1, 4]", "search.cp_comm_type=[p2p, all_gather, a2a]"])
+    sp = PlanSpace(listed, parse_search(listed))
+    found = sp.enumerate()
+    assert sp.count_combinations() == found.combinations
+    got = {(c.plan.tp, c.plan.cp, c.plan.cp_comm_type) for c in found.valid}
+    # a2a at tp 8, cp 4: 8 KV heads do not split over 32 ranks
+    assert got == {(2, 1, "p2p"), (8, 1, "p2p"), (2, 4, "p2p"), (2, 4, "all_gather"), (2, 4, "a2a"),
+                   (8, 4, "p2p"), (8, 4, "all_gather")}
+    for c in found.valid:
+        assert sp.candidate(sp.params_of(c)) == c and sp.in_space(c)
+    choices, knobs = _knob_choices(sp, found)
+    reached = set()
+    for combo in itertools.product(*choices.values()):
+        c = sp.candidate({**knobs, **dict(zip(choices, combo))})
+        if c.plan.dp and not sp.problems(c):
+            reached.add(c)
+    assert reached == set(found.valid)
+    with pytest.raises(ConfigError, match="search.cp_comm_type: 'allgather' is not one of p2p, all_gather, a2a, "
+                                          "did you mean 'all_gather'"):
+        parse_search(sc, {"cp_comm_type": ["allgather"]})
+
+
 def test_the_ep_overlap_is_searched_only_where_megatron_core_runs_it():
     """overlap_moe_expert_parallel_comm is a knob where combined 1F1B can run (ep > 1, one stage
     or interleaved 1F1B, no full recompute): elsewhere every plan is one plan, without it; enumerate

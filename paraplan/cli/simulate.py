@@ -90,7 +90,7 @@ def format_result(sc, r) -> str:
         f"{sc.name}",
         f"  {sc.model.name} on {sc.cluster.world_size} x {_gpu_label(sc.cluster.gpu)}{_network_label(sc.cluster)}, "
         f"seq {sc.training.seq_length}, global batch {sc.training.global_batch_size}, {sc.training.precision}",
-        f"  plan: tp {p.tp}  pp {p.pp}  dp {p.dp}  cp {p.cp}"
+        f"  plan: tp {p.tp}  pp {p.pp}  dp {p.dp}  cp {p.cp}" + (f" ({p.cp_comm_type})" if p.cp > 1 else "")
         + (f"  ep {p.ep}" + (f"  etp {p.expert_tp}" if p.expert_tp > 1 else "") + f"  {p.moe_dispatcher}"
            if sc.model.moe is not None else "")
         + f"  mbs {p.micro_batch_size}  "
