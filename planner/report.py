@@ -145,7 +145,7 @@ def _shows_moe(plans: list[PlanSpec]) -> bool:
 
 
 def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool, recompute_width: int = 9,
-         moe_width: int = 0) -> str:
+         moe_width: int = 0, show_exchange: bool = False) -> str:
     e = r.evaluation
     p = e.candidate.plan
     sched = {"interleaved-1f1b": "inter", "1f1b": "1f1b", "gpipe": "gpipe", "zero-bubble": "zb", "zbv": "zbv",
@@ -156,6 +156,8 @@ def _row(r: Ranked, objective: Objective, show_nodes: bool, show_stages: bool, r
     if show_nodes:
         cols.append(f"{e.world_size:>5}")
     cols += [f"{p.tp:>2}", f"{p.pp:>3}", f"{p.dp:>4}", f"{p.cp:>2}"]
+    if show_exchange:
+        cols.append(f"{p.cp_comm_type if p.cp > 1 else '-':<10}")
     cols.append(f"{p.ep:>3}")
     if moe_width:
         cols.append(f"{moe_label(p):<{moe_width}}")
@@ -202,8 +204,11 @@ def format_report(rep: Report) -> str:
         rc_width = max(len("recompute"), *(len(r.evaluation.candidate.plan.recompute_label) for r in rep.plans))
         shown = [r.evaluation.candidate.plan for r in rep.plans]
         moe_width = max(len("moe"), *(len(moe_label(p)) for p in shown)) if _shows_moe(shown) else 0
+        # the context-parallel exchange: a column only where a plan shown runs one other than the ring
+        show_exchange = any(p.cp > 1 and p.cp_comm_type != "p2p" for p in shown)
         head = [" #"] + (["  GPUs"] if show_nodes else []) + [
-            "tp", " pp", "  dp", "cp", " ep"] + ([f"{'moe':<{moe_width}}"] if moe_width else []) + [
+            "tp", " pp", "  dp", "cp"] + ([f"{'cp_comm':<10}"] if show_exchange else []) + [
+            " ep"] + ([f"{'moe':<{moe_width}}"] if moe_width else []) + [
             "mbs", "schedule"] + (["stages"] if show_stages else []) + [
             "sp ", "zero", f"{'recompute':<{rc_width}}", "  step s", "   tokens/s", "   MFU", "mem GiB    ", "free"]
         if obj.name == "cost":
@@ -212,7 +217,7 @@ def format_report(rep: Report) -> str:
         lines.append(f"  {title}:")
         lines.append("  " + "  ".join(head) + "  limited by")
         for r in rep.plans:
-            lines.append("  " + _row(r, obj, show_nodes, show_stages, rc_width, moe_width))
+            lines.append("  " + _row(r, obj, show_nodes, show_stages, rc_width, moe_width, show_exchange))
         if moe_width:
             lines.append("  (moe: the token dispatcher, a2a = alltoall, +ovl = shared experts overlapped with it; "
                          "1f1b-ovl = combined 1F1B, forward and backward all-to-alls overlapped; "

@@ -395,6 +395,31 @@ def test_the_table_shows_the_moe_settings_when_the_search_varies_them(tmp_path):
     assert "a2a 1f1b-ovl" in ovl and "(1f1b-ovl gains are an upper bound" in ovl
 
 
+def test_the_table_shows_the_cp_exchange_when_a_plan_runs_one_other_than_the_ring(tmp_path):
+    """A search over plan.cp_comm_type shows each plan's exchange in a cp_comm column; plans that
+    all pass K/V round the ring show no such column."""
+    fixed = ["search.tp=[4]", "search.pp=[1]", "search.micro_batch_size=[1]", "search.schedule=[1f1b]",
+             "search.zero_stage=[1]", "search.recompute=[none]", "search.sequence_parallel=[true]",
+             "training.seq_length=65536", "training.global_batch_size=32"]
+
+    def search(name, *knobs):
+        sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml", [*fixed, *knobs])
+        req = SearchRequest(scenario=sc, spec=parse_search(sc), objective=make_objective("throughput"),
+                            storage=str(tmp_path / f"{name}.journal"), study_name=name, strategy="exhaustive")
+        return format_report(build_report("llama3-8b", run_search(req), make_objective("throughput")))
+
+    lines = search("cp", "search.cp=[2, 4]", "search.cp_comm_type=[p2p, all_gather, a2a]",
+                   "training.global_batch_size=16").splitlines()
+    head = next(i for i, line in enumerate(lines) if line.rstrip().endswith("limited by"))
+    assert " cp  cp_comm      ep" in lines[head]
+    rows = [line.split() for line in lines[head + 1:] if line.strip()][:5]
+    # a2a at tp 4 x cp 4 cannot split 8 KV heads: five plans
+    assert sorted((r[4], r[5]) for r in rows) == [("2", "a2a"), ("2", "all_gather"), ("2", "p2p"),
+                                                  ("4", "all_gather"), ("4", "p2p")]
+    ring = search("ring", "search.cp=[1, 2]").splitlines()
+    assert "cp_comm" not in next(line for line in ring if line.rstrip().endswith("limited by"))
+
+
 def test_an_interrupt_after_a_trial_is_told_leaves_it_as_told(tmp_path, monkeypatch):
     """Ctrl-C can land after study.tell recorded a trial (while Optuna reads it back): the search
     then stops with the KeyboardInterrupt, the trial keeps its result, and no second tell (FAIL)
