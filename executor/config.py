@@ -305,8 +305,11 @@ def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
         out.append("model.linear_bias: the executor's linear layers have no biases; model.linear_bias: false "
                    "predicts it")
     if p.cp > 1 and p.cp_comm_type == "p2p":
+        # executor.model._cp_gather_kv: one masked attention call, the gathered K/V kept for the backward
         out.append("plan.cp_comm_type p2p: the executor all-gathers the keys and values over the context-parallel "
-                   "group instead of passing them round a ring; plan.cp_comm_type: all_gather predicts it")
+                   "group instead of passing them round a ring; plan.cp_comm_type: all_gather is the closer "
+                   "prediction (the executor keeps the gathered K/V for the backward instead of gathering them "
+                   "again, and runs one masked attention call instead of two)")
     if p.p2p_scatter_gather and p.tp > 1 and p.pp > 1 and not p.sequence_parallel:
         out.append("plan.p2p_scatter_gather: the executor's pipeline stages send whole activations, not 1/tp slices")
     if p.pp > 1 and p.blocking_sends == "forward":

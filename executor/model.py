@@ -82,17 +82,17 @@ class Attention(nn.Module):
         q = rot.apply(self.wq(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
         k = rot.apply(self.wk(x).view(b, s, -1, self.head_dim)).transpose(1, 2)
         v = self.wv(x).view(b, s, -1, self.head_dim).transpose(1, 2)
-        mask = None
+        mask = order = None
         if self.cp_group is not None and self.cp_heads:
-            q, k, v, mask = _cp_scatter_heads(q, k, v, rot.positions, self.cp_group)
+            q, k, v, order = _cp_scatter_heads(q, k, v, rot.positions, self.cp_group)
         elif self.cp_group is not None:
             k, v, mask = _cp_gather_kv(k, v, rot.positions, self.cp_group)
         if self.selective_recompute:
             out = checkpoint(_core_attention, q, k, v, mask, self.unfused, use_reentrant=False)
         else:
             out = _core_attention(q, k, v, mask, self.unfused)
-        if self.cp_group is not None and self.cp_heads:
-            out = _cp_gather_heads(out, self.cp_group)
+        if order is not None:
+            out = _cp_gather_heads(out.index_select(2, order), self.cp_group)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -140,12 +140,14 @@ def _all_positions(positions, group):
 def _cp_scatter_heads(q, k, v, positions, group):
     """DeepSpeed-Ulysses (Transformer Engine's cp_comm_type a2a): an all-to-all per tensor sends
     head group j of this rank's sequence chunk to CP rank j, which then holds the whole sequence
-    (the chunks in rank order) for 1/cp of the heads; the causal mask follows the true positions.
-    Query group j's heads read key/value group j's (GQA groups are contiguous). Differentiable
-    (functional collectives): the backward is the inverse all-to-all."""
-    pos_all = _all_positions(positions, group)
-    q, k, v = (_heads_to_sequence(t, group) for t in (q, k, v))
-    return q, k, v, pos_all[:, None] >= pos_all[None, :]
+    (the chunks in rank order) for 1/cp of the heads. Query group j's heads read key/value group
+    j's (GQA groups are contiguous). The sequence is put in position order, so the attention is
+    plainly causal (no mask tensor, the fused kernel); returns q, k, v and the index that puts the
+    output back in the received order. Differentiable (functional collectives): the backward is
+    the inverse all-to-all."""
+    ranked = torch.argsort(_all_positions(positions, group))  # received order -> position order
+    q, k, v = (_heads_to_sequence(t, group).index_select(2, ranked) for t in (q, k, v))
+    return q, k, v, torch.argsort(ranked)
 
 
 def _heads_to_sequence(x, group):

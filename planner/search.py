@@ -198,8 +198,9 @@ def _check_journal_file(path: str, spec: str) -> None:
 def fingerprint(sc: Scenario, spec: SearchSpec, objective: Objective, strategy: str, choices) -> str:
     """What a study was made for: trials of another scenario, search or objective must not mix."""
     plain = dataclasses.replace(sc, name="", search=(), run=RunSpec())
-    # the opt-in knobs a search leaves out take the plan's values (in `plain`); left out of the key, a
-    # study made before they were knobs is still this search's
+    # the opt-in knobs a search leaves out take the plan's values (in `plain`), so they need no place
+    # of their own in the key; a plan field added since changes `plain` itself, and a study made by an
+    # earlier version is then refused (with a message that says a version may be why)
     cands = tuple((k, v) for k, v in spec.candidates if k in spec.given or k not in OPT_IN_KNOBS)
     key = repr((plain, dataclasses.replace(spec, trials=0, candidates=cands), objective, strategy, choices))
     return hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -14,7 +14,7 @@ class Cost:
     nic_parts: dict[str, float] = field(default_factory=dict)
     """Per component, seconds inside the op during which its traffic of that kind saturates this
     GPU's NIC share (ep_comm: an MoE all-to-all, dp_comm: ZeRO-2/3 per-unit gathers and
-    reduce-scatters, cp_comm: a context-parallel ring, when their group leaves the node; tensor
+    reduce-scatters, cp_comm: a context-parallel exchange, when their group leaves the node; tensor
     parallelism across nodes is not counted); the engine shares the NIC with gradient reduction and
     pipeline sends over them, and books the delays the op suffers under those components."""
     dp_spans: tuple[tuple[float, float, str], ...] = ()

@@ -537,7 +537,7 @@ def run_iteration(
         category and ZeRO transfers; and the share of its NIC traffic of each kind ((component,
         fraction), ...), under which the delays it suffers from sharing the NIC are booked. The NIC
         is held at most for the whole op (traffic of several kinds inside one op, e.g. a ZeRO-3
-        gather and a cross-node CP ring, can add up to more than its duration)."""
+        gather and a cross-node CP exchange, can add up to more than its duration)."""
         table = [None] * (len(KINDS) * num_chunks + (num_chunks * num_chunks if work.pairs else 0))
         shares = [()] * len(table)
         slots = [(_op_slot(kind, chunk), SPAN_CATEGORY[kind], cost) for (kind, chunk), cost in work.op_cost.items()

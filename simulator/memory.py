@@ -151,6 +151,10 @@ def activation_bytes_per_layer(model, plan, seq_length: int, attention_kernel: s
     # the attention output: the output projection's input, and a fused attention's own (one tensor at 16 bits)
     kept_by_attention = attention_kernel != "unfused" and "core_attn" not in recomputed
     o_width = e if g == e else g + (e if kept_by_attention else 0)
+    if kept_by_attention and plan.cp > 1 and plan.cp_comm_type == "all_gather":
+        # Transformer Engine's AttnFuncWithCPAndKVAllGather saves its two chunks' outputs
+        # (out_per_step) for the backward and returns a copy of its own, which the output projection saves
+        o_width += e
     tp_sharded = (e * (model.q_channels + model.k_channels + model.v_channels) + o_width * model.o_channels) / t + mlp
     if model.qk_layernorm:  # the query and key norms keep their inputs
         tp_sharded += e * (model.q_channels + model.k_channels) / t
@@ -261,15 +265,18 @@ def cp_exchange_working_bytes(model, plan, seq_length: int, act_bytes: int = 2) 
     """What a layer's context-parallel exchange holds while its attention runs, on top of the stored
     activations, by plan.cp_comm_type (Transformer Engine's context_parallel.py): p2p keeps every
     K/V chunk the ring brought in until the forward returns (p2p_comm_buffers: cp chunks, the whole
-    sequence's K and V), and two K/V + dK/dV buffers in the backward; all_gather the gathered K and
-    V and their reordered copy in the forward, the gathered K and V and the whole sequence's dK and
-    dV in the backward; a2a about three copies of the rank's Q, K and V while they are exchanged."""
+    sequence's K and V) and every step's partial output until they are merged after the ring
+    (out_per_step: cp outputs of the rank's slice on the last rank, whose steps all see all its
+    queries), and two K/V + dK/dV buffers in the backward; all_gather the gathered K and V and
+    their reordered copy in the forward, the gathered K and V and the whole sequence's dK and dV in
+    the backward; a2a about three copies of the rank's Q, K and V while they are exchanged. (The
+    attention's output itself is a stored activation, activation_bytes_per_layer.)"""
     if plan.cp == 1:
         return 0.0
     local = plan.micro_batch_size * seq_length // plan.cp * act_bytes / plan.tp  # one channel of the rank's slice
     kv = local * (model.k_channels + model.v_channels)
     if plan.cp_comm_type == "p2p":
-        return max(plan.cp, 4) * kv
+        return max(plan.cp * (kv + local * model.o_channels), 4 * kv)
     if plan.cp_comm_type == "all_gather":
         return 2 * plan.cp * kv
     return 3 * (local * model.q_channels + kv)

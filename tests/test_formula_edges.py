@@ -263,23 +263,26 @@ def test_an_all_gather_attention_runs_two_chunk_calls_on_the_slowest_rank():
 
 def test_the_cp_exchange_buffers_count_in_the_working_set():
     """What the exchange holds beside the stored activations (Transformer Engine): p2p every K/V
-    chunk the ring brought in (cp of them, at least the backward's 4), all_gather the gathered K/V
-    and a copy (2cp chunks), a2a three copies of the rank's Q, K and V; the working set of a stage
-    grows by exactly that. Llama-3 70B, 64k tokens, tp 1, cp 8: K/V of one rank's slice is
-    8,192 tokens x 2 x 1,024 channels x 2 bytes."""
+    chunk the ring brought in and every step's partial output (cp of each), all_gather the gathered
+    K/V and a copy (2cp chunks), a2a three copies of the rank's Q, K and V; the working set of a
+    stage grows by exactly that. all_gather also stores its output twice (its own saved chunks and
+    the copy it returns). Llama-3 70B, 64k tokens, tp 1, cp 8: K/V of one rank's slice is 8,192
+    tokens x 2 x 1,024 channels x 2 bytes, its Q and output 8,192 x 8,192 x 2 bytes each."""
     from simulator.memory import cp_exchange_working_bytes
 
-    base = ["training.seq_length=65536", "training.global_batch_size=256", "plan.cp=8", "plan.tp=1", "plan.dp=null"]
+    base = ["training.seq_length=65536", "training.global_batch_size=256", "plan.cp=8", "plan.tp=1", "plan.dp=null",
+            "plan.recompute=none"]  # the attention keeps its output (no core_attn checkpoint)
     kv = 8192 * 2 * 1024 * 2
     q = 8192 * 8192 * 2
-    want = {"p2p": 8 * kv, "all_gather": 16 * kv, "a2a": 3 * (q + kv)}
-    peaks = {}
+    want = {"p2p": 8 * (kv + q), "all_gather": 16 * kv, "a2a": 3 * (q + kv)}
+    peaks, stored = {}, {}
     for kind, expected in want.items():
         sc, setup, kinds, _ = _setup("llama3-70b-1024xh100.yaml", [*base, f"plan.cp_comm_type={kind}"])
         assert cp_exchange_working_bytes(sc.model, sc.plan, 65536, 2) == expected
-        peaks[kind] = kinds.working["dense"]
-    assert peaks["all_gather"] - peaks["p2p"] == pytest.approx(8 * kv)
-    assert peaks["a2a"] - peaks["p2p"] == pytest.approx(3 * (q + kv) - 8 * kv)
+        peaks[kind], stored[kind] = kinds.working["dense"], kinds.acts["dense"]
+    assert peaks["all_gather"] - peaks["p2p"] == pytest.approx(16 * kv - 8 * (kv + q))
+    assert peaks["a2a"] - peaks["p2p"] == pytest.approx(3 * (q + kv) - 8 * (kv + q))
+    assert stored["all_gather"] - stored["p2p"] == pytest.approx(q) and stored["a2a"] == stored["p2p"]
     assert cp_exchange_working_bytes(sc.model, PlanSpec(), 65536, 2) == 0  # cp 1: no exchange
 
 
