@@ -340,6 +340,7 @@ PLAN = _schema(
     dp=Key(POSITIVE),
     cp=Key(POSITIVE),
     cp_comm_type=Key(_one_of(CP_COMM_TYPES)),
+    cp_a2a_size=Key(_optional(POSITIVE)),
     ep=Key(POSITIVE),
     micro_batch_size=Key(POSITIVE),
     virtual_pipeline_stages=Key(POSITIVE),

@@ -167,6 +167,41 @@ def group_layout(dims: tuple[str, ...], plan: PlanSpec, gpus_per_node: int, *,
     return _slowest_layout(others, offsets, gpus_per_node, nodes_per_leaf)
 
 
+def cp_split(plan: PlanSpec, model, gpus_per_node: int) -> tuple[int, int]:
+    """(a2a, ring): how many CP ranks exchange heads by all-to-all and how many pass K/V round a
+    ring, a2a x ring = cp, by plan.cp_comm_type: p2p and all_gather (1, cp), a2a (cp, 1), a2a+p2p
+    (cp_a2a_size, cp / cp_a2a_size), Transformer Engine's hierarchical groups. Without
+    cp_a2a_size, the largest divisor of cp whose all-to-all group (CP ranks tp apart) stays inside a
+    node, the NVLink domain where all-to-all is cheap, and splits each TP rank's query and key/value
+    heads, as TE's all-to-all needs."""
+    cp = plan.cp
+    if plan.cp_comm_type == "a2a":
+        return cp, 1
+    if plan.cp_comm_type != "a2a+p2p":
+        return 1, cp
+    if plan.cp_a2a_size is not None:
+        return plan.cp_a2a_size, cp // plan.cp_a2a_size
+    heads = (model.num_attention_heads // plan.tp, model.num_kv_heads // plan.tp)
+    a2a = max(d for d in range(1, cp + 1) if cp % d == 0 and plan.tp * d <= gpus_per_node
+              and gpus_per_node % (plan.tp * d) == 0 and all(h % d == 0 for h in heads))
+    return a2a, cp // a2a
+
+
+def cp_group_layouts(plan: PlanSpec, a2a: int, gpus_per_node: int, *,
+                     nodes_per_leaf: int | None = None) -> tuple[GroupLayout, GroupLayout]:
+    """(all-to-all, ring) group layouts of hierarchical context parallelism with `a2a` ranks in
+    each all-to-all group: TE's a2a groups are consecutive CP ranks (CP ranks sit tp apart), its
+    ring joins the ranks a2a CP ranks apart (Megatron-Core create_hierarchical_groups)."""
+    tp, cp, block = plan.tp, plan.cp, plan.tp * plan.cp * plan.dp
+    ring = cp // a2a
+    tail = [(tp * cp, plan.dp), (block, plan.pp)]
+    inner = _slowest_layout([(1, tp), (tp * a2a, ring), *tail], [i * tp for i in range(a2a)], gpus_per_node,
+                            nodes_per_leaf)
+    outer = _slowest_layout([(1, tp), (tp, a2a), *tail], [j * tp * a2a for j in range(ring)], gpus_per_node,
+                            nodes_per_leaf)
+    return inner, outer
+
+
 def pp_hop_layouts(plan: PlanSpec, gpus_per_node: int, *, nodes_per_leaf: int | None = None) -> list[GroupLayout]:
     """Layout of each pipeline link: entry s joins stage s and stage (s + 1) % pp, so the last
     entry is the wrap-around from the last stage to the first (interleaved schedules' chunk

@@ -38,7 +38,7 @@ DTYPE_BYTES = {"fp32": 4, "tf32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
 
 ROUTING_DISTRIBUTIONS = ("uniform", "zipf", "histogram")
 MOE_DISPATCHERS = ("alltoall", "deepep")
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 """Context-parallel attention exchanges, by Transformer Engine's cp_comm_type (Megatron --cp-comm-type)."""
 
 
@@ -361,7 +361,14 @@ class PlanSpec:
     default); all_gather gathers the whole sequence's K and V before the attention and
     reduce-scatters their gradients, exposed (Llama 3, Dubey et al. 2024 Sec. 3.3.2); a2a trades
     the sequence split for a head split with all-to-alls of Q, K, V and the output, exposed
-    (DeepSpeed-Ulysses, Jacobs et al. 2023), which needs the heads of a TP rank divisible by cp."""
+    (DeepSpeed-Ulysses, Jacobs et al. 2023), which needs the heads of a TP rank divisible by cp;
+    a2a+p2p runs a2a inside groups of cp_a2a_size CP ranks and the ring across them (hierarchical
+    CP, Transformer Engine's a2a+p2p)."""
+    cp_a2a_size: int | None = None
+    """cp_comm_type a2a+p2p: how many CP ranks exchange heads by all-to-all (Megatron
+    --hierarchical-context-parallel-sizes A cp/A; the ring runs over cp/A groups). None: the largest
+    divisor of cp whose group stays in a node and splits each TP rank's heads
+    (paraplan.placement.cp_split)."""
     micro_batch_size: int = 1
     virtual_pipeline_stages: int = 1
     schedule: str = "1f1b"

@@ -24,6 +24,7 @@ import shlex
 
 import yaml
 
+from paraplan.placement import cp_split
 from paraplan.serialize import scenario_to_mapping
 from paraplan.specs import Scenario
 from planner.model_families import (
@@ -83,8 +84,11 @@ def megatron_args(sc: Scenario) -> list[str]:
     ]
     if p.cp > 1:
         # TransformerConfig.cp_comm_type, passed to Transformer Engine as written: TE's spellings
-        # (p2p, all_gather, a2a), though arguments.py's help says "allgather"
+        # (p2p, all_gather, a2a, a2a+p2p), though arguments.py's help says "allgather"
         a += ["--cp-comm-type", p.cp_comm_type]
+        if p.cp_comm_type == "a2a+p2p":  # [a2a group, p2p group] (ModelParallelConfig.hierarchical_context_parallel_sizes)
+            a += ["--hierarchical-context-parallel-sizes",
+                  *map(str, cp_split(p, sc.model, sc.cluster.gpus_per_node))]
     a += _megatron_pipeline_split(sc)
     if p.sequence_parallel and p.tp > 1:
         a.append("--sequence-parallel")
@@ -487,7 +491,7 @@ def megatron_args_text(sc: Scenario) -> str:
 # torchtitan job config keys and values: torchtitan/config/job_config.py after the quantization
 # rename of Sept 2025 (float8 converter "quantize.linear.float8"), the 0.2 releases.
 TORCHTITAN_KEYS_VERSION = "torchtitan 0.2.x (torchtitan/config/job_config.py)"
-_TORCHTITAN_ROTATE = {"p2p": "alltoall", "all_gather": "allgather", "a2a": "allgather"}
+_TORCHTITAN_ROTATE = {"p2p": "alltoall", "all_gather": "allgather", "a2a": "allgather", "a2a+p2p": "alltoall"}
 """plan.cp_comm_type -> [parallelism] context_parallel_rotate_method: a ring of shard swaps, or
 one all-gather (torchtitan has no Ulysses-style head scatter)."""
 
@@ -538,7 +542,9 @@ def torchtitan_toml(sc: Scenario) -> str:
                      f"(context_parallel_rotate_method {_TORCHTITAN_ROTATE[p.cp_comm_type]!r}), not as "
                      f"Transformer Engine's {p.cp_comm_type} the simulation prices"
                      + ("; it has no head-scattering (a2a) context parallelism: the config keeps its all-gather"
-                        if p.cp_comm_type == "a2a" else ""))
+                        if p.cp_comm_type == "a2a" else "")
+                     + ("; it has no head-scattering (a2a) context parallelism: the config runs the ring over all "
+                        "cp ranks" if p.cp_comm_type == "a2a+p2p" else ""))
     name, flavor, architecture = torchtitan_model(m)
     chosen = name != "CHANGE-ME" and flavor != "CHANGE-ME"
     lines = [

@@ -1,6 +1,7 @@
 """Structural checks of a plan against the model and cluster: every reason, not the first one."""
 from __future__ import annotations
 
+from paraplan.placement import cp_split
 from paraplan.specs import MOE_RECOMPUTE_MODULES, Scenario
 
 # Microbatches one iteration may have: the engine plays every op, so time and memory grow with
@@ -12,6 +13,34 @@ def _gradient_dtype(precision: str) -> str:
     """The dtype the backward computes weight gradients in: the 16-bit weights' (fp8 GEMMs write
     bf16 gradients, Transformer Engine), fp32 in fp32 training."""
     return {"fp8": "bf16"}.get(precision, precision)
+
+
+def _cp_exchange_problems(sc: Scenario) -> list[str]:
+    """What plan.cp_comm_type (and cp_a2a_size) need, as Transformer Engine checks it."""
+    m, p = sc.model, sc.plan
+    if p.cp_a2a_size is not None and (p.cp_comm_type != "a2a+p2p" or p.cp == 1):
+        return [f"plan.cp_a2a_size: sizes the all-to-all groups of cp_comm_type a2a+p2p with cp > 1; this plan runs "
+                f"{p.cp_comm_type} with cp {p.cp} (leave it null)"]
+    if p.cp == 1:
+        return []
+    if p.cp_comm_type in ("all_gather", "a2a") and m.mla is not None:
+        # attn_forward_func_with_cp: MLA (differing K and V head dims) "is only supported with" p2p and a2a+p2p
+        return [f"plan.cp_comm_type: {p.cp_comm_type} cannot run multi-latent attention (model.mla), whose keys "
+                f"and values differ in head dim; Transformer Engine runs it with p2p or a2a+p2p"]
+    if p.cp_comm_type == "a2a+p2p" and p.cp_a2a_size is not None and p.cp % p.cp_a2a_size:
+        return [f"plan.cp_a2a_size: {p.cp_a2a_size} does not divide cp = {p.cp} (a2a groups x ring = cp, Megatron "
+                f"--hierarchical-context-parallel-sizes)"]
+    a2a = cp_split(p, m, sc.cluster.gpus_per_node)[0]
+    out = []
+    for key, count in {"num_attention_heads": m.num_attention_heads, "num_kv_heads": m.num_kv_heads}.items():
+        # AttnFuncWithCPAndQKVOA2A: "The number of attention heads needs to be divisible by CP size!"
+        if a2a > 1 and count % (p.tp * a2a):
+            what = ("over the cp ranks" if p.cp_comm_type == "a2a"
+                    else f"over each group of plan.cp_a2a_size = {a2a} CP ranks")
+            size = "cp" if p.cp_comm_type == "a2a" else "cp_a2a_size"
+            out.append(f"plan.cp_comm_type: {p.cp_comm_type} splits each TP rank's heads {what}, but model.{key} "
+                       f"({count}) is not divisible by tp x {size} = {p.tp} x {a2a}")
+    return out
 
 
 def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
@@ -44,18 +73,7 @@ def structural_problems(sc: Scenario, gpu_arch: str | None = None) -> list[str]:
         # does not support context parallelism"; unfused leaves flash and fused off, so nothing runs
         out.append("plan.cp: context parallelism needs a fused attention kernel (training.attention flash or flash3), "
                    "not unfused")
-    if p.cp > 1 and p.cp_comm_type != "p2p" and m.mla is not None:
-        # Transformer Engine's attn_forward_func_with_cp: MLA (differing K and V head dims) "is only
-        # supported with" p2p and a2a+p2p
-        out.append(f"plan.cp_comm_type: {p.cp_comm_type} cannot run multi-latent attention (model.mla), whose keys "
-                   f"and values differ in head dim; Transformer Engine runs it with p2p")
-    elif p.cp > 1 and p.cp_comm_type == "a2a":
-        # AttnFuncWithCPAndQKVOA2A: "The number of attention heads needs to be divisible by CP size!"
-        heads = {"num_attention_heads": m.num_attention_heads, "num_kv_heads": m.num_kv_heads}
-        for key, count in heads.items():
-            if count % (p.tp * p.cp):
-                out.append(f"plan.cp_comm_type: a2a splits each TP rank's heads over the cp ranks, but model.{key} "
-                           f"({count}) is not divisible by tp x cp = {p.tp} x {p.cp}")
+    out += _cp_exchange_problems(sc)
     if p.sequence_parallel and p.tp > 1 and (t.seq_length // p.cp) % p.tp:
         out.append(f"plan.sequence_parallel: seq_length/cp = {t.seq_length // p.cp} is not divisible by tp = {p.tp}")
     if p.tp_comm_overlap and not (p.sequence_parallel and p.tp > 1):

@@ -10,8 +10,8 @@ from hwmodels.compute import memory_bound_time
 from hwmodels.network import COMM_SM_SHARE, build_network, collective_time, tier_names_crossed
 from hwmodels.profile import load_profile
 from paraplan.errors import InfeasiblePlanError
-from paraplan.placement import (GroupLayout, expert_dispatch_layout, expert_group_layouts, group_layout,
-                                pp_hop_layouts)
+from paraplan.placement import (GroupLayout, cp_group_layouts, cp_split, expert_dispatch_layout, expert_group_layouts,
+                                group_layout, pp_hop_layouts)
 from paraplan.specs import DTYPE_BYTES, Scenario
 from simulator.combined import LayerPhases, merged_cost, merged_layers_time
 from simulator.cost import Cost
@@ -30,7 +30,7 @@ from simulator.result import BREAKDOWN_KEYS, MoEReport, SimResult, StageResult
 from simulator.schedules import (SPLIT_BACKWARD_SCHEDULES, WHOLE_AND_SPLIT_SCHEDULES, build_schedule,
                                  holder, merged_pairs, peak_in_flight, v_shaped, virtual_stage)
 from simulator.workload import (
-    MAIN_GRAD_BYTES, LayerContext, embedding_cost, head_cost, head_weight_grad, layer_backward, layer_forward,
+    MAIN_GRAD_BYTES, LayerContext, cp_groups_of, embedding_cost, head_cost, head_weight_grad, layer_backward, layer_forward,
     layer_weight_grad, mtp_projection, mtp_weight_grad,
 )
 
@@ -183,6 +183,14 @@ class _Setup:
     () each without."""
 
 
+def _hierarchical_cp(p, m, gpn: int, leaf: int | None) -> tuple | None:
+    """LayerContext.cp_groups of an a2a+p2p plan (None for the single-level exchanges)."""
+    if p.cp == 1 or p.cp_comm_type != "a2a+p2p":
+        return None
+    a2a, ring = cp_split(p, m, gpn)
+    return (a2a, ring, *cp_group_layouts(p, a2a, gpn, nodes_per_leaf=leaf))
+
+
 def _setup(sc: Scenario) -> _Setup:
     """The routing-independent part of `sc`'s iteration; refuses a plan that breaks a structural
     rule (InfeasiblePlanError, every reason)."""
@@ -199,6 +207,7 @@ def _setup(sc: Scenario) -> _Setup:
         tp_layout=group_layout(("tp",), p, gpn, nodes_per_leaf=leaf),
         cp_layout=group_layout(("cp",), p, gpn, nodes_per_leaf=leaf),
         grad_bytes=DTYPE_BYTES[tr.grad_reduce_dtype],
+        cp_groups=_hierarchical_cp(p, m, gpn, leaf),
     )
     return _Setup(
         gpu=gpu, net=net, ctx=ctx, dp_layout=group_layout(("cp", "dp"), p, gpn, nodes_per_leaf=leaf),
@@ -461,7 +470,7 @@ def _layer_kinds(ctx, a2a_layout, etp_layout, *, balanced: bool):
     dense_acts = activation_bytes_per_layer(m, p, ctx.seq_length, ctx.attention_kernel, act_bytes=ctx.act_bytes,
                                             fp8_inputs=fp8)
     # the attention's exchange buffers and a recomputed layer's tensors can be live at once: both counted
-    cp_working = cp_exchange_working_bytes(m, p, ctx.seq_length, ctx.act_bytes)
+    cp_working = cp_exchange_working_bytes(m, p, ctx.seq_length, ctx.act_bytes, a2a=cp_groups_of(ctx)[0])
     kinds = _Layers(
         fwd={"dense": layer_forward(ctx)}, bwd={"dense": layer_backward(ctx)}, wgrad={"dense": layer_weight_grad(ctx)},
         params={"dense": (attn_params + m.ffn_matrices * m.hidden_size * m.ffn_hidden_size / p.tp, 0.0)},

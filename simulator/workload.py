@@ -13,6 +13,7 @@ from functools import partial
 from hwmodels.compute import (GELU_BACKWARD, NORM_BACKWARD, ROTARY_BACKWARD, SWIGLU_BACKWARD, attention_time, gemm_time,
                               memory_bound_time, unfused_attention_time)
 from hwmodels.network import COMM_SM_SHARE, collective_time, overlapped
+from paraplan.placement import GroupLayout
 from paraplan.specs import DTYPE_BYTES
 from simulator.schedules import SPLIT_BACKWARD_SCHEDULES
 from simulator.cost import Cost
@@ -34,6 +35,10 @@ class LayerContext:
     grad_bytes: int = 4
     """Bytes per element of the main gradient every microbatch adds into (training.grad_reduce_dtype):
     4 for fp32 (Megatron's DDP grad buffer under bf16), 2 when gradients accumulate in 16 bits."""
+    cp_groups: tuple | None = None
+    """Hierarchical context parallelism (cp_comm_type a2a+p2p): (a2a, ring, the all-to-all group's
+    layout, the ring's), paraplan.placement.cp_split and cp_group_layouts; None: cp_groups_of
+    derives the single-level ones from cp_layout."""
 
     @property
     def tokens(self) -> int:
@@ -137,6 +142,18 @@ def mlp_linear_shapes(model, width: int) -> list[tuple[int, int]]:
     return [(h, (model.ffn_matrices - 1) * width), (width, h)]
 
 
+def cp_groups_of(ctx: LayerContext) -> tuple:
+    """(a2a, ring, all-to-all group layout, ring layout) of the plan's context parallelism: a2a CP
+    ranks exchange heads by all-to-all, ring of those groups pass K/V round a ring (a2a x ring = cp):
+    p2p and all_gather (1, cp), a2a (cp, 1), a2a+p2p as LayerContext.cp_groups says."""
+    if ctx.cp_groups is not None:
+        return ctx.cp_groups
+    single = GroupLayout(size=1, ranks_per_node=1, num_nodes=1)
+    if ctx.plan.cp_comm_type == "a2a":
+        return ctx.plan.cp, 1, ctx.cp_layout, single
+    return 1, ctx.plan.cp, single, ctx.cp_layout
+
+
 def _attention_core(ctx: LayerContext, backward: bool) -> float:
     """Softmax(QK^T)V for this rank's heads, as plan.cp_comm_type runs it under context parallelism
     (Transformer Engine, transformer_engine/pytorch/attention/dot_product_attention/context_parallel.py).
@@ -148,15 +165,16 @@ def _attention_core(ctx: LayerContext, backward: bool) -> float:
       the gathered keys up to that chunk (bottom-right causal): (r + 1) and (2cp - r) chunks of keys
       on rank r. Every rank has the same FLOPs but not the same shapes; the slowest rank's pair.
     - a2a (AttnFuncWithCPAndQKVOA2A): one causal call over the whole sequence with 1/cp of the
-      rank's heads."""
+      rank's heads.
+    - a2a+p2p (AttnFuncWithCPAndKVP2P over hierarchical groups): the all-to-all gives each rank
+      s/ring tokens of 1/a2a of its heads, and the ring runs as p2p over ring ranks."""
     p = ctx.plan
-    if p.cp == 1 or p.cp_comm_type == "p2p":
-        return p.cp * _attention_call(ctx, backward, ctx.seq_length // p.cp, ctx.seq_length // p.cp)
-    if p.cp_comm_type == "a2a":
-        return _attention_call(ctx, backward, ctx.seq_length, ctx.seq_length, heads_split=p.cp)
-    chunk = ctx.seq_length // (2 * p.cp)
-    return max(_attention_call(ctx, backward, chunk, (r + 1) * chunk)
-               + _attention_call(ctx, backward, chunk, (2 * p.cp - r) * chunk) for r in range(p.cp))
+    if p.cp > 1 and p.cp_comm_type == "all_gather":
+        chunk = ctx.seq_length // (2 * p.cp)
+        return max(_attention_call(ctx, backward, chunk, (r + 1) * chunk)
+                   + _attention_call(ctx, backward, chunk, (2 * p.cp - r) * chunk) for r in range(p.cp))
+    a2a, ring, _, _ = cp_groups_of(ctx)
+    return ring * _attention_call(ctx, backward, ctx.seq_length // ring, ctx.seq_length // ring, heads_split=a2a)
 
 
 def _attention_call(ctx: LayerContext, backward: bool, q_len: int, kv_len: int, heads_split: int = 1) -> float:
@@ -336,32 +354,41 @@ def _cp_exchange(ctx: LayerContext, backward: bool) -> Cost:
       saved) and reduce-scatters dK and dV, exposed too.
     - a2a: all-to-alls of Q, K and V before the attention and of its output after, exposed; the
       backward's of the output and its gradient, then of dQ, dK and dV.
-    When the group leaves the node every transfer holds the NIC, hidden or not (Cost.nic), and the
-    engine shares the NIC with them."""
+    - a2a+p2p: a2a's all-to-alls over each group of a2a ranks, then p2p's ring over the groups, its
+      K/V chunks as large as p2p's (s/ring tokens of 1/a2a of the heads).
+    A transfer between nodes holds the NIC, hidden or not (Cost.nic), and the engine shares the
+    NIC with it."""
     p, m = ctx.plan, ctx.model
+    cost = Cost()
     if p.cp == 1:
-        return Cost()
-    e = ctx.act_bytes
-    local = ctx.tokens * e / p.tp  # bytes per channel of this rank's slice of the sequence
+        return cost
+    local = ctx.tokens * ctx.act_bytes / p.tp  # bytes per channel of this rank's slice of the sequence
 
-    def each(op: str, *nbytes: float) -> float:
-        return sum(collective_time(ctx.network, op, b, ctx.cp_layout) for b in nbytes)
+    def book(layout, exposed: float, on_links: float) -> None:
+        cost.add("cp_comm", exposed)
+        if layout.num_nodes > 1:
+            cost.add_nic("cp_comm", on_links)
 
-    if p.cp_comm_type == "p2p":
-        kv_bytes = local * (m.k_channels + m.v_channels) * (2 if backward else 1)
-        step_comm = collective_time(ctx.network, "send_recv", kv_bytes, ctx.cp_layout)
-        step_compute = _attention_call(ctx, backward, ctx.seq_length // p.cp, ctx.seq_length // p.cp)
-        exposed = (p.cp - 1) * (overlapped(step_compute, step_comm) - step_compute)
-        on_links = (p.cp - 1) * step_comm
-    elif p.cp_comm_type == "all_gather":
+    def each(op: str, layout, *nbytes: float) -> float:
+        return sum(collective_time(ctx.network, op, b, layout) for b in nbytes)
+
+    if p.cp_comm_type == "all_gather":
         k_all, v_all = p.cp * local * m.k_channels, p.cp * local * m.v_channels  # gathered (nccl-tests size)
-        exposed = on_links = each("all_gather", k_all, v_all) + (each("reduce_scatter", k_all, v_all) if backward else 0)
-    else:  # a2a: each tensor's all-to-all in turn (nccl-tests size: the rank's send buffer)
+        t = each("all_gather", ctx.cp_layout, k_all, v_all)
+        t += each("reduce_scatter", ctx.cp_layout, k_all, v_all) if backward else 0.0
+        book(ctx.cp_layout, t, t)
+        return cost
+    a2a, ring, a2a_layout, ring_layout = cp_groups_of(ctx)
+    if a2a > 1:  # each tensor's all-to-all in turn (nccl-tests size: the rank's send buffer)
         q, k, v, o = (local * c for c in (m.q_channels, m.k_channels, m.v_channels, m.o_channels))
-        exposed = on_links = each("all_to_all", o, o, q, k, v) if backward else each("all_to_all", q, k, v, o)
-    cost = Cost().add("cp_comm", exposed)
-    if ctx.cp_layout.num_nodes > 1:
-        cost.add_nic("cp_comm", on_links)
+        t = each("all_to_all", a2a_layout, *((o, o, q, k, v) if backward else (q, k, v, o)))
+        book(a2a_layout, t, t)
+    if ring > 1:
+        kv_bytes = local * (m.k_channels + m.v_channels) * (2 if backward else 1)
+        step_comm = collective_time(ctx.network, "send_recv", kv_bytes, ring_layout)
+        step = ctx.seq_length // ring
+        step_compute = _attention_call(ctx, backward, step, step, heads_split=a2a)
+        book(ring_layout, (ring - 1) * (overlapped(step_compute, step_comm) - step_compute), (ring - 1) * step_comm)
     return cost
 
 

@@ -92,7 +92,7 @@ BAD_INPUT = [
     (["--set", "plan.schedule=zero-bubble", "--set", "plan.pp=1", "--set", "plan.tp=4"],
      "plan.schedule: zero-bubble needs pp >= 2"),
     (["--set", "plan.moe_dispatcher=deepep"], "plan.moe_dispatcher: deepep needs an MoE model"),
-    (["--set", "plan.cp_comm_type=allgather"], "plan.cp_comm_type: 'allgather' is not one of p2p, all_gather, a2a, "
+    (["--set", "plan.cp_comm_type=allgather"], "plan.cp_comm_type: 'allgather' is not one of p2p, all_gather, a2a, a2a+p2p, "
                                                 "did you mean 'all_gather'?"),
     (["--set", "model.num_attention_heads=12", "--set", "model.head_dim=64", "--set", "plan.tp=4", "--set", "plan.pp=1",
       "--set", "plan.cp=2", "--set", "plan.cp_comm_type=a2a"],

@@ -593,7 +593,7 @@ def test_torchtitan_notes_name_what_it_runs_otherwise():
 
 
 @pytest.mark.parametrize("cp_comm_type, rotate", [("p2p", "alltoall"), ("all_gather", "allgather"),
-                                                  ("a2a", "allgather")])
+                                                  ("a2a", "allgather"), ("a2a+p2p", "alltoall")])
 def test_the_context_parallel_exchange_reaches_both_configs(cp_comm_type, rotate):
     """plan.cp_comm_type is Megatron's --cp-comm-type in Transformer Engine's spelling (all_gather,
     which TE takes as written) and torchtitan's context_parallel_rotate_method: a ring of shard
@@ -603,6 +603,10 @@ def test_the_context_parallel_exchange_reaches_both_configs(cp_comm_type, rotate
     assert args[args.index("--cp-comm-type") + 1] == cp_comm_type
     toml = torchtitan_toml(scenario("llama3-8b-64xh100", *sets))
     assert f'context_parallel_rotate_method = "{rotate}"' in toml
-    assert ("no head-scattering (a2a)" in toml) == (cp_comm_type == "a2a")
+    assert ("no head-scattering (a2a)" in toml) == cp_comm_type.startswith("a2a")
+    # hierarchical: [a2a group, ring] as the placement derives them (Llama-3 8B, tp 1, cp 2: a2a over both)
+    assert ("--hierarchical-context-parallel-sizes" in args) == (cp_comm_type == "a2a+p2p")
+    if cp_comm_type == "a2a+p2p":
+        assert args[args.index("--hierarchical-context-parallel-sizes") + 1:][:2] == ["2", "1"]
     assert "--cp-comm-type" not in megatron_args(scenario("llama3-8b-64xh100"))  # cp 1: nothing to say
     assert "context_parallel_rotate_method" not in torchtitan_toml(scenario("llama3-8b-64xh100"))

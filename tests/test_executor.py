@@ -372,6 +372,9 @@ def test_executor_refusals():
     assert "model.mla: the executor implements multi-head and grouped-query attention" in problems(dp=2, model=mla)
     assert "model.mtp_layers: the executor has no multi-token prediction" in problems(
         dp=2, model=dataclasses.replace(DENSE, mtp_layers=1))
+    assert "plan.cp_comm_type: the executor has no hierarchical context parallelism" in problems(
+        cp=2, cp_comm_type="a2a+p2p")
+    assert problems(cp=2, cp_comm_type="a2a") == problems(cp=2, cp_comm_type="all_gather") == ""
     assert "model.head_dim: the executor's rotary position embedding needs an even head_dim, got 15" in problems(
         dp=2, model=dataclasses.replace(DENSE, head_dim=15))
 

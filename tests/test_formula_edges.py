@@ -284,6 +284,9 @@ def test_the_cp_exchange_buffers_count_in_the_working_set():
     assert peaks["a2a"] - peaks["p2p"] == pytest.approx(3 * (q + kv) - 8 * (kv + q))
     assert stored["all_gather"] - stored["p2p"] == pytest.approx(q) and stored["a2a"] == stored["p2p"]
     assert cp_exchange_working_bytes(sc.model, PlanSpec(), 65536, 2) == 0  # cp 1: no exchange
+    # a2a+p2p, 2 x 4: the larger of the all-to-alls' copies and a ring of 4 chunks as large as p2p's
+    hier = replace(sc.plan, cp_comm_type="a2a+p2p", cp_a2a_size=2)
+    assert cp_exchange_working_bytes(sc.model, hier, 65536, 2, a2a=2) == max(3 * (q + kv), 4 * (kv + q))
 
 
 def test_an_a2a_exchange_trades_the_sequence_split_for_a_head_split():
@@ -311,6 +314,45 @@ def test_an_a2a_exchange_trades_the_sequence_split_for_a_head_split():
     assert _attention_core(ctx, False) == pytest.approx(whole, rel=1e-12)
 
 
+def test_hierarchical_cp_runs_a2a_inside_each_group_and_the_ring_across_them():
+    """cp_comm_type a2a+p2p (TE's hierarchical groups): all-to-alls of Q, K, V, O over each group of
+    cp_a2a_size consecutive CP ranks, then p2p's ring over the cp / cp_a2a_size groups with K/V
+    chunks of s/ring tokens and 1/a2a of the heads (as many bytes as p2p's), hidden behind ring
+    steps of that shape. Llama-3 8B, tp 1, cp 16 over two nodes: a2a 4 (in a node), ring 4 (across)."""
+    from hwmodels.compute import attention_time
+    from hwmodels.network import COMM_SM_SHARE
+    from paraplan.placement import cp_group_layouts, cp_split
+    from simulator.workload import _attention_core, _cp_exchange, cp_groups_of  # noqa: PLC2701
+
+    sets = ["training.seq_length=131072", "training.global_batch_size=16", "plan.cp=16", "plan.dp=null",
+            "plan.recompute=full", "plan.cp_comm_type=a2a+p2p", "plan.cp_a2a_size=4"]
+    sc, setup, _, _ = _setup("llama3-8b-64xh100.yaml", sets)
+    ctx, m, p = setup.ctx, sc.model, sc.plan
+    a2a, ring, inner, outer = cp_groups_of(ctx)
+    assert (a2a, ring) == (4, 4) and (inner.num_nodes, outer.num_nodes) == (1, 2)
+    seq, local = sc.training.seq_length, ctx.tokens * ctx.act_bytes
+    kw = dict(batch=1, heads=m.num_attention_heads // a2a, head_dim=m.head_dim, causal=True, dtype="bf16",
+              kernel=ctx.attention_kernel)
+    for backward in (False, True):
+        step = attention_time(ctx.gpu, q_len=seq // ring, kv_len=seq // ring, backward=backward, **kw)
+        assert _attention_core(ctx, backward) == pytest.approx(ring * step, rel=1e-12)
+        sends = collective_time(ctx.network, "send_recv", local * 2 * m.kv_channels * (2 if backward else 1), outer)
+        q, kv = (collective_time(ctx.network, "all_to_all", local * c, inner) for c in (m.q_channels, m.kv_channels))
+        a2as = (3 * q + 2 * kv) if backward else (2 * q + 2 * kv)
+        hidden = (ring - 1) * (max(step, sends) + COMM_SM_SHARE * min(step, sends) - step)
+        cost = _cp_exchange(ctx, backward)
+        assert cost.parts["cp_comm"] == pytest.approx(a2as + hidden, rel=1e-9)
+        assert cost.nic == pytest.approx((ring - 1) * sends, rel=1e-12)  # only the ring leaves the node
+    # without cp_a2a_size: the largest group inside a node that splits the heads (8 CP ranks at tp 1)
+    derived = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml", sets[:-1])
+    assert cp_split(derived.plan, derived.model, 8) == (8, 2)
+    assert cp_split(replace(derived.plan, tp=4), derived.model, 8) == (2, 8)  # 4 x 2 ranks fill a node
+    # one level: the all-to-all group or the ring is the whole CP group
+    leaf = setup.net.nodes_per_leaf
+    full = cp_group_layouts(p, 1, 8, nodes_per_leaf=leaf)[1], cp_group_layouts(p, 16, 8, nodes_per_leaf=leaf)[0]
+    assert full[0] == full[1] == ctx.cp_layout
+
+
 def test_a2a_needs_each_tp_ranks_heads_divisible_by_cp_and_mla_needs_p2p():
     """Transformer Engine: "The number of attention heads needs to be divisible by CP size!" (per TP
     rank, query and key/value heads alike); multi-latent attention runs with p2p only."""
@@ -328,6 +370,13 @@ def test_a2a_needs_each_tp_ranks_heads_divisible_by_cp_and_mla_needs_p2p():
                                                                                 f"plan.cp_comm_type={kind}"])
         assert any(x.startswith(f"plan.cp_comm_type: {kind} cannot run multi-latent attention")
                    for x in structural_problems(mla))
+    hier = ["plan.cp=4", "plan.tp=2", "plan.dp=32", "plan.cp_comm_type=a2a+p2p"]
+    assert not structural_problems(load_scenario(ROOT / "scenarios" / "llama3-70b-1024xh100.yaml", hier))
+    for extra, message in ((["plan.cp_a2a_size=3"], "plan.cp_a2a_size: 3 does not divide cp = 4"),
+                           (["plan.cp_a2a_size=2", "plan.cp_comm_type=p2p"],
+                            "plan.cp_a2a_size: sizes the all-to-all groups of cp_comm_type a2a+p2p with cp > 1")):
+        bad = load_scenario(ROOT / "scenarios" / "llama3-70b-1024xh100.yaml", [*hier, *extra])
+        assert [x for x in structural_problems(bad) if x.startswith("plan.cp_a2a_size")][0].startswith(message)
 
 
 def test_an_mtp_module_splits_its_projection_over_tp_and_keeps_its_norms_whole():
