@@ -1,15 +1,16 @@
-"""The three context-parallel exchanges (plan.cp_comm_type) side by side at long context.
+"""The context-parallel exchanges (plan.cp_comm_type) side by side at long context.
 
     python benchmarks/cp_comm_table.py [--markdown]
 
 Llama-3 8B on 64 H100 (the bundled scenario: pure data parallelism, ZeRO-3; full recompute, which
 it needs to fit) with the sequence grown to 32k-128k tokens and split over cp 2-8 ranks inside a
-node or 16 over two nodes, and Llama-3 70B on 1,024 H100 (tp 8, pp 4, full recompute) at 128k over cp 8, whose CP group
-spans 8 nodes. Only the sequence, cp, dp, the batch (the
-same tokens per step) and the exchange change between rows; a2a+p2p takes the all-to-all group
-paraplan derives (paraplan.placement.cp_split: the largest inside a node that splits the heads). Simulated, not measured: no published
-run in the validation file uses all_gather or a2a, so these prices rest on Transformer Engine's
-implementations (simulator.workload._attention_core, _cp_exchange) and the network model alone.
+node or 16 over two nodes, and Llama-3 70B on 1,024 H100 (tp 8, pp 4, full recompute) at 128k over
+cp 8, whose CP group spans 8 nodes. Only the sequence, cp, dp, the batch (the same tokens per step)
+and the exchange change between rows; a2a+p2p takes the all-to-all group paraplan derives
+(paraplan.placement.cp_split: the largest inside a node that splits the heads). Simulated, not
+measured: no published run in the validation file uses all_gather, a2a or a2a+p2p, so these prices
+rest on Transformer Engine's implementations (simulator.workload._attention_core, _cp_exchange)
+and the network model alone.
 """
 from __future__ import annotations
 

@@ -156,7 +156,7 @@ def executor_problems(sc: Scenario) -> list[str]:
         out.append("model.mtp_layers: the executor has no multi-token prediction modules; set 0")
     if p.cp > 1 and p.cp_comm_type == "a2a+p2p":
         out.append("plan.cp_comm_type: the executor has no hierarchical context parallelism (a2a+p2p); it runs "
-                   "all_gather and a2a")
+                   "all_gather and a2a (and p2p as its all-gather)")
     if m.mla is None and m.head_dim % 2:
         # rotary embeddings turn pairs of channels (RoFormer, Su et al. 2021, eq. 34)
         out.append(f"model.head_dim: the executor's rotary position embedding needs an even head_dim, got {m.head_dim}")

@@ -182,8 +182,9 @@ def cp_split(plan: PlanSpec, model, gpus_per_node: int) -> tuple[int, int]:
     if plan.cp_a2a_size is not None:
         return plan.cp_a2a_size, cp // plan.cp_a2a_size
     heads = (model.num_attention_heads // plan.tp, model.num_kv_heads // plan.tp)
-    a2a = max(d for d in range(1, cp + 1) if cp % d == 0 and plan.tp * d <= gpus_per_node
-              and gpus_per_node % (plan.tp * d) == 0 and all(h % d == 0 for h in heads))
+    # 1 always qualifies (TE then runs the ring alone), also where tp itself spans nodes
+    a2a = max(d for d in range(1, cp + 1) if cp % d == 0 and all(h % d == 0 for h in heads)
+              and (d == 1 or (plan.tp * d <= gpus_per_node and gpus_per_node % (plan.tp * d) == 0)))
     return a2a, cp // a2a
 
 

@@ -31,7 +31,7 @@ range**, so `search: {}` or no section at all means "every valid factorisation o
 | zero_stage | 0, 1, 2, 3 |
 | recompute | none, selective, full |
 | expert_tp | the scenario's plan.expert_tp (an MoE knob: searched only when listed) |
-| cp_comm_type | the scenario's plan.cp_comm_type (p2p, all_gather, a2a; searched only when listed; acts with cp > 1) |
+| cp_comm_type | the scenario's plan.cp_comm_type (p2p, all_gather, a2a, a2a+p2p; searched only when listed; acts with cp > 1) |
 | moe_dispatcher | the scenario's plan.moe_dispatcher (alltoall, deepep; searched only when listed) |
 | moe_shared_expert_overlap | the scenario's plan.moe_shared_expert_overlap (false, true; searched only when listed) |
 | overlap_moe_expert_parallel_comm | the scenario's plan.overlap_moe_expert_parallel_comm (false, true; searched only when listed) |
@@ -633,8 +633,11 @@ class PlanSpace:
             first, last = self._split(v["pp"])
         # the exchange acts only with cp > 1: elsewhere one plan, the scenario's value
         cp_comm = v["cp_comm_type"] if v["cp"] > 1 else self._template.cp_comm_type
+        # the scenario's a2a group size sizes hierarchical plans only (elsewhere it would be refused)
+        a2a_size = self._template.cp_a2a_size if v["cp"] > 1 and cp_comm == "a2a+p2p" else None
         plan = dataclasses.replace(
-            self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], cp_comm_type=cp_comm, ep=v["ep"],
+            self._template, tp=v["tp"], pp=v["pp"], dp=dp, cp=v["cp"], cp_comm_type=cp_comm, cp_a2a_size=a2a_size,
+            ep=v["ep"],
             expert_tp=etp, moe_dispatcher=dispatcher, moe_shared_expert_overlap=shared_overlap,
             overlap_moe_expert_parallel_comm=ep_overlap,
             first_stage_layers=first, last_stage_layers=last,

@@ -18,28 +18,36 @@ def _gradient_dtype(precision: str) -> str:
 def _cp_exchange_problems(sc: Scenario) -> list[str]:
     """What plan.cp_comm_type (and cp_a2a_size) need, as Transformer Engine checks it."""
     m, p = sc.model, sc.plan
+    out = []
     if p.cp_a2a_size is not None and (p.cp_comm_type != "a2a+p2p" or p.cp == 1):
-        return [f"plan.cp_a2a_size: sizes the all-to-all groups of cp_comm_type a2a+p2p with cp > 1; this plan runs "
-                f"{p.cp_comm_type} with cp {p.cp} (leave it null)"]
+        out.append(f"plan.cp_a2a_size: sizes the all-to-all groups of cp_comm_type a2a+p2p with cp > 1; this plan "
+                   f"runs {p.cp_comm_type} with cp {p.cp} (leave it null)")
     if p.cp == 1:
-        return []
+        return out
     if p.cp_comm_type in ("all_gather", "a2a") and m.mla is not None:
         # attn_forward_func_with_cp: MLA (differing K and V head dims) "is only supported with" p2p and a2a+p2p
-        return [f"plan.cp_comm_type: {p.cp_comm_type} cannot run multi-latent attention (model.mla), whose keys "
-                f"and values differ in head dim; Transformer Engine runs it with p2p or a2a+p2p"]
-    if p.cp_comm_type == "a2a+p2p" and p.cp_a2a_size is not None and p.cp % p.cp_a2a_size:
-        return [f"plan.cp_a2a_size: {p.cp_a2a_size} does not divide cp = {p.cp} (a2a groups x ring = cp, Megatron "
-                f"--hierarchical-context-parallel-sizes)"]
+        out.append(f"plan.cp_comm_type: {p.cp_comm_type} cannot run multi-latent attention (model.mla), whose keys "
+                   f"and values differ in head dim; Transformer Engine runs it with p2p or a2a+p2p")
+    hierarchical = p.cp_comm_type == "a2a+p2p"
+    if hierarchical and p.cp_a2a_size is not None and p.cp % p.cp_a2a_size:
+        out.append(f"plan.cp_a2a_size: {p.cp_a2a_size} does not divide cp = {p.cp} (a2a groups x ring = cp, Megatron "
+                   f"--hierarchical-context-parallel-sizes)")
+        return out
+    if p.cp_comm_type not in ("a2a", "a2a+p2p"):
+        return out
+    # (a derived group always splits the heads: only a2a's cp or a given cp_a2a_size can fail)
     a2a = cp_split(p, m, sc.cluster.gpus_per_node)[0]
-    out = []
     for key, count in {"num_attention_heads": m.num_attention_heads, "num_kv_heads": m.num_kv_heads}.items():
         # AttnFuncWithCPAndQKVOA2A: "The number of attention heads needs to be divisible by CP size!"
-        if a2a > 1 and count % (p.tp * a2a):
-            what = ("over the cp ranks" if p.cp_comm_type == "a2a"
-                    else f"over each group of plan.cp_a2a_size = {a2a} CP ranks")
-            size = "cp" if p.cp_comm_type == "a2a" else "cp_a2a_size"
-            out.append(f"plan.cp_comm_type: {p.cp_comm_type} splits each TP rank's heads {what}, but model.{key} "
-                       f"({count}) is not divisible by tp x {size} = {p.tp} x {a2a}")
+        if count % (p.tp * a2a) == 0:
+            continue
+        if hierarchical:
+            out.append(f"plan.cp_a2a_size: a2a+p2p splits each TP rank's heads over each group of {a2a} CP ranks, but "
+                       f"model.{key} ({count}) is not divisible by tp x cp_a2a_size = {p.tp} x {a2a} (null derives "
+                       f"a size that divides it)")
+        else:
+            out.append(f"plan.cp_comm_type: a2a splits each TP rank's heads over the cp ranks, but model.{key} "
+                       f"({count}) is not divisible by tp x cp = {p.tp} x {a2a}")
     return out
 
 

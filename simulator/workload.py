@@ -148,6 +148,7 @@ def cp_groups_of(ctx: LayerContext) -> tuple:
     p2p and all_gather (1, cp), a2a (cp, 1), a2a+p2p as LayerContext.cp_groups says."""
     if ctx.cp_groups is not None:
         return ctx.cp_groups
+    assert ctx.plan.cp == 1 or ctx.plan.cp_comm_type != "a2a+p2p", "a2a+p2p needs LayerContext.cp_groups"
     single = GroupLayout(size=1, ranks_per_node=1, num_nodes=1)
     if ctx.plan.cp_comm_type == "a2a":
         return ctx.plan.cp, 1, ctx.cp_layout, single

@@ -597,7 +597,8 @@ def test_torchtitan_notes_name_what_it_runs_otherwise():
 def test_the_context_parallel_exchange_reaches_both_configs(cp_comm_type, rotate):
     """plan.cp_comm_type is Megatron's --cp-comm-type in Transformer Engine's spelling (all_gather,
     which TE takes as written) and torchtitan's context_parallel_rotate_method: a ring of shard
-    swaps for p2p, the all-gather otherwise (torchtitan has no a2a, and says so)."""
+    swaps for p2p and a2a+p2p, the all-gather for all_gather and a2a (torchtitan has no head
+    scatter, and says so)."""
     sets = ("plan.cp=2", "plan.dp=32", f"plan.cp_comm_type={cp_comm_type}")
     args = megatron_args(scenario("llama3-8b-64xh100", *sets))
     assert args[args.index("--cp-comm-type") + 1] == cp_comm_type

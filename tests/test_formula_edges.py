@@ -284,9 +284,9 @@ def test_the_cp_exchange_buffers_count_in_the_working_set():
     assert peaks["a2a"] - peaks["p2p"] == pytest.approx(3 * (q + kv) - 8 * (kv + q))
     assert stored["all_gather"] - stored["p2p"] == pytest.approx(q) and stored["a2a"] == stored["p2p"]
     assert cp_exchange_working_bytes(sc.model, PlanSpec(), 65536, 2) == 0  # cp 1: no exchange
-    # a2a+p2p, 2 x 4: the larger of the all-to-alls' copies and a ring of 4 chunks as large as p2p's
+    # a2a+p2p, 2 x 4: the exchanged q, k, v held through a ring of 4 chunks as large as p2p's
     hier = replace(sc.plan, cp_comm_type="a2a+p2p", cp_a2a_size=2)
-    assert cp_exchange_working_bytes(sc.model, hier, 65536, 2, a2a=2) == max(3 * (q + kv), 4 * (kv + q))
+    assert cp_exchange_working_bytes(sc.model, hier, 65536, 2, a2a=2) == (q + kv) + 4 * (kv + q)
 
 
 def test_an_a2a_exchange_trades_the_sequence_split_for_a_head_split():
@@ -347,6 +347,7 @@ def test_hierarchical_cp_runs_a2a_inside_each_group_and_the_ring_across_them():
     derived = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml", sets[:-1])
     assert cp_split(derived.plan, derived.model, 8) == (8, 2)
     assert cp_split(replace(derived.plan, tp=4), derived.model, 8) == (2, 8)  # 4 x 2 ranks fill a node
+    assert cp_split(replace(derived.plan, tp=8), derived.model, 4) == (1, 16)  # tp spans nodes: the ring alone
     # one level: the all-to-all group or the ring is the whole CP group
     leaf = setup.net.nodes_per_leaf
     full = cp_group_layouts(p, 1, 8, nodes_per_leaf=leaf)[1], cp_group_layouts(p, 16, 8, nodes_per_leaf=leaf)[0]

@@ -210,6 +210,24 @@ def test_the_cp_exchange_is_searched_only_where_context_parallelism_runs():
         parse_search(sc, {"cp_comm_type": ["allgather"]})
 
 
+def test_a_scenarios_a2a_group_size_sizes_only_the_hierarchical_plans_of_a_search():
+    """plan.cp_a2a_size belongs to a2a+p2p plans with cp > 1: the search's other plans (cp 1, the
+    ring) run without it instead of being refused for carrying it; a candidate cp it does not
+    divide is refused with that reason."""
+    sc = load_scenario(ROOT / "scenarios" / "llama3-8b-64xh100.yaml", [
+        "training.seq_length=131072", "training.global_batch_size=64", "plan.cp=8", "plan.dp=null",
+        "plan.recompute=full", "plan.cp_comm_type=a2a+p2p", "plan.cp_a2a_size=4", "search.tp=[1]", "search.pp=[1]",
+        "search.cp=[1, 2, 4, 8]", "search.cp_comm_type=[p2p, a2a+p2p]", "search.micro_batch_size=[1]",
+        "search.zero_stage=[3]", "search.recompute=[full]", "search.schedule=[1f1b]"])
+    sp = PlanSpace(sc, parse_search(sc))
+    found = sp.enumerate()
+    got = {(c.plan.cp, c.plan.cp_comm_type, c.plan.cp_a2a_size) for c in found.valid}
+    assert got == {(1, "a2a+p2p", None), (2, "p2p", None), (4, "p2p", None), (8, "p2p", None),
+                   (4, "a2a+p2p", 4), (8, "a2a+p2p", 4)}
+    assert [r.example for r in found.rejections] == ["plan.cp_a2a_size: 4 does not divide cp = 2 (a2a groups x ring = "
+                                                     "cp, Megatron --hierarchical-context-parallel-sizes)"]
+
+
 def test_the_ep_overlap_is_searched_only_where_megatron_core_runs_it():
     """overlap_moe_expert_parallel_comm is a knob where combined 1F1B can run (ep > 1, one stage
     or interleaved 1F1B, no full recompute): elsewhere every plan is one plan, without it; enumerate

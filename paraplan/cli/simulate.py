@@ -90,7 +90,7 @@ def format_result(sc, r) -> str:
         f"{sc.name}",
         f"  {sc.model.name} on {sc.cluster.world_size} x {_gpu_label(sc.cluster.gpu)}{_network_label(sc.cluster)}, "
         f"seq {sc.training.seq_length}, global batch {sc.training.global_batch_size}, {sc.training.precision}",
-        f"  plan: tp {p.tp}  pp {p.pp}  dp {p.dp}  cp {p.cp}" + (f" ({p.cp_comm_type})" if p.cp > 1 else "")
+        f"  plan: tp {p.tp}  pp {p.pp}  dp {p.dp}  cp {p.cp}" + (f" ({_cp_exchange_label(sc)})" if p.cp > 1 else "")
         + (f"  ep {p.ep}" + (f"  etp {p.expert_tp}" if p.expert_tp > 1 else "") + f"  {p.moe_dispatcher}"
            if sc.model.moe is not None else "")
         + f"  mbs {p.micro_batch_size}  "
@@ -160,6 +160,17 @@ def _moe_lines(sc, moe) -> list[str]:
         + (", not the copies dropped at capacity" if moe.dropped_fraction else ""),
     ]
     return out
+
+
+def _cp_exchange_label(sc) -> str:
+    """`p2p`, `a2a`, ..., and for a2a+p2p its groups, e.g. `a2a+p2p: a2a 8 x ring 2`."""
+    from paraplan.placement import cp_split
+
+    p = sc.plan
+    if p.cp_comm_type != "a2a+p2p":
+        return p.cp_comm_type
+    a2a, ring = cp_split(p, sc.model, sc.cluster.gpus_per_node)
+    return f"a2a+p2p: a2a {a2a} x ring {ring}"
 
 
 def _time_unit(step_time_s: float) -> tuple[str, float]:
