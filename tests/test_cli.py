@@ -468,6 +468,19 @@ def test_simulate_says_which_plan_it_simulated():
     assert "  ep " not in paraplan("simulate", "scenarios/tiny-gpt-8xa100.yaml").stdout  # dense: no EP
 
 
+def test_simulate_names_the_hierarchical_cp_groups_it_derived():
+    """An a2a+p2p plan without cp_a2a_size: the plan line and --json's plan carry the group the
+    placement derived (Llama-3 8B, tp 1, cp 16 on 8-GPU nodes: all-to-all over 8, ring of 2), so
+    the plan can be re-run or launched exactly."""
+    sets = ["--set", "training.seq_length=131072", "--set", "training.global_batch_size=16", "--set", "plan.cp=16",
+            "--set", "plan.dp=null", "--set", "plan.recompute=full", "--set", "plan.cp_comm_type=a2a+p2p"]
+    text = paraplan("simulate", "scenarios/llama3-8b-64xh100.yaml", *sets)
+    assert text.returncode == 0, text.stderr
+    assert "cp 16 (a2a+p2p: a2a 8 x ring 2)" in text.stdout
+    out = json.loads(paraplan("simulate", "scenarios/llama3-8b-64xh100.yaml", *sets, "--json").stdout)
+    assert (out["plan"]["cp_comm_type"], out["plan"]["cp_a2a_size"]) == ("a2a+p2p", 8)
+
+
 def test_memory_that_does_not_fit_never_reads_as_equal_to_the_capacity():
     from simulator.memory import GiB, gib_pair
 

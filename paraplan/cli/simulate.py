@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 from paraplan.errors import InfeasiblePlanError, ParaplanError
 from paraplan.cli.tables import elided
@@ -52,9 +53,14 @@ def run(args) -> int:
     if args.json:
         from paraplan.serialize import plan_to_mapping
 
-        # what was simulated, as --set left it: the plan (its derived dp too) and the GPU profile
+        # what was simulated, as --set left it: the plan (its derived dp and a2a+p2p group too) and the GPU profile
+        plan = scenario.plan
+        if plan.cp > 1 and plan.cp_comm_type == "a2a+p2p" and plan.cp_a2a_size is None:
+            from paraplan.placement import cp_split
+
+            plan = replace(plan, cp_a2a_size=cp_split(plan, scenario.model, scenario.cluster.gpus_per_node)[0])
         out = result.to_json()
-        out = {"scenario": out.pop("scenario"), "gpu": scenario.cluster.gpu, "plan": plan_to_mapping(scenario.plan), **out}
+        out = {"scenario": out.pop("scenario"), "gpu": scenario.cluster.gpu, "plan": plan_to_mapping(plan), **out}
         print(json.dumps(out, indent=2))
     else:
         print(format_result(scenario, result))
