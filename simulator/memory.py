@@ -271,8 +271,9 @@ def cp_exchange_working_bytes(model, plan, seq_length: int, act_bytes: int = 2, 
     their reordered copy in the forward, the gathered K and V and the whole sequence's dK and dV in
     the backward; a2a about three copies of the rank's Q, K and V while they are exchanged; a2a+p2p
     (`a2a` CP ranks to an all-to-all group, paraplan.placement.cp_split) the exchanged Q, K and V
-    and its ring's buffers, whose chunks are as large as p2p's, or its all-to-alls' copies. (The attention's
-    output itself is a stored activation, activation_bytes_per_layer.)"""
+    with its ring's buffers, whose chunks are as large as p2p's, or its all-to-alls' copies,
+    whichever is more. (The attention's output itself is a stored activation,
+    activation_bytes_per_layer.)"""
     if plan.cp == 1:
         return 0.0
     local = plan.micro_batch_size * seq_length // plan.cp * act_bytes / plan.tp  # one channel of the rank's slice
@@ -284,7 +285,7 @@ def cp_exchange_working_bytes(model, plan, seq_length: int, act_bytes: int = 2, 
     qkv = local * model.q_channels + kv
     exchanged = 3 * qkv if a2a > 1 else 0.0
     # a2a+p2p: the exchanged q, k and v stay referenced while the ring runs
-    ringed = (qkv if a2a > 1 else 0.0) + max(ring * (kv + local * model.o_channels), 4 * kv) if ring > 1 else 0.0
+    ringed = ((qkv if a2a > 1 else 0.0) + max(ring * (kv + local * model.o_channels), 4 * kv)) if ring > 1 else 0.0
     return max(exchanged, ringed)
 
 

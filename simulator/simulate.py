@@ -30,8 +30,8 @@ from simulator.result import BREAKDOWN_KEYS, MoEReport, SimResult, StageResult
 from simulator.schedules import (SPLIT_BACKWARD_SCHEDULES, WHOLE_AND_SPLIT_SCHEDULES, build_schedule,
                                  holder, merged_pairs, peak_in_flight, v_shaped, virtual_stage)
 from simulator.workload import (
-    MAIN_GRAD_BYTES, LayerContext, cp_groups_of, embedding_cost, head_cost, head_weight_grad, layer_backward, layer_forward,
-    layer_weight_grad, mtp_projection, mtp_weight_grad,
+    MAIN_GRAD_BYTES, LayerContext, cp_groups_of, embedding_cost, head_cost, head_weight_grad, layer_backward,
+    layer_forward, layer_weight_grad, mtp_projection, mtp_weight_grad,
 )
 
 # Megatron DDP bucket size: max(40M, 1M x dp) parameters, dp the gradient-reduction group (dp x cp)
