@@ -494,6 +494,7 @@ TORCHTITAN_KEYS_VERSION = "torchtitan 0.2.x (torchtitan/config/job_config.py)"
 _TORCHTITAN_ROTATE = {"p2p": "alltoall", "all_gather": "allgather", "a2a": "allgather", "a2a+p2p": "alltoall"}
 """plan.cp_comm_type -> [parallelism] context_parallel_rotate_method: a ring of shard swaps, or
 one all-gather (torchtitan has no Ulysses-style head scatter)."""
+_TORCHTITAN_NO_A2A = {"a2a": "the config keeps its all-gather", "a2a+p2p": "the config runs the ring over all cp ranks"}
 
 
 def torchtitan_toml(sc: Scenario) -> str:
@@ -541,10 +542,8 @@ def torchtitan_toml(sc: Scenario) -> str:
         notes.append(f"torchtitan's context parallelism passes dK/dV round a ring in fp32 in the backward "
                      f"(context_parallel_rotate_method {_TORCHTITAN_ROTATE[p.cp_comm_type]!r}), not as "
                      f"Transformer Engine's {p.cp_comm_type} the simulation prices"
-                     + ("; it has no head-scattering (a2a) context parallelism: the config keeps its all-gather"
-                        if p.cp_comm_type == "a2a" else "")
-                     + ("; it has no head-scattering (a2a) context parallelism: the config runs the ring over all "
-                        "cp ranks" if p.cp_comm_type == "a2a+p2p" else ""))
+                     + (f"; it has no head-scattering (a2a) context parallelism: {_TORCHTITAN_NO_A2A[p.cp_comm_type]}"
+                        if p.cp_comm_type in _TORCHTITAN_NO_A2A else ""))
     name, flavor, architecture = torchtitan_model(m)
     chosen = name != "CHANGE-ME" and flavor != "CHANGE-ME"
     lines = [

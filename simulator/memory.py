@@ -261,7 +261,7 @@ def unrecomputed_activation_bytes(model, plan, seq_length: int, attention_kernel
                                       moe_ffn_bytes=moe_ffn_bytes, act_bytes=act_bytes, fp8_inputs=fp8_inputs)
 
 
-def cp_exchange_working_bytes(model, plan, seq_length: int, act_bytes: int = 2, a2a: int | None = None) -> float:
+def cp_exchange_working_bytes(model, plan, seq_length: int, act_bytes: int, a2a: int) -> float:
     """What a layer's context-parallel exchange holds while its attention runs, on top of the stored
     activations, by plan.cp_comm_type (Transformer Engine's context_parallel.py): p2p keeps every
     K/V chunk the ring brought in until the forward returns (p2p_comm_buffers: cp chunks, the whole
@@ -270,17 +270,16 @@ def cp_exchange_working_bytes(model, plan, seq_length: int, act_bytes: int = 2, 
     queries), and two K/V + dK/dV buffers in the backward; all_gather the gathered K and V and
     their reordered copy in the forward, the gathered K and V and the whole sequence's dK and dV in
     the backward; a2a about three copies of the rank's Q, K and V while they are exchanged; a2a+p2p
-    (`a2a` CP ranks to an all-to-all group, paraplan.placement.cp_split) the exchanged Q, K and V
-    with its ring's buffers, whose chunks are as large as p2p's, or its all-to-alls' copies,
-    whichever is more. (The attention's output itself is a stored activation,
-    activation_bytes_per_layer.)"""
+    the exchanged Q, K and V with its ring's buffers, whose chunks are as large as p2p's, or its
+    all-to-alls' copies, whichever is more. (The attention's output itself is a stored activation,
+    activation_bytes_per_layer.) `a2a`: the CP ranks of an all-to-all group
+    (paraplan.placement.cp_split: 1 for p2p, cp for a2a)."""
     if plan.cp == 1:
         return 0.0
     local = plan.micro_batch_size * seq_length // plan.cp * act_bytes / plan.tp  # one channel of the rank's slice
     kv = local * (model.k_channels + model.v_channels)
     if plan.cp_comm_type == "all_gather":
         return 2 * plan.cp * kv
-    a2a = {"p2p": 1, "a2a": plan.cp}.get(plan.cp_comm_type, a2a or 1)
     ring = plan.cp // a2a
     qkv = local * model.q_channels + kv
     exchanged = 3 * qkv if a2a > 1 else 0.0

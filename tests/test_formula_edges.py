@@ -269,6 +269,7 @@ def test_the_cp_exchange_buffers_count_in_the_working_set():
     the copy it returns). Llama-3 70B, 64k tokens, tp 1, cp 8: K/V of one rank's slice is 8,192
     tokens x 2 x 1,024 channels x 2 bytes, its Q and output 8,192 x 8,192 x 2 bytes each."""
     from simulator.memory import cp_exchange_working_bytes
+    from simulator.workload import cp_groups_of
 
     base = ["training.seq_length=65536", "training.global_batch_size=256", "plan.cp=8", "plan.tp=1", "plan.dp=null",
             "plan.recompute=none"]  # the attention keeps its output (no core_attn checkpoint)
@@ -278,12 +279,12 @@ def test_the_cp_exchange_buffers_count_in_the_working_set():
     peaks, stored = {}, {}
     for kind, expected in want.items():
         sc, setup, kinds, _ = _setup("llama3-70b-1024xh100.yaml", [*base, f"plan.cp_comm_type={kind}"])
-        assert cp_exchange_working_bytes(sc.model, sc.plan, 65536, 2) == expected
+        assert cp_exchange_working_bytes(sc.model, sc.plan, 65536, 2, a2a=cp_groups_of(setup.ctx)[0]) == expected
         peaks[kind], stored[kind] = kinds.working["dense"], kinds.acts["dense"]
     assert peaks["all_gather"] - peaks["p2p"] == pytest.approx(16 * kv - 8 * (kv + q))
     assert peaks["a2a"] - peaks["p2p"] == pytest.approx(3 * (q + kv) - 8 * (kv + q))
     assert stored["all_gather"] - stored["p2p"] == pytest.approx(q) and stored["a2a"] == stored["p2p"]
-    assert cp_exchange_working_bytes(sc.model, PlanSpec(), 65536, 2) == 0  # cp 1: no exchange
+    assert cp_exchange_working_bytes(sc.model, PlanSpec(), 65536, 2, a2a=1) == 0  # cp 1: no exchange
     # a2a+p2p, 2 x 4: the exchanged q, k, v held through a ring of 4 chunks as large as p2p's
     hier = replace(sc.plan, cp_comm_type="a2a+p2p", cp_a2a_size=2)
     assert cp_exchange_working_bytes(sc.model, hier, 65536, 2, a2a=2) == (q + kv) + 4 * (kv + q)

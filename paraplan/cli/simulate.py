@@ -54,13 +54,9 @@ def run(args) -> int:
         from paraplan.serialize import plan_to_mapping
 
         # what was simulated, as --set left it: the plan (its derived dp and a2a+p2p group too) and the GPU profile
-        plan = scenario.plan
-        if plan.cp > 1 and plan.cp_comm_type == "a2a+p2p" and plan.cp_a2a_size is None:
-            from paraplan.placement import cp_split
-
-            plan = replace(plan, cp_a2a_size=cp_split(plan, scenario.model, scenario.cluster.gpus_per_node)[0])
         out = result.to_json()
-        out = {"scenario": out.pop("scenario"), "gpu": scenario.cluster.gpu, "plan": plan_to_mapping(plan), **out}
+        out = {"scenario": out.pop("scenario"), "gpu": scenario.cluster.gpu,
+               "plan": plan_to_mapping(_plan_as_simulated(scenario)), **out}
         print(json.dumps(out, indent=2))
     else:
         print(format_result(scenario, result))
@@ -77,8 +73,6 @@ def _with_split_hint(scenario, exc: InfeasiblePlanError) -> InfeasiblePlanError:
     uneven = ("plan.pp: model.num_layers", "plan.first_stage_layers/last_stage_layers: the ")
     if not any(r.startswith(uneven) for r in exc.reasons):
         return exc
-    from dataclasses import replace
-
     from planner.space import edge_split_hint
 
     hint = edge_split_hint(replace(scenario, plan=replace(scenario.plan, first_stage_layers=None,
@@ -168,15 +162,23 @@ def _moe_lines(sc, moe) -> list[str]:
     return out
 
 
-def _cp_exchange_label(sc) -> str:
-    """`p2p`, `a2a`, ..., and for a2a+p2p its groups, e.g. `a2a+p2p: a2a 8 x ring 2`."""
+def _plan_as_simulated(sc):
+    """The plan with what the simulation derives filled in: an a2a+p2p plan's all-to-all group
+    (paraplan.placement.cp_split) where cp_a2a_size leaves it to be derived."""
     from paraplan.placement import cp_split
 
     p = sc.plan
+    if p.cp > 1 and p.cp_comm_type == "a2a+p2p" and p.cp_a2a_size is None:
+        p = replace(p, cp_a2a_size=cp_split(p, sc.model, sc.cluster.gpus_per_node)[0])
+    return p
+
+
+def _cp_exchange_label(sc) -> str:
+    """`p2p`, `a2a`, ..., and for a2a+p2p its groups, e.g. `a2a+p2p: a2a 8 x ring 2`."""
+    p = _plan_as_simulated(sc)
     if p.cp_comm_type != "a2a+p2p":
         return p.cp_comm_type
-    a2a, ring = cp_split(p, sc.model, sc.cluster.gpus_per_node)
-    return f"a2a+p2p: a2a {a2a} x ring {ring}"
+    return f"a2a+p2p: a2a {p.cp_a2a_size} x ring {p.cp // p.cp_a2a_size}"
 
 
 def _time_unit(step_time_s: float) -> tuple[str, float]:
