@@ -30,7 +30,7 @@ from hwmodels.profile import GpuProfile
 from paraplan.placement import GroupLayout
 from paraplan.specs import ClusterSpec
 
-__all__ = ["COMM_SM_SHARE", "OPS", "Network", "Tier", "build_network", "busbw_factor", "collective_time",
+__all__ = ["COMM_SM_SHARE", "OPS", "Network", "build_network", "busbw_factor", "collective_time",
            "nccl_latency", "overlapped", "spread_hop", "tier_names_crossed"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv", "broadcast")
@@ -84,23 +84,10 @@ NVLS_ARCHS = ("hopper", "blackwell")
 
 
 @dataclass(frozen=True, kw_only=True)
-class Tier:
-    name: str
-    size: int
-    """Members along this dimension: GPUs per node, nodes per leaf, leaves."""
-    bandwidth: float
-    """bytes/s per GPU per direction (line rate)."""
-    latency: float
-    """seconds per hop."""
-
-
-@dataclass(frozen=True, kw_only=True)
 class Network:
     gpu: GpuProfile
-    tiers: tuple[Tier, ...]
     gpus_per_node: int
     num_nodes: int
-    topology: str
     oversubscription: float
     nodes_per_leaf: int
     nic_share: float
@@ -119,12 +106,6 @@ def build_network(cluster: ClusterSpec, gpu: GpuProfile) -> Network:
     inter = cluster.inter_node or gpu.default_inter_node()
     gpn, nodes = cluster.gpus_per_node, cluster.num_nodes
     per_gpu_nic = inter.nics_per_node * inter.nic_bandwidth / gpn
-    tiers = [Tier(name="nvlink", size=gpn, bandwidth=intra.bandwidth, latency=intra.latency)]
-    if nodes > 1:
-        tiers.append(Tier(name="ib", size=min(nodes, inter.nodes_per_leaf), bandwidth=per_gpu_nic, latency=inter.latency))
-    if nodes > inter.nodes_per_leaf:
-        tiers.append(Tier(name="spine", size=math.ceil(nodes / inter.nodes_per_leaf),
-                          bandwidth=per_gpu_nic / inter.oversubscription, latency=inter.latency))
     # Measured times of the reference 8-GPU all_reduce, made non-decreasing (nccl-tests noise makes
     # a few small sizes run faster than smaller ones) and kept as logs for power-law interpolation.
     factor = busbw_factor("all_reduce", CURVE_GPUS)
@@ -133,7 +114,7 @@ def build_network(cluster: ClusterSpec, gpu: GpuProfile) -> Network:
         running = max(running, factor * size / bw)
         times.append(running)
     return Network(
-        gpu=gpu, tiers=tuple(tiers), gpus_per_node=gpn, num_nodes=nodes, topology=inter.topology,
+        gpu=gpu, gpus_per_node=gpn, num_nodes=nodes,
         oversubscription=inter.oversubscription, nodes_per_leaf=inter.nodes_per_leaf,
         nic_share=per_gpu_nic * gpu.nic_efficiency,
         intra_scale=intra.bandwidth / gpu.nvlink_bandwidth,
@@ -155,10 +136,13 @@ def busbw_factor(op: str, n: int) -> float:
 def _crosses_spine(net: Network, group: GroupLayout) -> bool:
     """Where the placement says (GroupLayout.crosses_leaf: its nodes under two leaves, e.g. a
     pipeline hop between stages on neighbouring leaves), that; otherwise the group's nodes are
-    taken as packed under one leaf until it spans more nodes than a leaf holds. Rail-optimized: every
-    rail has its own leaf over the same nodes_per_leaf nodes and NCCL keeps rings and trees on one
-    rail (PXN moves cross-rail traffic over NVLink first), so the rule is the same for both
-    topologies; with fat-tree the user's nodes_per_leaf should count nodes whose NICs share a leaf."""
+    taken as packed under one leaf until it spans more nodes than a leaf holds. The topology enters
+    through nodes_per_leaf alone (the loader counts the nodes a leaf holds for it: InterNodeSpec.leaf_ports):
+    on a rail-optimized fabric every rail has its own leaf over the same nodes, NCCL keeps rings
+    and trees on one rail, and PXN moves cross-rail point-to-point traffic over NVLink to the GPU on
+    the destination's rail first (NVIDIA, "Doubling all2all Performance with NCCL 2.12",
+    https://developer.nvidia.com/blog/doubling-all2all-performance-with-nvidia-collective-communication-library-2-12/),
+    so traffic leaves the leaves where a fat tree's would, for leaves of the same node count."""
     if group.crosses_leaf is not None:
         return group.crosses_leaf and group.num_nodes > 1
     return group.num_nodes > net.nodes_per_leaf

@@ -35,7 +35,7 @@ from paraplan.specs import (
     ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, BANDWIDTH_RANGE, CP_COMM_TYPES, GRAD_REDUCE_DTYPES, LATENCY_RANGE,
     MOE_DISPATCHERS, OVERSUBSCRIPTION_RANGE, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, ROUTING_DISTRIBUTIONS, SCHEDULES,
     TOPOLOGIES, ZERO_STAGES,
-    ClusterSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
+    ClusterSpec, InterNodeSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -753,21 +753,42 @@ def _cluster(raw: Any, base_dir: Path) -> ClusterSpec:
         _preset("cluster", raw, "cluster")  # an unknown name is named as such
         raise ConfigError("cluster", f"a preset gives the node type, not how many nodes: write "
                                      f"cluster: {{preset: {raw}, num_nodes: N}}")
-    elif isinstance(raw, Mapping) and "preset" in raw:
+    inter_layers = []  # the inter_node keys of the preset, then the scenario's own
+    if isinstance(raw, Mapping) and "preset" in raw:
         rest = dict(raw)
-        raw = _deep_merge(_preset("cluster", rest.pop("preset"), "cluster.preset"), rest)
+        preset = _preset("cluster", rest.pop("preset"), "cluster.preset")
+        inter_layers.append(preset.get("inter_node"))
+        raw = _deep_merge(preset, rest)
+        inter_layers.append(rest.get("inter_node"))
+    elif isinstance(raw, Mapping):
+        inter_layers.append(raw.get("inter_node"))
     values = _validate(raw, "cluster", CLUSTER, also_known=("preset",))
     gpu = _gpu_name_or_path(values["gpu"], base_dir)
     profile = _gpu_profile(gpu)
     intra = _validate(values.get("intra_node", {}), "cluster.intra_node", INTRA_NODE)
-    inter = _validate(values.get("inter_node", {}), "cluster.inter_node", INTER_NODE)
+    _validate(values.get("inter_node", {}), "cluster.inter_node", INTER_NODE)  # the merged keys, for errors
+    inter = profile.default_inter_node()
+    for layer in inter_layers:
+        keys = _validate(layer if isinstance(layer, Mapping) else {}, "cluster.inter_node", INTER_NODE)
+        inter = _inter_node_over(inter, keys)
     return ClusterSpec(
         gpu=gpu,
         num_nodes=values["num_nodes"],
         gpus_per_node=values["gpus_per_node"],
         intra_node=dataclasses.replace(profile.default_intra_node(), **intra),
-        inter_node=dataclasses.replace(profile.default_inter_node(), **inter),
+        inter_node=inter,
     )
+
+
+def _inter_node_over(base: InterNodeSpec, keys: Mapping) -> InterNodeSpec:
+    """`base` with `keys` on top. Where `keys` leave nodes_per_leaf out, the leaf switches stay the
+    same and the nodes under one are counted again for the new topology and NIC count
+    (InterNodeSpec.leaf_ports): a rail-optimized fabric (the profiles' and presets') with
+    `topology: fat-tree` put on top has nics_per_node times fewer nodes under a leaf."""
+    spec = dataclasses.replace(base, **keys)
+    if "nodes_per_leaf" in keys:
+        return spec
+    return dataclasses.replace(spec, nodes_per_leaf=spec.nodes_under_leaf(base.leaf_ports))
 
 
 def _is_profile_path(gpu: str) -> bool:

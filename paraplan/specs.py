@@ -285,6 +285,19 @@ class InterNodeSpec:
     nodes_per_leaf: int = 32
     """Nodes under one leaf (rail) switch: a group inside it never crosses the spine."""
 
+    @property
+    def leaf_ports(self) -> int:
+        """A leaf switch's ports down to the nodes. Rail-optimized: NIC i of each node goes to
+        rail i's leaf, one port a node (DGX SuperPOD: a 64-port NDR leaf serves its rail of a 32-node
+        scalable unit, 32 ports up; the A100 SuperPOD's 40-port HDR leaves serve 20 nodes); fat tree:
+        every NIC of a node goes to the same leaf, nics_per_node ports a node (NVIDIA's AI factory
+        reference architecture names both, https://docs.nvidia.com/enterprise-reference-architectures/hgx-ai-factory-h100-h200-b200/latest/networking-physical-topologies.html)."""
+        return self.nodes_per_leaf * (1 if self.topology == "rail-optimized" else self.nics_per_node)
+
+    def nodes_under_leaf(self, ports: int) -> int:
+        """How many of this fabric's nodes a leaf of `ports` down ports holds (see leaf_ports)."""
+        return ports if self.topology == "rail-optimized" else max(1, ports // self.nics_per_node)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ClusterSpec:

@@ -260,18 +260,13 @@ def test_tier_names_crossed():
     assert tier_names_crossed(net, G(512, 8, 64)) == ("nvlink", "ib", "spine")
 
 
-def test_build_network_tiers_and_profile_defaults():
-    net = net_for("h100-sxm-80gb", nodes=64)
-    assert [t.name for t in net.tiers] == ["nvlink", "ib", "spine"]
-    nvlink, ib, spine = net.tiers
-    assert (nvlink.size, nvlink.bandwidth, nvlink.latency) == (8, 450e9, pytest.approx(0.6e-6))
-    assert (ib.size, ib.bandwidth) == (32, 50e9) and spine.size == 2
-    assert [t.name for t in net_for(nodes=1).tiers] == ["nvlink"]
+def test_build_network_link_scales_from_the_cluster():
     custom = build_network(ClusterSpec(gpu="h100-sxm-80gb", num_nodes=4, gpus_per_node=8, inter_node=InterNodeSpec(
         nics_per_node=4, nic_bandwidth=25e9, topology="fat-tree", oversubscription=1.0, latency=5e-6, nodes_per_leaf=16)),
         load_profile("h100-sxm-80gb"))
-    assert custom.topology == "fat-tree" and custom.nic_share == pytest.approx(4 * 25e9 * 0.94 / 8)
+    assert custom.nic_share == pytest.approx(4 * 25e9 * 0.94 / 8) and custom.nodes_per_leaf == 16
     assert custom.inter_lat_scale == pytest.approx(5 / 2.7)
+    assert net_for("h100-sxm-80gb", nodes=64).intra_scale == 1.0
 
 
 # ------------------------------------------------------------------------------ contract

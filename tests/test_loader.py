@@ -669,7 +669,40 @@ def test_given_link_keys_override_single_profile_fields(fake_profiles):
     raw["cluster"]["inter_node"] = {"nic_bandwidth_Gbps": 400, "topology": "rail-optimized"}
     c = load_scenario(raw).cluster
     assert c.intra_node == dataclasses.replace(FAKE_INTRA, latency=1e-6)
-    assert c.inter_node == dataclasses.replace(FAKE_INTER, nic_bandwidth=5e10, topology="rail-optimized")
+    # the profile's fat-tree leaf (16 nodes x 4 NICs = 64 ports) holds 64 nodes, one port each, as a rail leaf
+    assert c.inter_node == dataclasses.replace(FAKE_INTER, nic_bandwidth=5e10, topology="rail-optimized",
+                                               nodes_per_leaf=64)
+
+
+def test_topology_counts_the_nodes_a_leaf_holds():
+    """A rail leaf takes one NIC of each node, a fat-tree leaf all of them: the same 32-port leaves of
+    the H100 SuperPOD hold 4 nodes of 8 NICs as a fat tree, 8 of 4 NICs. A given nodes_per_leaf is
+    taken as is, and so is the preset's with its own topology."""
+    def inter(**keys):
+        raw = tiny()
+        raw["cluster"] = {"preset": "dgx-h100-superpod", "num_nodes": 64, "inter_node": keys}
+        return load_scenario(raw).cluster.inter_node
+    assert inter().nodes_per_leaf == 32
+    assert inter(topology="fat-tree").nodes_per_leaf == 4
+    assert inter(topology="fat-tree", nics_per_node=4).nodes_per_leaf == 8
+    assert inter(topology="fat-tree", nodes_per_leaf=12).nodes_per_leaf == 12
+    assert inter(nics_per_node=4).nodes_per_leaf == 32  # a rail leaf serves one NIC a node however many
+    raw = tiny()
+    raw["cluster"] = {"gpu": "h100-sxm-80gb", "num_nodes": 64, "gpus_per_node": 8, "inter_node": {"topology": "fat-tree"}}
+    assert load_scenario(raw).cluster.inter_node.nodes_per_leaf == 4  # from the profile's rail leaves
+
+
+def test_fat_tree_leaves_meet_the_oversubscribed_spine():
+    """At 2:1 the fat tree's 4-node leaves send a 16-node DP ring's traffic up where the rail fabric's
+    32-node leaves keep it; at 1:1 the spine costs nothing, so the two price the same."""
+    from simulator.simulate import simulate
+
+    def step(topology, oversubscription):
+        raw = yaml.safe_load((ROOT / "scenarios" / "llama3-70b-512xh100.yaml").read_text())
+        raw["cluster"]["inter_node"] = {"topology": topology, "oversubscription": oversubscription}
+        return simulate(load_scenario(raw)).step_time_s
+    assert step("fat-tree", 1) == step("rail-optimized", 1) == step("rail-optimized", 2)
+    assert step("fat-tree", 2) > step("rail-optimized", 2)
 
 
 def test_unknown_gpu_named_under_cluster_gpu():

@@ -199,14 +199,16 @@ def _figure(x: float) -> str:
 def _network_label(cluster) -> str:
     """The network the scenario runs on, as the loader filled it in (the cluster preset's or the GPU
     profile's defaults where the scenario states none), e.g. an H800's NVLink:
-    ' (NVLink 200 GB/s, 8 x 400 Gb/s NICs rail-optimized)'; the NICs only across nodes."""
+    ' (NVLink 200 GB/s, 8 x 400 Gb/s NICs rail-optimized)'; the NICs only across nodes, and the leaf
+    size with an oversubscription that a cluster larger than one leaf meets."""
     parts = []
     if cluster.intra_node is not None:
         parts.append(f"NVLink {cluster.intra_node.bandwidth / 1e9:.4g} GB/s")
     net = cluster.inter_node
     if net is not None and cluster.num_nodes > 1:
         parts.append(f"{net.nics_per_node} x {net.nic_bandwidth * 8 / 1e9:.4g} Gb/s NICs {net.topology}"
-                     + (f" {net.oversubscription:g}:1 oversubscribed" if net.oversubscription > 1 else ""))
+                     + (f" ({net.nodes_per_leaf} nodes a leaf, {net.oversubscription:g}:1 oversubscribed)"
+                        if net.oversubscription > 1 and cluster.num_nodes > net.nodes_per_leaf else ""))
     return f" ({', '.join(parts)})" if parts else ""
 
 
