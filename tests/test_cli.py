@@ -481,15 +481,21 @@ def test_simulate_names_the_hierarchical_cp_groups_it_derived():
     assert (out["plan"]["cp_comm_type"], out["plan"]["cp_a2a_size"]) == ("a2a+p2p", 8)
 
 
-def test_memory_that_does_not_fit_never_reads_as_equal_to_the_capacity():
+def test_memory_that_does_not_fit_never_reads_as_equal_to_the_capacity(tmp_path):
+    import yaml
+
     from simulator.memory import GiB, gib_pair
 
     assert gib_pair(80.02 * GiB, 80 * GiB) == ("80.02", "80.00")
     assert gib_pair(80.0004 * GiB, 80 * GiB) == ("80.000", "80.000")  # three decimals at most
     assert gib_pair(79.99 * GiB, 80 * GiB) == ("80.0", "80.0")  # fits: one decimal
     assert gib_pair(33.8 * GiB, 80 * GiB) == ("33.8", "80.0")
+    profile = yaml.safe_load((ROOT / "hwmodels" / "profiles" / "a100-sxm-80gb.yaml").read_text())
+    profile["name"], profile["hbm"]["capacity_GiB"] = "a100-80gib", 80  # a plan 0.02 GiB over
+    (tmp_path / "a100-80gib.yaml").write_text(yaml.safe_dump(profile))
     r = paraplan("simulate", "scenarios/gpt3-175b-1024xa100.yaml", "--set", "plan.tp=4", "--set",
-                 "plan.virtual_pipeline_stages=6", "--set", "plan.sequence_parallel=false", "--set", "plan.recompute=none")
+                 "plan.virtual_pipeline_stages=6", "--set", "plan.sequence_parallel=false", "--set", "plan.recompute=none",
+                 "--set", f"cluster.gpu={tmp_path / 'a100-80gib.yaml'}")
     assert r.returncode == 2 and "80.02 GiB of 80.00 GiB  -> DOES NOT FIT" in r.stdout
     assert r.stderr == "error: out of memory: stage 0 needs 80.02 GiB per GPU, the GPU has 80.00 GiB\n"
 

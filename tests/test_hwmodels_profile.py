@@ -73,13 +73,13 @@ def test_to_unit_round_trips_exactly():
 # Datasheet figures, copied from public sources (gpus.*).
 DATASHEET = {
     #                 bf16 TFLOP/s, fp8,   tf32,  HBM GiB, HBM GB/s, NVLink GB/s, NIC Gb/s
-    "a100-sxm-40gb": (312, None, 156, 40, 1555, 300, 200),
-    "a100-sxm-80gb": (312, None, 156, 80, 2039, 300, 200),
+    "a100-sxm-40gb": (312, None, 156, 39.59, 1555, 300, 200),
+    "a100-sxm-80gb": (312, None, 156, 79.25, 2039, 300, 200),
     "h100-sxm-80gb": (989.4, 1978.9, 494.7, H100_MEMORY_GIB, 3350, 450, 400),
     "h100-sxm-80gb-calibrated": (989.4, 1978.9, 494.7, H100_MEMORY_GIB, 3350, 450, 400),
     "h200-sxm-141gb": (989.4, 1978.9, 494.7, H200_MEMORY_GIB, 4800, 450, 400),
     "h200-sxm-141gb-calibrated": (989.4, 1978.9, 494.7, H200_MEMORY_GIB, 4800, 450, 400),
-    "b200-sxm-180gb": (2250, 4500, 1100, 180, 7700, 900, 400),
+    "b200-sxm-180gb": (2250, 4500, 1100, 178.35, 7700, 900, 400),
 }
 
 
@@ -114,7 +114,7 @@ def test_bundled_peaks_equal_the_datasheet(name):
     assert p.peak("fp16") == p.peak("bf16")
     assert p.peak("tf32") == pytest.approx(tf32 * 1e12, rel=1e-12)
     assert p.peak("fp32") == p.peak("tf32")  # fp32 GEMMs run on TF32 tensor cores
-    assert p.hbm_capacity == hbm_gib * GiB
+    assert p.hbm_capacity == pytest.approx(hbm_gib * GiB, rel=1e-12)
     assert p.hbm_bandwidth == pytest.approx(hbm_gbps * 1e9, rel=1e-12)
     assert p.nvlink_bandwidth == pytest.approx(nvlink * 1e9, rel=1e-12)
     assert p.default_inter_node().nic_bandwidth == pytest.approx(nic_gbit * 1e9 / 8, rel=1e-12)
@@ -201,7 +201,7 @@ def test_written_profile_is_human_readable_with_units_in_keys(tmp_path):
     text = write_profile(load_profile("a100-sxm-80gb"), tmp_path / "a.yaml").read_text()
     raw = yaml.safe_load(text)
     assert raw["peak_tflops"]["bf16"] == 312
-    assert raw["hbm"]["capacity_GiB"] == 80 and raw["hbm"]["bandwidth_GBps"] == 2039
+    assert raw["hbm"]["capacity_GiB"] == 79.25 and raw["hbm"]["bandwidth_GBps"] == 2039
     assert raw["network"]["nic_bandwidth_Gbps"] == 200
     assert set(raw["gemm_efficiency"]["bf16"]) == {"gflops", "efficiency"}
 

@@ -325,7 +325,7 @@ def _too_few_gpus(scenario, capacity: float, gpus: int) -> str | None:
     need = math.ceil(params * per_param / usable)
     return (f"no plan can fit: the model states alone ({params / 1e9:,.1f}B parameters x {per_param:g} bytes of "
             f"weights, gradients and Adam states) need {params * per_param / gpus / 2**30:,.1f} GiB per GPU even "
-            f"sharded over all {gpus:,} GPUs; at least {need:,} GPUs of {capacity / 2**30:.0f} GiB are needed, "
+            f"sharded over all {gpus:,} GPUs; at least {need:,} GPUs of {capacity / 2**30:.4g} GiB are needed, "
             f"before activations")
 
 
