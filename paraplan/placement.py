@@ -47,17 +47,6 @@ def coords_to_rank(coords: Coords, plan: PlanSpec) -> int:
     return rank
 
 
-def stride_of(dims: tuple[str, ...], plan: PlanSpec) -> int:
-    """Rank distance between neighbours of the innermost of `dims` (dims listed fastest first)."""
-    sizes = _sizes(plan)
-    stride = 1
-    for dim in ORDER:
-        if dim == dims[0]:
-            return stride
-        stride *= sizes[dim]
-    raise ValueError(dims)
-
-
 def group_ranks(rank: int, dims: tuple[str, ...], plan: PlanSpec) -> list[int]:
     """Global ranks of the group along `dims` (e.g. ("dp",) or ("cp", "dp")) that contains `rank`:
     its coordinates along `dims` take every value, the others stay `rank`'s."""

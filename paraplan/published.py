@@ -335,6 +335,8 @@ def record_to_scenario(rec: dict) -> dict:
                         "num_shared_experts": int(e.get("num_shared_experts") or 0),
                         "first_dense_layers": int(e.get("num_dense_layers") or 0)}
     gpn = int(h.get("gpus_per_node") or 8)
+    if int(h["num_gpus"]) % gpn:
+        raise ConfigError(f"{rec['id']}.hardware.num_gpus", f"{h['num_gpus']} GPUs do not fill nodes of {gpn}")
     precision, grad_reduce_dtype = _precision(rec, script)
     return {
         "name": rec["id"],

@@ -17,6 +17,8 @@ RECOMPUTE_MODULES = ("core_attn", "layernorm", "mlp", "moe_act", "moe", "shared_
 MOE_RECOMPUTE_MODULES = ("moe_act", "moe", "shared_experts")
 ZERO_STAGES = (0, 1, 2, 3)
 TOPOLOGIES = ("fat-tree", "rail-optimized")
+OBJECTIVES = ("throughput", "cost", "throughput-vs-headroom", "throughput-vs-gpus")
+"""The planner's objectives (planner.objective.make_objective, paraplan plan --objective)."""
 
 # The physical figures a scenario or a GPU profile may give, in SI units: about a thousand times past
 # today's hardware either way (NVLink 5 moves 1.8e12 B/s per GPU, an H100 runs about 1e15 FLOP/s,
@@ -215,8 +217,17 @@ class ModelSpec:
         return 0 if self.moe is None else self.hidden_size * self.moe.num_experts
 
     def norm_params(self) -> int:
-        """One layer's norm weights: its two norms' weights and biases, and MLA's latent norms."""
-        return 4 * self.hidden_size + self.latent_channels
+        """One layer's norm weights: its two norms' weights, their biases where the model has biases
+        (Megatron's LayerNorm with --add-bias-linear; an RMSNorm has none, nor has MPT's no_bias
+        LayerNorm), and MLA's latent norms."""
+        per_norm = 2 if self.linear_bias else 1
+        return 2 * per_norm * self.hidden_size + self.latent_channels
+
+    def vocab_shard(self, tp: int) -> int:
+        """The largest of `tp` vocabulary-parallel shards, ceil(V/tp): Megatron pads the vocabulary
+        to a multiple of 128 x tp (--make-vocab-size-divisible-by) where the scenario has not, so its
+        shards are no smaller; DTensor's uneven sharding (torchtitan) gives the first ranks this many."""
+        return -(-self.vocab_size // tp)
 
     def expert_params(self) -> int:
         """One expert FFN (same activation as the model)."""
@@ -255,7 +266,8 @@ class ModelSpec:
         head = 0 if self.tied_embeddings else self.embedding_params()
         layers = sum(self.layer_params(i) for i in range(self.num_layers))
         mtp = self.mtp_layers * self.mtp_module_params()
-        return layers + mtp + self.embedding_params() + head + 2 * self.hidden_size
+        final_norm = (2 if self.linear_bias else 1) * self.hidden_size  # as norm_params
+        return layers + mtp + self.embedding_params() + head + final_norm
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -333,6 +345,8 @@ class TrainingSpec:
     attention: str = "flash"
     """Attention kernel: flash (fused, FlashAttention-2 style) or unfused (QK^T, softmax, AV as separate kernels; Megatron before 2023)."""
     optimizer: str = "adam"
+    """What the executor builds (executor.optim: adam/adamw, or sgd for its equivalence tests); no
+    scenario key sets it, and the simulator prices Adam's states and step."""
     grad_reduce_dtype: str = "fp32"
     """The dtype gradients are accumulated in across microbatches and reduced in over data
     parallelism: fp32 (Megatron's default under bf16, accumulate_allreduce_grads_in_fp32; FSDP and

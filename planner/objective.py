@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paraplan.errors import InfeasiblePlanError
-from paraplan.specs import PlanSpec
+from paraplan.specs import OBJECTIVES, PlanSpec
 from planner.space import Candidate, PlanSpace
 
 GiB = 1024**3
@@ -292,9 +292,6 @@ class Objective:
         return (first, ev.world_size, -ev.headroom)
 
 
-OBJECTIVES = ("throughput", "cost", "throughput-vs-headroom", "throughput-vs-gpus")
-
-
 def make_objective(name: str, *, gpu_hour_cost: float | None = None) -> Objective:
     if name == "throughput":
         return Objective(name=name, directions=("maximize",), labels=("tokens/s",))
@@ -305,7 +302,7 @@ def make_objective(name: str, *, gpu_hour_cost: float | None = None) -> Objectiv
         return Objective(name=name, directions=("maximize", "maximize"), labels=("tokens/s", "memory headroom"))
     if name == "throughput-vs-gpus":
         return Objective(name=name, directions=("maximize", "minimize"), labels=("tokens/s", "GPUs"))
-    raise ValueError(f"unknown objective {name!r}")
+    raise ValueError(f"unknown objective {name!r}; expected one of {', '.join(OBJECTIVES)}")
 
 
 def pareto_front(evs: list[Evaluation], objective: Objective) -> list[Evaluation]:

@@ -186,6 +186,8 @@ def format_report(rep: Report) -> str:
     n = len(res.records)
     rate = (n - res.trials_before) / res.wall_time_s if res.wall_time_s > 0 else 0.0
     resumed = f", {res.trials_before} before this run" if res.trials_before else ""
+    if res.trials_failed:
+        resumed += f"; {res.trials_failed} left running by dead processes, marked failed and run again"
     headroom = (f" leaving {res.memory_headroom:.0%} of it free (search.memory_headroom)"
                 if res.memory_headroom else "")
     lines.append(f"  trials: {n} ({rep.distinct} distinct plans{resumed}), {rep.fits} of the {rep.distinct} plans "
@@ -326,6 +328,7 @@ def report_json(rep: Report) -> dict[str, Any]:
         },
         "search": {
             "trials": n, "trials_before_this_run": res.trials_before, "budget": res.budget,
+            "trials_failed_on_resume": res.trials_failed,
             "distinct_plans": rep.distinct, "fit": rep.fits, "out_of_memory": rep.oom, "invalid": rep.invalid,
             "memory_headroom": res.memory_headroom,
             "simulations_this_run": res.simulations, "wall_time_s": res.wall_time_s,

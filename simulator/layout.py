@@ -23,7 +23,11 @@ def layers_per_virtual_stage(num_layers: int, pp: int, vpp: int, first: int | No
         fixed[v - 1] = last
     rest = num_layers - sum(fixed.values())
     per = rest // (v - len(fixed)) if v > len(fixed) else 0
-    return [fixed.get(g, per) for g in range(v)]
+    sizes = [fixed.get(g, per) for g in range(v)]
+    if sum(sizes) != num_layers or min(sizes) < 0:
+        raise ValueError(f"{num_layers} layers do not split evenly over {v} virtual stages "
+                         f"(first {first}, last {last}); check with simulator.feasibility first")
+    return sizes
 
 
 def layers_per_chunk(num_layers: int, pp: int, vpp: int, first: int | None, last: int | None,

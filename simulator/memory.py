@@ -324,4 +324,4 @@ def logits_bytes(model, plan, seq_length: int, bytes_per_element: float) -> floa
     frees once it has cast it to fp32; at CE_SOFTMAX_BYTES it is the softmax the cross-entropy
     saves for its backward, held per microbatch in flight (simulator.simulate)."""
     tokens = plan.micro_batch_size * seq_length // plan.cp
-    return (1 + model.mtp_layers) * tokens * (model.vocab_size / plan.tp) * bytes_per_element
+    return (1 + model.mtp_layers) * tokens * model.vocab_shard(plan.tp) * bytes_per_element

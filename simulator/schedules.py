@@ -295,10 +295,10 @@ def gradient_kinds(ops: Sequence[Op]) -> tuple[str, ...]:
 
 
 SPLIT_BACKWARD_SCHEDULES = ("zero-bubble", "zbv", "dualpipev")
+"""Schedules whose ops split the backward into B (input gradient) and W (weight gradient)."""
 WHOLE_AND_SPLIT_SCHEDULES = ("dualpipev",)
 """Split-backward schedules that also run whole backwards (X ops: DualPipeV's pairs and most of
 its backwards)."""
-"""Schedules whose ops split the backward into B (input gradient) and W (weight gradient)."""
 
 
 @functools.lru_cache(maxsize=64)

@@ -594,7 +594,7 @@ def layer_weight_grad(ctx: LayerContext, ffn=dense_ffn_block) -> float:
 
 def head_weight_grad(ctx: LayerContext) -> float:
     """The W pass of the LM head (the vocabulary-parallel projection's weight gradient)."""
-    return _weight_grad_gemm(outside_fp8(ctx), ctx.model.hidden_size, ctx.model.vocab_size // ctx.plan.tp)
+    return _weight_grad_gemm(outside_fp8(ctx), ctx.model.hidden_size, ctx.model.vocab_shard(ctx.plan.tp))
 
 
 def outside_fp8(ctx: LayerContext) -> LayerContext:
@@ -613,7 +613,7 @@ def embedding_cost(ctx: LayerContext, backward: bool) -> Cost:
     nbytes = ctx.tokens * ctx.model.hidden_size * ctx.act_bytes
     compute = memory_bound_time(ctx.gpu, (4 if backward else 2) * nbytes)
     if backward:
-        table = ctx.model.hidden_size * (ctx.model.vocab_size // ctx.plan.tp)
+        table = ctx.model.hidden_size * ctx.model.vocab_shard(ctx.plan.tp)
         compute += sum(memory_bound_time(ctx.gpu, table * b) for b in embedding_weight_grad_kernels(ctx))
     cost = Cost().add("compute", compute)
     if ctx.plan.tp > 1 and (ctx.plan.sequence_parallel or not backward):
@@ -664,7 +664,7 @@ def head_cost(ctx: LayerContext, backward: bool) -> Cost:
     forward and its gradient reduce-scattered in the backward; without, copied (identity) forward
     and its gradient all-reduced backward (copy_to_tensor_model_parallel_region)."""
     m, p = ctx.model, ctx.plan
-    vocab = m.vocab_size // p.tp
+    vocab = m.vocab_shard(p.tp)
     head = outside_fp8(ctx)
     gemm = linear_time(head, m.hidden_size, vocab, backward)
     logits = ctx.tokens * vocab

@@ -301,10 +301,6 @@ def test_busbw_factors_are_nccl_tests():
     assert busbw_factor("broadcast", 8) == busbw_factor("send_recv", 2) == 1.0
 
 
-def test_network_is_hashable_for_memoisation():
-    assert hash(net_for()) == hash(net_for())
-
-
 def test_overlapped_compute_pays_the_sm_share_of_the_hidden_communication():
     """A collective beside compute holds COMM_SM_SHARE (0.15) of the SMs: 2 s of compute beside a
     1 s collective takes 2.15 s; a collective longer than its compute sets the time."""

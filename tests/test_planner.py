@@ -742,6 +742,14 @@ def test_cost_per_million_tokens_by_hand():
     assert make_objective("throughput-vs-gpus").values(e) == (100_000.0, 16.0)
 
 
+def test_every_objective_the_cli_offers_is_made():
+    from paraplan.specs import OBJECTIVES
+
+    assert [make_objective(name).name for name in OBJECTIVES] == list(OBJECTIVES)
+    with pytest.raises(ValueError, match="expected one of throughput, cost"):
+        make_objective("latency")
+
+
 def test_pareto_front():
     obj = make_objective("throughput-vs-gpus")
 

@@ -26,8 +26,8 @@ from pathlib import Path
 from paraplan.errors import ConfigError, ParaplanError
 from paraplan.fileio import check_distinct_files, check_output_dir, write_files_atomic
 from paraplan.loader import MAX_SEED, MAX_SEED_TEXT
+from paraplan.specs import OBJECTIVES
 
-OBJECTIVE_CHOICES = ("throughput", "cost", "throughput-vs-headroom", "throughput-vs-gpus")
 JOURNAL = "study.journal"
 
 
@@ -67,7 +67,7 @@ def add_arguments(p) -> None:
                    help="override a scenario key, e.g. --set search.tp=[4,8] (repeatable)")
     p.add_argument("--out", type=_name("folder name"), metavar="DIR",
                    help="output folder (default: a new folder plan-<scenario>)")
-    p.add_argument("--objective", choices=OBJECTIVE_CHOICES, default="throughput",
+    p.add_argument("--objective", choices=OBJECTIVES, default="throughput",
                    help="throughput: max tokens/s (default); cost: min cost per 1M tokens; "
                         "throughput-vs-headroom / throughput-vs-gpus: a Pareto front")
     p.add_argument("--strategy", choices=("auto", "exhaustive", "tpe"), default="auto",
