@@ -161,8 +161,8 @@ def _spine_share(net: Network, group: GroupLayout, op: str) -> float:
     if op == "send_recv":
         return 1.0 if group.leaf_share is None else group.leaf_share
     if op == "all_to_all":
-        if nodes <= net.nodes_per_leaf:  # straddling a boundary: half of it on each side
-            here = nodes / 2
+        if nodes <= net.nodes_per_leaf:  # straddling a boundary: half of it on each side (the
+            here = nodes / 2  # placement says it crosses, not where; n(N - n) pairs cross, most at n = N/2)
         return (nodes - here) / (nodes - 1)
     return 1.0 / here
 

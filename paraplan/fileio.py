@@ -25,10 +25,13 @@ def write_atomic(path: str | os.PathLike, data: str | bytes, what: str | None = 
 
 
 def write_files_atomic(files: list[tuple[str | os.PathLike, str | bytes, str | None]]) -> None:
-    """Write every (path, data, argument) file or none: each goes to a temporary file beside its
-    target first, and only when all are written are they renamed into place. A symlink is written
-    through (its target is replaced), a device or FIFO is refused. A failure names the target and
-    the argument that chose it, never a temporary name, and leaves no temporary behind."""
+    """Write every (path, data, argument) file, each atomically: each goes to a temporary file
+    beside its target first, and only when all are written are they renamed into place, so a
+    failure while writing (a full disk, a bad folder) leaves every target as it was. The renames
+    themselves run one by one: one failing after another succeeded (rare: a target replaced by a
+    folder meanwhile) leaves the files before it new and the rest old, each whole. A symlink is
+    written through (its target is replaced), a device or FIFO is refused. A failure names the
+    target and the argument that chose it, never a temporary name, and leaves no temporary behind."""
     targets = [(Path(os.path.realpath(p)), data, what) for p, data, what in files]
     for target, _, what in targets:
         _check_target(target, what)

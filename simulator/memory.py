@@ -282,6 +282,9 @@ def cp_exchange_working_bytes(model, plan, seq_length: int, act_bytes: int, a2a:
         return 2 * plan.cp * kv
     ring = plan.cp // a2a
     qkv = local * model.q_channels + kv
+    # TE's flash_attn_a2a_communicate: each of Q, K, V is laid out contiguous in send order (one
+    # copy), received (a second) and moved back to the kernel's layout (a third) while the caller's
+    # tensor stays referenced
     exchanged = 3 * qkv if a2a > 1 else 0.0
     # a2a+p2p: the exchanged q, k and v stay referenced while the ring runs
     ringed = ((qkv if a2a > 1 else 0.0) + max(ring * (kv + local * model.o_channels), 4 * kv)) if ring > 1 else 0.0

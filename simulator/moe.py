@@ -377,7 +377,12 @@ def _moe_cost(ctx, draw: RoutingDraw, ep_layout, etp_layout, overlap_shared: boo
     busiest = draw.busiest_tokens
     load = sum(busiest)
     factor = 2 if backward else 1
-    # Router: (tokens, h) x (h, E) logits, then softmax and top-k over fp32 logits.
+    # Router: (tokens, h) x (h, E) logits, then softmax and top-k over fp32 logits (Megatron-Core
+    # moe_utils.topk_softmax_with_capacity): the softmax reads the logits and writes the
+    # probabilities, torch.topk reads them, 3 passes of tokens x E x 4 bytes; the backward's softmax
+    # reads the probabilities and their gradient and writes the logits' (3 passes), after top-k's
+    # backward scattered the selected gradients into a zeroed tokens x E tensor (about 2 more,
+    # counted as 3: factor 2).
     router = _gemm(outside_fp8(ctx), routed, h, experts, backward) + memory_bound_time(ctx.gpu, factor * 3 * routed * experts * 4)
     # Permute and unpermute as Transformer Engine's fused kernels run them (Megatron-Core
     # --moe-permute-fusion; TE permutation.py): a permute reads each token once and writes one row

@@ -611,6 +611,10 @@ def embedding_cost(ctx: LayerContext, backward: bool) -> Cost:
     the reduce-scatter's an all-gather of the gradient (Megatron-Core tensor_parallel/mappings.py).
     The backward also writes the table's weight gradient (embedding_weight_grad_kernels)."""
     nbytes = ctx.tokens * ctx.model.hidden_size * ctx.act_bytes
+    # forward: read the tokens' rows of the table, write the output (2 passes of tokens x h); the
+    # backward (PyTorch's embedding_dense_backward: sort the token ids, sum the gradient rows of each
+    # id, add them into the table's gradient) reads the output gradient, writes and reads the
+    # per-id sums and writes the rows: about 4 passes
     compute = memory_bound_time(ctx.gpu, (4 if backward else 2) * nbytes)
     if backward:
         table = ctx.model.hidden_size * ctx.model.vocab_shard(ctx.plan.tp)
