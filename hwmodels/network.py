@@ -312,8 +312,11 @@ def _all_to_all_time(net: Network, nbytes: float, g: GroupLayout) -> float:
     off-node and set the pace), leaves through this GPU's NIC share only: all-to-all cannot
     aggregate several NICs per GPU (busbw ~ N/(N-1) x B_nic;
     https://github.com/NVIDIA/nccl-tests/issues/130, https://github.com/NVIDIA/nccl-tests/issues/267).
-    On-node share (ppn-1)/n over NVLink. The two overlap;
-    latency is one network hop plus NCCL's per-peer network overhead for the n-1 point-to-point ops."""
+    On-node share (ppn-1)/n over NVLink. The two overlap. Latency: Simple's base and network hop
+    (tuning.cc) plus 1 us per peer for the n-1 grouped sends and receives NCCL runs it as. tuning.cc
+    has no all-to-all model; the per-peer term is getNetOverhead's 1 us (its LL figure, not Simple's
+    3 us), a modelling choice no measurement here pins down, so an all-to-all of small messages over
+    many ranks is priced with less certainty than its large-message bandwidth."""
     n, ppn = g.size, g.ranks_per_node
     t_off = nbytes * (n - ppn) / n / _nic_bw(net, g, "all_to_all")
     # the node's own all-to-all among its ppn ranks moves the same (ppn-1)/n of the buffer
