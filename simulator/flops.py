@@ -92,14 +92,23 @@ def forward_flops_per_token(model, seq_length: int, kept: float = 1.0) -> tuple[
     return gemm, attention, _heads_per_token(model)
 
 
-def model_flops(model, seq_length: int, tokens: int, kept: float = 1.0) -> float:
-    """`kept`: the share of routed expert copies computed (1 - the share dropped at capacity)."""
+CAUSAL_SHARE = 0.5
+"""The share of the s x s attention products a causal mask leaves (s(s+1)/2 of s^2 pairs), which
+Megatron-LM's num_floating_point_operations counts since its 2025 rewrite and causal flash kernels
+compute (they skip the masked blocks); the published records' counts (Korthikanti et al. 2022,
+Megatron-Core before it, PaLM's MFU) take the whole square."""
+
+
+def model_flops(model, seq_length: int, tokens: int, kept: float = 1.0, *, causal: bool = False) -> float:
+    """`kept`: the share of routed expert copies computed (1 - the share dropped at capacity);
+    `causal`: count the attention products of the causal half alone (CAUSAL_SHARE)."""
     gemm, attention, head = forward_flops_per_token(model, seq_length, kept)
-    return 3 * tokens * (gemm + attention + head)
+    return 3 * tokens * (gemm + attention * (CAUSAL_SHARE if causal else 1.0) + head)
 
 
 def hardware_flops(model, seq_length: int, tokens: int, recompute: str,
-                   recompute_modules: tuple[str, ...] = ("core_attn",), kept: float = 1.0) -> float:
+                   recompute_modules: tuple[str, ...] = ("core_attn",), kept: float = 1.0, *,
+                   causal: bool = False) -> float:
     """Model FLOPs plus what recomputation re-runs (hardware FLOPs, Korthikanti et al. 2022's HFU):
     full = every layer's forward; selective = its modules' GEMMs once (core_attn the attention
     products, mlp the dense MLPs, moe the router and active experts, shared_experts the shared
@@ -107,6 +116,7 @@ def hardware_flops(model, seq_length: int, tokens: int, recompute: str,
     72BsLh^2(1 + s/4.5h + V/12hL); Korthikanti's Table 5 selective HFU follows 1 + s/3h, which
     counts the attention products twice more than they are run."""
     gemm, attention, _ = forward_flops_per_token(model, seq_length, kept)
+    attention *= CAUSAL_SHARE if causal else 1.0
     extra = 0.0
     if recompute == "full":
         extra = gemm + attention
@@ -119,4 +129,4 @@ def hardware_flops(model, seq_length: int, tokens: int, recompute: str,
                 extra += _ffn_flops_per_token(model, i, kept=kept)
             elif "shared_experts" in mods and moe_layer:
                 extra += _ffn_flops_per_token(model, i, shared_only=True)
-    return model_flops(model, seq_length, tokens, kept) + tokens * extra
+    return model_flops(model, seq_length, tokens, kept, causal=causal) + tokens * extra

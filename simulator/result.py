@@ -48,6 +48,9 @@ class SimResult:
     tflops_per_gpu: float
     mfu: float
     hfu: float
+    mfu_causal: float
+    """MFU with the attention products of the causal half alone (flops.CAUSAL_SHARE)."""
+    hfu_causal: float
     flop_formula: str
     peak_flops_per_gpu: float
     num_microbatches: int
@@ -69,6 +72,8 @@ class SimResult:
             "tflops_per_gpu": self.tflops_per_gpu,
             "mfu": self.mfu,
             "hfu": self.hfu,
+            "mfu_causal": self.mfu_causal,
+            "hfu_causal": self.hfu_causal,
             "flop_formula": self.flop_formula,
             "peak_flops_per_gpu": self.peak_flops_per_gpu,
             "num_microbatches": self.num_microbatches,

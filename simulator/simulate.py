@@ -126,6 +126,8 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, record_spans: bo
     kept = 1.0 - _dropped_fraction(draw) if draw is not None else 1.0  # copies the experts compute
     flops = model_flops(m, tr.seq_length, tokens, kept)
     hw_flops = hardware_flops(m, tr.seq_length, tokens, p.recompute, p.recompute_modules, kept)
+    flops_causal = model_flops(m, tr.seq_length, tokens, kept, causal=True)
+    hw_causal = hardware_flops(m, tr.seq_length, tokens, p.recompute, p.recompute_modules, kept, causal=True)
     world = p.world_size
     stages = tuple(
         StageResult(
@@ -147,6 +149,8 @@ def simulate(sc: Scenario, *, imbalance_reference: bool = True, record_spans: bo
         tflops_per_gpu=flops / eng.step_time / world / 1e12,
         mfu=flops / eng.step_time / world / peak,
         hfu=hw_flops / eng.step_time / world / peak,
+        mfu_causal=flops_causal / eng.step_time / world / peak,
+        hfu_causal=hw_causal / eng.step_time / world / peak,
         flop_formula=flops_formula_for(m),
         peak_flops_per_gpu=peak,
         num_microbatches=sc.num_microbatches,

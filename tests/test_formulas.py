@@ -44,6 +44,32 @@ def test_hfu_counts_the_recompute_forward():
     assert full - none == pytest.approx(B * s * 96 * (24 * h * h + 4 * s * h), rel=1e-12)
 
 
+def test_causal_count_halves_only_the_attention_square():
+    """Megatron-LM's count since 2025: 72BsLh^2(1 + s/12h + V/12hL) for GPT; under full recompute
+    the recomputed forward's products are halved too."""
+    B, s, h, L, V = 8, 2048, 12288, 96, GPT3.vocab_size
+    got = model_flops(GPT3, s, B * s, causal=True)
+    assert got == pytest.approx(72 * B * s * L * h * h * (1 + s / (12 * h) + V / (12 * h * L)), rel=1e-12)
+    whole, half = (hardware_flops(GPT3, s, B * s, "full", causal=c) for c in (False, True))
+    assert whole - half == pytest.approx(B * s * L * (3 + 1) * 2 * s * h, rel=1e-12)  # (3 passes + the recompute) x 2sh
+
+
+def test_long_context_hfu_over_100_percent_is_explained_by_the_causal_count():
+    """At 1M tokens attention is nearly all the work: the whole-square count makes HFU pass 100%,
+    the causal count, about what the kernels run, stays below it; --json carries both."""
+    from paraplan.loader import load_scenario
+    from simulator.simulate import simulate
+
+    raw = {"model": {"num_layers": 16, "hidden_size": 2048, "num_attention_heads": 16, "vocab_size": 32000,
+                     "activation": "swiglu", "ffn_hidden_size": 5632, "dropout": 0},
+           "cluster": {"preset": "dgx-h100-superpod", "num_nodes": 1},
+           "training": {"seq_length": 1048576, "global_batch_size": 8, "precision": "bf16", "attention": "flash3"},
+           "plan": {"tp": 1, "pp": 1, "cp": 8, "micro_batch_size": 1, "zero_stage": 1, "recompute": "full"}}
+    r = simulate(load_scenario(raw))
+    assert r.hfu > 1 > r.hfu_causal and r.mfu_causal < r.mfu
+    assert r.to_json()["hfu_causal"] == r.hfu_causal
+
+
 @pytest.mark.parametrize("sp", [False, True])
 def test_activation_memory_matches_korthikanti_table2(sp):
     t, s, b, h, a = 8, 2048, 1, 12288, 96

@@ -104,6 +104,7 @@ def format_result(sc, r) -> str:
         f"  TFLOP/s per GPU  {_figure(r.tflops_per_gpu):>10}   (model FLOPs, see below)",
         f"  MFU              {r.mfu * 100:9.1f} %  of {r.peak_flops_per_gpu / 1e12:.4g} TFLOP/s   (HFU {r.hfu * 100:.1f} %)"
         + ("  bf16 dense peak, the usual basis for fp8 runs" if sc.training.precision == "fp8" else ""),
+        *_causal_line(r),
         "  peak memory      {:>10} GiB of {} GiB".format(*gib_pair(r.peak_memory_bytes, r.memory_capacity_bytes))
         + f"  -> {'fits' if r.fits else 'DOES NOT FIT'}",
         "",
@@ -194,6 +195,18 @@ def _time_unit(step_time_s: float) -> tuple[str, float]:
 def _figure(x: float) -> str:
     """One decimal from 10 up, else three significant digits (a CPU's 0.52 TFLOP/s is not 1)."""
     return f"{x:.1f}" if x >= 10 else f"{x:.3g}"
+
+
+def _causal_line(r) -> list[str]:
+    """MFU and HFU with the causal half of the attention square alone, where that is 5% or more
+    below the whole-square MFU (long sequences): Megatron-LM's count since 2025, and about what
+    causal flash kernels run, so an HFU over 100% under the whole-square count is explained."""
+    if r.mfu_causal > 0.95 * r.mfu:
+        return []
+    why = ("; over 100% because the whole-square count includes the masked half the kernels skip"
+           if r.hfu > 1 else "")
+    return [f"                   causal attention counted half: MFU {r.mfu_causal * 100:.1f} %, "
+            f"HFU {r.hfu_causal * 100:.1f} %  (Megatron-LM's count since 2025{why})"]
 
 
 def _network_label(cluster) -> str:
