@@ -265,6 +265,7 @@ MODEL = _schema(
     moe=Key(_anything),
     mla=Key(_anything),
     mtp_layers=Key(_integer(minimum=0, maximum=MAX_LAYERS)),
+    sliding_window=Key(_optional(POSITIVE)),
 )
 MLA = _schema(
     q_lora_rank=Key(_optional(WIDTH), required=True),
@@ -473,6 +474,9 @@ def _hf_llama(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     }
     if cfg.get("head_dim") is not None:
         out["head_dim"] = cfg["head_dim"]
+    # Mistral's and Mixtral's sliding_window; Qwen2's only with use_sliding_window (off by default)
+    if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
+        out["sliding_window"] = cfg["sliding_window"]
     if cfg.get("num_local_experts") is not None:  # Mixtral: every layer MoE, intermediate_size is per expert
         out["moe"] = {"num_experts": cfg["num_local_experts"], "top_k": need("num_experts_per_tok"),
                       "expert_ffn_hidden_size": need("intermediate_size")}
@@ -638,6 +642,16 @@ def _model(raw: Any, base_dir: Path) -> ModelSpec:
     else:
         raise ConfigError("model", f"expected a preset name or a mapping, got {_show(raw)}")
     return _model_spec(mapping, name)
+
+
+def _check_sliding_window(model: ModelSpec, training: TrainingSpec) -> None:
+    """A window shorter than the sequence is refused: each token would attend to the last W only,
+    which paraplan does not price (it would charge full causal attention, up to s/W times too much)."""
+    w = model.sliding_window
+    if w is not None and w < training.seq_length:
+        raise ConfigError("model.sliding_window", f"{w} < training.seq_length {training.seq_length}: sliding-window "
+                                                  f"attention is not modelled; set training.seq_length <= {w}, or "
+                                                  f"model.sliding_window: null to price full causal attention")
 
 
 def _model_spec(mapping: dict, name: str) -> ModelSpec:
@@ -982,11 +996,13 @@ def load_scenario(source: str | os.PathLike | Mapping, overrides: Iterable[str] 
     top = _validate(raw, "", TOP)
     model = _model(top["model"], base_dir)
     cluster = _cluster(top["cluster"], base_dir)
+    training = TrainingSpec(**_validate(top["training"], "training", TRAINING))
+    _check_sliding_window(model, training)
     return Scenario(
         name=top.get("name", default_name),
         model=model,
         cluster=cluster,
-        training=TrainingSpec(**_validate(top["training"], "training", TRAINING)),
+        training=training,
         plan=_plan(top.get("plan", {}), cluster),
         search=_search(top.get("search", {})),
         run=RunSpec(**_validate(top.get("run", {}), "run", RUN)),

@@ -147,6 +147,9 @@ class ModelSpec:
     --mtp-num-layers): each embeds the next token, normalises it and the previous hidden state,
     projects their concatenation 2h -> h, runs one more layer of the model's last kind and the
     shared LM head; they run on the last pipeline stage."""
+    sliding_window: int | None = None
+    """Sliding-window attention's window (Mistral's sliding_window): each token attends to the last
+    this many. Not priced: the loader refuses a window shorter than the sequence."""
 
     @property
     def q_head_dim(self) -> int:

@@ -620,6 +620,29 @@ def test_hf_mistral_style_without_kv_heads_and_with_head_dim(tmp_path):
     assert (m.num_kv_heads, m.head_dim, m.activation, m.tied_embeddings) == (32, 128, "swiglu", False)
 
 
+@pytest.mark.parametrize("model_type, extra, window", [
+    ("mistral", {"sliding_window": 4096}, 4096),  # Mistral-7B-v0.1
+    ("mistral", {"sliding_window": None}, None),  # v0.2 on
+    ("qwen2", {"sliding_window": 4096, "use_sliding_window": False}, None),  # Qwen2's default: off
+    ("qwen2", {"sliding_window": 4096, "use_sliding_window": True}, 4096),
+])
+def test_hf_sliding_window_is_read_and_a_binding_one_refused(tmp_path, model_type, extra, window):
+    cfg = {"model_type": model_type, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 512, "vocab_size": 1024, "hidden_act": "silu", **extra}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    raw = {**tiny(), "model": {"hf_config": str(tmp_path / "config.json")}}
+    raw["training"] = {**raw["training"], "seq_length": 4096}
+    assert load_scenario(raw).model.sliding_window == window  # a window as long as the sequence changes nothing
+    raw["training"]["seq_length"] = 8192
+    if window is None:
+        load_scenario(raw)
+        return
+    err = error_of(raw)
+    assert err.path == "model.sliding_window" and "4096 < training.seq_length 8192" in str(err)
+    raw["model"]["sliding_window"] = None  # the user's way to price it as full causal attention
+    assert load_scenario(raw).model.sliding_window is None
+
+
 def test_hf_unknown_model_type(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "t5"}')
     err = error_of({**tiny(), "model": {"hf_config": str(tmp_path)}})
