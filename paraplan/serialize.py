@@ -90,6 +90,8 @@ def model_to_mapping(m: ModelSpec) -> dict[str, Any]:
         out["mla"] = dataclasses.asdict(m.mla)
     if m.mtp_layers:
         out["mtp_layers"] = m.mtp_layers
+    if m.sliding_window is not None:
+        out["sliding_window"] = m.sliding_window
     return out
 
 

@@ -36,6 +36,14 @@ def test_linear_biases_that_are_not_the_activations_default_survive_the_round_tr
     assert back.model.linear_bias == sc.model.linear_bias and back == dataclasses.replace(sc, search=())
 
 
+def test_a_sliding_window_and_a_fat_tree_survive_the_round_trip():
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml",
+                       ["model.sliding_window=4096", "cluster.inter_node.topology=fat-tree"])
+    back = load_scenario(_through_yaml(scenario_to_mapping(sc)))
+    assert back.model.sliding_window == 4096 and back.cluster.inter_node.nodes_per_leaf == 2  # 20 rail ports / 8 NICs
+    assert back == dataclasses.replace(sc, search=())
+
+
 def test_units_are_the_loaders_and_read_cleanly():
     sc = load_scenario(ROOT / "scenarios" / "gpt3-175b-1024xa100.yaml")
     m = scenario_to_mapping(sc)
