@@ -525,9 +525,13 @@ def torchtitan_toml(sc: Scenario) -> str:
                      "its FSDP reduces in bf16 but keeps the gradients in fp32, where the simulator holds them in bf16")
     if t.precision == "fp16":
         notes.append("torchtitan has no fp16 training (no loss scaling); mixed_precision_param is bf16")
-    if p.recomputed_modules not in ((), ("core_attn",)):
-        notes.append(f"the plan recomputes {', '.join(p.recompute_modules)}; torchtitan's selective "
-                     "checkpointing chooses by op, not by module, so its memory and recompute time differ")
+    if p.recompute == "selective":
+        # torchtitan's op-level policy (distributed/activation_checkpoint.py _custom_policy): save the
+        # outputs of the ops in its save list, the attention kernels among them, and of every second mm
+        notes.append(f"the plan recomputes {', '.join(p.recomputed_modules) or 'nothing'} (selective); torchtitan's "
+                     "selective_ac_option \"op\" chooses by op, not by module: it keeps the attention kernels' "
+                     "outputs and recomputes every second matmul, so its memory and recompute time differ from "
+                     "the simulation's")
     if t.precision == "fp8" and m.moe is not None:
         # components/quantization/float8.py: quantize.linear.float8 converts nn.Linear; the experts'
         # grouped GEMMs need quantize.grouped_mm.float8 (a prototype, torchao nightly; fqns empty by default)

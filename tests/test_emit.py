@@ -454,6 +454,14 @@ def test_torchtitan_config_says_its_backward_tp_collectives_are_not_overlapped()
     assert note not in torchtitan_toml(scenario("llama3-8b-64xh100", "plan.tp=1"))
 
 
+def test_torchtitan_config_says_its_selective_checkpointing_is_another_recompute():
+    """torchtitan's op-level policy keeps the attention kernels' outputs, the opposite of the
+    attention core Megatron's selective recompute runs again."""
+    note = "it keeps the attention kernels' outputs and recomputes every second matmul"
+    assert note in torchtitan_toml(scenario("gpt3-175b-1024xa100"))  # recompute: selective (core_attn)
+    assert note not in torchtitan_toml(scenario("gpt3-175b-1024xa100", "plan.recompute=full"))
+
+
 def test_an_irregular_layout_places_the_mtp_layers_last():
     """validate_layer_layout: "Number of mtp layers in layout must match mtp_num_layers", all in the
     last virtual stage after the decoder layers."""
