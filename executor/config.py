@@ -170,8 +170,12 @@ def executor_problems(sc: Scenario) -> list[str]:
             want = f"exactly {lo}" if lo == hi else f"at least {lo}"
             out.append(f"plan.virtual_pipeline_stages: schedule {p.schedule} needs {want} stages per rank, got {v}")
         else:
-            layers, last = stage_layers(sc), num_stages(sc) - 1
-            empty = [r for r in range(p.pp) if all(not layers[s] and s not in (0, last) for s in stages_of_rank(r, sc))]
+            try:
+                layers, last = stage_layers(sc), num_stages(sc) - 1
+            except ValueError:  # a split that drops layers: simulator.feasibility names it
+                layers, last = None, 0
+            empty = [] if layers is None else [
+                r for r in range(p.pp) if all(not layers[s] and s not in (0, last) for s in stages_of_rank(r, sc))]
             if empty:  # its optimizer would get no parameters (torch refuses an empty parameter list)
                 out.append(f"plan.first_stage_layers / plan.last_stage_layers: pipeline rank"
                            f"{'s' if len(empty) > 1 else ''} {', '.join(map(str, empty))} would hold no layer, "
@@ -279,7 +283,8 @@ def notes(sc: Scenario, *, on_gpu: bool) -> list[str]:
         out.append(f"zero_stage 3 runs as ZeRO-2 under schedule {p.schedule}: FSDP2 resharding after forward "
                    "gives wrong weight gradients with split-backward schedules in PyTorch 2.13")
     if sc.training.precision == "bf16" and not on_gpu:
-        out.append("training.precision bf16 runs in fp32 on CPU (bf16 mixed precision is for GPUs)"
+        out.append("training.precision bf16 runs in fp32 on CPU (bf16 mixed precision is for GPUs; paraplan validate "
+                   "runs it in bf16, as it is simulated)"
                    + ("; gradients are reduced in fp32 too" if sc.training.grad_reduce_dtype == "bf16" else ""))
     elif sc.training.grad_reduce_dtype == "bf16" and p.dp * p.cp > 1:
         out.append("training.grad_reduce_dtype bf16: gradients are reduced in bf16 but accumulated and held in fp32 "

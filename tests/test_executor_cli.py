@@ -44,7 +44,9 @@ def paraplan(*args, env=None, timeout=300, cwd=ROOT):
 
 BAD_INPUT = [
     (["missing.yaml"], "scenario file not found"),
-    (["CONFIG", "--nproc", "3"], "the plan needs tp*pp*cp*dp = 1*2*1*1 = 2 processes, but --nproc 3 x --nnodes 1 = 3"),
+    (["CONFIG", "--nproc", "3"], "the plan needs tp*pp*cp*dp = 1*2*1*1 = 2 processes, but --nproc 3 x --nnodes 1 = 3; "
+                                 "for fewer processes shrink the plan to 2: --set cluster.num_nodes=1 "
+                                 "--set cluster.gpus_per_node=2 --set plan.dp=null --set training.global_batch_size=8"),
     (["CONFIG", "--set", "plan.dp=2"], "plan: tp*pp*cp*dp = 1*2*1*2 = 4 but the cluster has 2 GPUs"),
     (["CONFIG", "--set", "plan.tp=2", "--set", "plan.pp=1", "--set", "model.num_kv_heads=1"],
      "plan.tp: 2 does not divide model.num_kv_heads (1)"),

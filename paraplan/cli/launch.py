@@ -11,6 +11,7 @@ error names the rank (exit 1).
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import NamedTuple
@@ -52,6 +53,19 @@ _RUN_FLAGS = {"backend": "backend", "steps": "steps", "warmup": "warmup_steps", 
               "hidden": "hidden_size", "timeout": "timeout_s"}
 
 
+def _fewer_processes(sc) -> str:
+    """How to run the plan's layout on the fewest processes: one node holding one data-parallel
+    replica (or as many as expert parallelism needs: ep divides dp x cp) and two microbatches per
+    pipeline stage, dp derived again."""
+    p = sc.plan
+    dp = p.ep // math.gcd(p.ep, p.cp) if p.ep > 1 else 1
+    world = p.tp * p.pp * p.cp * dp
+    batch = p.micro_batch_size * dp * 2 * p.pp
+    return (f"for fewer processes shrink the plan to {world}: --set cluster.num_nodes=1 --set cluster.gpus_per_node={world} "
+            f"--set plan.dp=null --set training.global_batch_size={batch} (with --layers/--hidden on CPUs; "
+            "smaller plan.tp/pp/cp for fewer still)")
+
+
 def prepare(args, *, need_torch: bool = True, notes: list | None = None):
     """The checked, scaled scenario and the process layout; raises ParaplanError for any bad input.
     With `notes` (a dry run, which may check a GPU plan from a machine without GPUs), what this
@@ -90,13 +104,14 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
         if args.nnodes == 1:
             raise ParaplanError(f"the plan's {world} processes run on {nodes} nodes of {gpn} GPUs "
                                 f"(cluster.gpus_per_node): start it on each node with --nnodes {nodes} "
-                                "--node-rank N --rdzv-endpoint HOST:PORT, or on this node scaled down with "
-                                "--backend gloo (or --nproc, if this node has the GPUs)")
+                                "--node-rank N --rdzv-endpoint HOST:PORT, or on this node with --backend gloo "
+                                f"(or --nproc, if this node has the GPUs); {_fewer_processes(sc)}")
         raise ParaplanError(f"--nnodes {args.nnodes} puts {nproc} processes on each node, more than its {gpn} GPUs "
                             f"(cluster.gpus_per_node): the plan's {world} processes run on {nodes} nodes")
     if nproc * args.nnodes != world:
         raise ParaplanError(f"the plan needs tp*pp*cp*dp = {sc.plan.tp}*{sc.plan.pp}*{sc.plan.cp}*{sc.plan.dp} = {world} "
-                            f"processes, but --nproc {nproc} x --nnodes {args.nnodes} = {nproc * args.nnodes}")
+                            f"processes, but --nproc {nproc} x --nnodes {args.nnodes} = {nproc * args.nnodes}; "
+                            f"{_fewer_processes(sc)}")
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise ParaplanError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
     endpoint = args.rdzv_endpoint and re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^:\s\[\]]+)(?::(\d{1,5}))?", args.rdzv_endpoint)
