@@ -120,6 +120,17 @@ def test_resume_in_the_same_folder(planned, tmp_path):
     assert "trials: 45 (" in r.stdout and "40 before this run" in r.stdout
 
 
+def test_a_resume_with_its_budget_spent_says_so(planned):
+    """--trials is the study's total: a resume at or under what it holds runs nothing and says how to
+    ask for more."""
+    out, _ = planned
+    r = paraplan("plan", TINY, "--out", str(out), "--trials", "10", "--strategy", "tpe", "--resume",
+                 "--quiet", "--no-plots", *SMALL)
+    assert r.returncode == 0, r.stderr
+    assert "0 simulated in this run" in r.stdout
+    assert re.search(r"note: the study already holds (\d+) trials, the whole budget .* pass a larger --trials", r.stderr)
+
+
 def test_another_search_does_not_overwrite_a_folders_results(planned):
     """A folder's result files belong to the study that wrote them: a search of another objective
     (or scenario) into it is refused before it runs, and the files stay as they were."""

@@ -160,15 +160,28 @@ _LAYER_SPLIT_KEYS = ("plan.first_stage_layers/last_stage_layers", "plan.pp: mode
 def with_layer_hint(sc, problems: list[str], source: str) -> list[str]:
     """A scaled-down layer count (`source`: the --layers flag or the config's run.num_layers) that
     the plan's pipeline layout cannot split is named as such, with the nearest counts that split
-    (the plan's first/last stage layers, e.g. as the planner wrote them, stay as they are)."""
+    and leave no middle virtual stage empty (the plan's first/last stage layers, e.g. as the
+    planner wrote them, stay as they are)."""
     import dataclasses
 
     from simulator.feasibility import structural_problems
 
+    from simulator.layout import layers_per_virtual_stage
+
+    p = sc.plan
+
     def splits(n: int) -> bool:
+        """n splits over the layout, every virtual stage between the first and last with a layer."""
         model = dataclasses.replace(sc.model, num_layers=n)
         problems_at_n = structural_problems(dataclasses.replace(sc, model=model))
-        return not any(r.startswith(_LAYER_SPLIT_KEYS) for r in problems_at_n)
+        if any(r.startswith(_LAYER_SPLIT_KEYS) for r in problems_at_n):
+            return False
+        try:
+            sizes = layers_per_virtual_stage(n, p.pp, p.virtual_pipeline_stages, p.first_stage_layers,
+                                             p.last_stage_layers)
+        except ValueError:
+            return False
+        return all(sizes[1:-1])
 
     n = sc.model.num_layers
     fits = [k for k in range(max(1, n - 64), n + 65) if splits(k)]

@@ -187,6 +187,13 @@ def run(args) -> int:
         finally:
             if progress is not None:
                 progress.close()
+        if args.resume and result.simulations == 0 and result.strategy == "exhaustive":
+            print(f"note: the exhaustive search had already run every valid plan ({result.trials_before}); "
+                  "nothing new was run", file=sys.stderr)
+        elif args.resume and result.simulations == 0 and result.trials_before >= result.budget:
+            print(f"note: the study already holds {result.trials_before} trials, the whole budget (--trials is the "
+                  f"study's total, {result.budget}); nothing new was run: pass a larger --trials, e.g. "
+                  f"{2 * result.trials_before} for {result.trials_before} more", file=sys.stderr)
         return _write_outputs(scenario, result, objective, out, args)
     except BaseException as exc:
         if created:  # a failed start (a bad --storage, say) leaves no empty folder
