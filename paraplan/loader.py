@@ -33,9 +33,10 @@ from paraplan.errors import ConfigError
 from paraplan.fileio import parse_yaml, read_text, yaml_problem
 from paraplan.specs import (
     ACTIVATIONS, ATTENTION_KERNELS, BACKENDS, BANDWIDTH_RANGE, CP_COMM_TYPES, GRAD_REDUCE_DTYPES, LATENCY_RANGE,
-    MOE_DISPATCHERS, OVERSUBSCRIPTION_RANGE, PRECISIONS, RECOMPUTE, RECOMPUTE_MODULES, ROUTING_DISTRIBUTIONS, SCHEDULES,
-    TOPOLOGIES, ZERO_STAGES,
-    ClusterSpec, InterNodeSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec, Scenario, TrainingSpec,
+    MOE_DISPATCHERS, NORMALIZATIONS, OVERSUBSCRIPTION_RANGE, POSITION_EMBEDDINGS, PRECISIONS, RECOMPUTE,
+    RECOMPUTE_MODULES, ROPE_SCALINGS, ROUTING_DISTRIBUTIONS, SCHEDULES, TOPOLOGIES, ZERO_STAGES,
+    ArchitectureSpec, ClusterSpec, InterNodeSpec, MLASpec, ModelSpec, MoESpec, PlanSpec, RoutingSpec, RunSpec,
+    Scenario, TrainingSpec,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -266,6 +267,16 @@ MODEL = _schema(
     mla=Key(_anything),
     mtp_layers=Key(_integer(minimum=0, maximum=MAX_LAYERS)),
     sliding_window=Key(_optional(POSITIVE)),
+    architecture=Key(_anything),
+)
+ARCHITECTURE = _schema(
+    normalization=Key(_one_of(NORMALIZATIONS), required=True),
+    norm_epsilon=Key(_number(positive=True, maximum=1.0), required=True),
+    position_embedding=Key(_one_of(POSITION_EMBEDDINGS), required=True),
+    rotary_base=Key(_optional(_number(positive=True))),
+    rope_scaling=Key(_optional(_one_of(ROPE_SCALINGS))),
+    rope_scaling_factor=Key(_optional(_number(positive=True))),
+    qkv_bias=Key(_boolean),
 )
 MLA = _schema(
     q_lora_rank=Key(_optional(WIDTH), required=True),
@@ -474,6 +485,7 @@ def _hf_llama(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     }
     if cfg.get("head_dim") is not None:
         out["head_dim"] = cfg["head_dim"]
+    out["architecture"] = _hf_rope_architecture(cfg, qkv_bias=bool(cfg.get("attention_bias", False)))
     # Mistral's and Mixtral's sliding_window; Qwen2's only with use_sliding_window (off by default)
     if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
         out["sliding_window"] = cfg["sliding_window"]
@@ -483,14 +495,39 @@ def _hf_llama(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     return out
 
 
+def _hf_rope_architecture(cfg: Mapping, *, qkv_bias: bool) -> dict:
+    """RMSNorm and rotary embeddings with the config's epsilon, base and scaling (transformers'
+    defaults where it leaves them out: rms_norm_eps 1e-6, rope_theta 10000)."""
+    arch = {"normalization": "rmsnorm", "norm_epsilon": _hf_number(cfg, "rms_norm_eps", 1e-6),
+            "position_embedding": "rope", "rotary_base": _hf_number(cfg, "rope_theta", 10000.0), "qkv_bias": qkv_bias}
+    scaling = cfg.get("rope_scaling")
+    if isinstance(scaling, Mapping):
+        kind = scaling.get("rope_type", scaling.get("type"))
+        if kind not in ROPE_SCALINGS + ("default",):
+            raise ConfigError(HF_PATH, f"rope_scaling type {kind!r} is not supported ({', '.join(ROPE_SCALINGS)})")
+        if kind != "default":
+            arch["rope_scaling"] = kind
+            arch["rope_scaling_factor"] = _hf_number(scaling, "factor", 8.0 if kind == "llama3" else 1.0)
+    return arch
+
+
 # transformers MixtralConfig's defaults: a Mixtral config.json may leave them out
-MIXTRAL_DEFAULTS = MappingProxyType({"num_local_experts": 8, "num_experts_per_tok": 2})
+MIXTRAL_DEFAULTS = MappingProxyType({"num_local_experts": 8, "num_experts_per_tok": 2, "rope_theta": 1e6,
+                                     "rms_norm_eps": 1e-5})
 
 
 def _hf_mixtral(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     """Mixtral: Llama's layer with every MLP an MoE of num_local_experts (default 8, top 2)."""
     cfg = {**cfg, **{k: v for k, v in MIXTRAL_DEFAULTS.items() if cfg.get(k) is None}}
     return _hf_llama(cfg, lambda key: cfg[key] if cfg.get(key) is not None else need(key))
+
+
+def _hf_qwen2(cfg: Mapping, need: Callable[[str], Any]) -> dict:
+    """Qwen2: Llama's layer with biases on the query, key and value projections (transformers
+    Qwen2Attention: q_proj, k_proj, v_proj bias=True)."""
+    out = _hf_llama(cfg, need)
+    out["architecture"]["qkv_bias"] = True
+    return out
 
 
 def _hf_qwen3(cfg: Mapping, need: Callable[[str], Any]) -> dict:
@@ -524,6 +561,7 @@ def _hf_deepseek_v3(cfg: Mapping, need: Callable[[str], Any]) -> dict:
         "ffn_hidden_size": need("intermediate_size"), "vocab_size": need("vocab_size"),
         "activation": "swiglu", "tied_embeddings": cfg.get("tie_word_embeddings", False),
         "dropout": _hf_number(cfg, "attention_dropout", 0.0),
+        "architecture": _hf_rope_architecture(cfg, qkv_bias=False),
         "moe": {"num_experts": need("n_routed_experts"), "top_k": need("num_experts_per_tok"),
                 "expert_ffn_hidden_size": need("moe_intermediate_size"),
                 "num_shared_experts": _hf_or(cfg, "n_shared_experts", 0),
@@ -551,6 +589,8 @@ def _hf_gpt2(cfg: Mapping, need: Callable[[str], Any]) -> dict:
         "activation": "gelu",
         "tied_embeddings": cfg.get("tie_word_embeddings", True),
         "dropout": _hf_number(cfg, "resid_pdrop", 0.1),  # GPT2Config's default
+        "architecture": {"normalization": "layernorm", "norm_epsilon": _hf_number(cfg, "layer_norm_epsilon", 1e-5),
+                         "position_embedding": "learned"},
     }
     if cfg.get("n_inner") is not None:
         out["ffn_hidden_size"] = cfg["n_inner"]
@@ -575,7 +615,7 @@ def _hf_number(cfg: Mapping, key: str, default: float) -> float:
 
 
 HF_PARSERS = MappingProxyType({
-    "llama": _hf_llama, "mistral": _hf_llama, "mixtral": _hf_mixtral, "qwen2": _hf_llama,
+    "llama": _hf_llama, "mistral": _hf_llama, "mixtral": _hf_mixtral, "qwen2": _hf_qwen2,
     "qwen3": _hf_qwen3, "qwen3_moe": _hf_qwen3_moe, "deepseek_v3": _hf_deepseek_v3,
     "gpt2": _hf_gpt2,
 })
@@ -660,12 +700,25 @@ def _model_spec(mapping: dict, name: str) -> ModelSpec:
     values.setdefault("name", name)
     if values.get("moe") is not None:
         values["moe"] = _moe(values["moe"], values["num_layers"])
+    if values.get("architecture") is not None:
+        values["architecture"] = _architecture(values["architecture"])
     if values.get("mla") is not None:
         values["mla"] = _mla(values)
         if values.get("qk_layernorm"):
             raise ConfigError("model.qk_layernorm", "true with model.mla: MLA's latent norms are part of the MLA "
                                                     "model; qk_layernorm is for query and key heads; leave it out")
     return ModelSpec(**_derive_model_defaults(values))
+
+
+def _architecture(raw: Any) -> ArchitectureSpec:
+    """model.architecture: a rotary base and scaling only with rope."""
+    arch = ArchitectureSpec(**_validate(raw, "model.architecture", ARCHITECTURE))
+    if arch.position_embedding != "rope":
+        for key in ("rotary_base", "rope_scaling", "rope_scaling_factor"):
+            if getattr(arch, key) is not None:
+                raise ConfigError(f"model.architecture.{key}", f"only with position_embedding: rope, not "
+                                                               f"{arch.position_embedding}")
+    return arch
 
 
 def _mla(values: dict) -> MLASpec:

@@ -92,6 +92,8 @@ def model_to_mapping(m: ModelSpec) -> dict[str, Any]:
         out["mtp_layers"] = m.mtp_layers
     if m.sliding_window is not None:
         out["sliding_window"] = m.sliding_window
+    if m.architecture is not None:
+        out["architecture"] = {k: v for k, v in dataclasses.asdict(m.architecture).items() if v is not None}
     return out
 
 

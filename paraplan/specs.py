@@ -86,6 +86,29 @@ class MoESpec:
         return (index - self.first_dense_layers) % self.moe_layer_freq == 0
 
 
+NORMALIZATIONS = ("layernorm", "rmsnorm")
+POSITION_EMBEDDINGS = ("rope", "learned", "alibi", "none")
+ROPE_SCALINGS = ("llama3", "yarn")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ArchitectureSpec:
+    """What building the model takes beyond the shapes the simulation needs, as a Hugging Face
+    config.json states it: the launch configs' normalization, position embedding and biases
+    (planner.model_families). Of it the simulation prices the rotary embedding (rope) and the
+    norms' biases (an RMSNorm has none)."""
+
+    normalization: str
+    norm_epsilon: float
+    position_embedding: str
+    rotary_base: float | None = None
+    rope_scaling: str | None = None
+    """llama3 (Llama 3.1's frequency scaling) or yarn, as the config's rope_scaling names it."""
+    rope_scaling_factor: float | None = None
+    qkv_bias: bool = False
+    """Biases on the query/key/value projection alone (Qwen2; Megatron --add-qkv-bias)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class MLASpec:
     """Multi-head latent attention (DeepSeek-V2, arXiv 2405.04434, Sec. 2.1; Megatron-Core
@@ -150,6 +173,19 @@ class ModelSpec:
     sliding_window: int | None = None
     """Sliding-window attention's window (Mistral's sliding_window): each token attends to the last
     this many. Not priced: the loader refuses a window shorter than the sequence."""
+    architecture: ArchitectureSpec | None = None
+    """The normalization, position embedding and biases a config.json gave; None: the activation's
+    usual ones (gelu: GPT's LayerNorm and learned positions; swiglu: Llama's RMSNorm and RoPE)."""
+
+    @property
+    def normalization(self) -> str:
+        return self.architecture.normalization if self.architecture else (
+            "layernorm" if self.activation == "gelu" else "rmsnorm")
+
+    @property
+    def rotary(self) -> bool:
+        """Rotary position embeddings, a kernel over the queries and keys of every layer."""
+        return self.architecture.position_embedding == "rope" if self.architecture else self.activation == "swiglu"
 
     @property
     def q_head_dim(self) -> int:
@@ -223,8 +259,12 @@ class ModelSpec:
         """One layer's norm weights: its two norms' weights, their biases where the model has biases
         (Megatron's LayerNorm with --add-bias-linear; an RMSNorm has none, nor has MPT's no_bias
         LayerNorm), and MLA's latent norms."""
-        per_norm = 2 if self.linear_bias else 1
-        return 2 * per_norm * self.hidden_size + self.latent_channels
+        return 2 * self._per_norm * self.hidden_size + self.latent_channels
+
+    @property
+    def _per_norm(self) -> int:
+        """Parameters per channel of one norm: LayerNorm's weight and bias where the model has biases."""
+        return 2 if self.linear_bias and self.normalization == "layernorm" else 1
 
     def vocab_shard(self, tp: int) -> int:
         """The largest of `tp` vocabulary-parallel shards, ceil(V/tp): Megatron pads the vocabulary
@@ -269,7 +309,7 @@ class ModelSpec:
         head = 0 if self.tied_embeddings else self.embedding_params()
         layers = sum(self.layer_params(i) for i in range(self.num_layers))
         mtp = self.mtp_layers * self.mtp_module_params()
-        final_norm = (2 if self.linear_bias else 1) * self.hidden_size  # as norm_params
+        final_norm = self._per_norm * self.hidden_size
         return layers + mtp + self.embedding_params() + head + final_norm
 
 

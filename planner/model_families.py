@@ -12,9 +12,10 @@ QK norm), so they are kept here per preset family, each from the model's own pub
 
 A model belongs to a family when its name is one of the family's presets (`model: llama3-8b`,
 `model: {preset: llama3-70b, ...}`, or a best_plan.yaml written from one) and it still has the
-family's activation, embedding tying and attention kind; overridden sizes keep the family. Every
-other model (hf_config, plain mappings, MPT) is not guessed at: family_of gives None and the
-exports say which flags the user must set. MPT has no family here: its released models use ALiBi
+family's activation, embedding tying and attention kind; overridden sizes keep the family. A model
+read from a Hugging Face config.json carries the config's own normalization, position embedding
+and biases (model.architecture), and the exports build those. Every other model (plain mappings,
+MPT) is not guessed at: family_of gives None and the exports say which flags the user must set. MPT has no family here: its released models use ALiBi
 (mosaicml/mpt-7b config.json attn_config.alibi), which Megatron-LM's --position-embedding-type
 choices (learned_absolute, rope, mrope, relative, none) do not offer.
 """
@@ -49,6 +50,8 @@ class Family:
     rope_variant: str = ""
     """That variant in words."""
     linear_bias: bool
+    qkv_bias: bool = False
+    """Biases on the query/key/value projection alone (Megatron-LM --add-qkv-bias)."""
     qk_norm: bool = False
     router: tuple[str, ...] = ()
     """Megatron-LM router flags where the family's router is not Megatron's default."""
@@ -64,7 +67,8 @@ class Family:
             position = f"RoPE base {self.rotary_base}" + (f" with {self.rope_variant}" if self.rope_variant else "")
         else:
             position = "learned absolute positions"
-        parts = [norm, position, "biases in every linear layer" if self.linear_bias else "no linear biases"]
+        parts = [norm, position, "biases in every linear layer" if self.linear_bias else
+                 "biases on the query, key and value projections only" if self.qkv_bias else "no linear biases"]
         if self.qk_norm:
             parts.append("RMS-normalised MLA latents" if self.latent_attention else "QK norm")
         return f"{self.name}: " + ", ".join(parts)
@@ -164,14 +168,62 @@ FAMILIES = (GPT3, LLAMA3, LLAMA2, MIXTRAL, QWEN3_MOE, DEEPSEEK_V3)
 
 def family_of(model: ModelSpec) -> Family | None:
     """The preset family `model` is named after, if it still has that family's activation,
-    embedding tying, linear biases and attention kind."""
+    embedding tying, linear biases and attention kind; else, for a model whose architecture a
+    config.json gave (model.architecture), that architecture."""
     for fam in FAMILIES:
         if model.name in fam.presets:
             same = (model.activation == fam.activation and model.tied_embeddings == fam.tied_embeddings
                     and model.linear_bias == fam.linear_bias and (model.mla is not None) == fam.latent_attention
                     and (fam.latent_attention or model.qk_layernorm == fam.qk_norm))
-            return fam if same else None
-    return None
+            if same:
+                return fam
+            break
+    return _family_of_architecture(model) if model.architecture is not None else None
+
+
+_MEGATRON_NORM = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
+_MEGATRON_POSITION = {"rope": "rope", "learned": "learned_absolute", "none": "none"}
+
+
+def _family_of_architecture(model: ModelSpec) -> Family | None:
+    """The Megatron-LM flags of the normalization, position embedding and biases the model's
+    config.json gave (arguments.py: --normalization, --norm-epsilon, --position-embedding-type,
+    --rotary-base, --use-rope-scaling (Llama 3.1's scaling, of factor 8 by default), --rope-type
+    yarn with --rotary-scaling-factor, --add-qkv-bias). None for ALiBi, which Megatron-LM does not
+    offer. The router stays Megatron's default (softmax, top-k) and is said to."""
+    a = model.architecture
+    if a.position_embedding not in _MEGATRON_POSITION:
+        return None
+    rope_extra: tuple[str, ...] = ()
+    variant, notes = "", []
+    if a.rope_scaling == "llama3":
+        rope_extra, variant = ("--use-rope-scaling",), "Llama 3.1 scaling"
+        if a.rope_scaling_factor not in (None, 8.0):
+            rope_extra += ("--rope-scaling-factor", f"{a.rope_scaling_factor:g}")
+            variant += f" (factor {a.rope_scaling_factor:g})"
+    elif a.rope_scaling == "yarn":
+        factor = a.rope_scaling_factor or 1.0
+        rope_extra, variant = ("--rope-type", "yarn", "--rotary-scaling-factor", f"{factor:g}"), f"YaRN (factor {factor:g})"
+        notes.append("YaRN's other settings (original context, beta_fast/slow, mscale) are left at Megatron-LM's "
+                     "defaults: check them against the config.json's rope_scaling")
+    llama_like = (model.activation == "swiglu" and a.normalization == "rmsnorm" and a.position_embedding == "rope"
+                  and not (a.qkv_bias or model.linear_bias or model.qk_layernorm or model.mla or model.moe))
+    if model.moe is not None:
+        notes.append("the router is Megatron-LM's default (softmax over the top-k logits); set --moe-router-* "
+                     "where the model's differs (sigmoid scoring, expert bias, scaling)")
+    return Family(
+        name="as its config.json gives it", presets=(), source="model.architecture",
+        activation=model.activation, tied_embeddings=model.tied_embeddings, latent_attention=model.mla is not None,
+        normalization=_MEGATRON_NORM[a.normalization], norm_epsilon=a.norm_epsilon,
+        position_embedding=_MEGATRON_POSITION[a.position_embedding],
+        rotary_base=None if a.rotary_base is None else int(a.rotary_base) if a.rotary_base.is_integer() else a.rotary_base,
+        rope_extra=rope_extra, rope_variant=variant, linear_bias=model.linear_bias, qkv_bias=a.qkv_bias,
+        qk_norm=model.qk_layernorm or model.mla is not None, notes=tuple(notes),
+        torchtitan_name="llama3" if llama_like else None,
+        # torchtitan's llama3 flavors have Llama 3.1's RoPE (base 500000, scaling of factor 8)
+        torchtitan_flavors=LLAMA3.torchtitan_flavors if llama_like and (a.rotary_base, a.rope_scaling,
+                                                                        a.rope_scaling_factor) == (500000, "llama3", 8) else (),
+    )
 
 
 def megatron_architecture_args(model: ModelSpec) -> list[str]:
@@ -189,6 +241,8 @@ def megatron_architecture_args(model: ModelSpec) -> list[str]:
         a += ["--rotary-base", str(fam.rotary_base), *fam.rope_extra]
     if not fam.linear_bias:
         a.append("--disable-bias-linear")
+    if fam.qkv_bias and not fam.linear_bias:
+        a.append("--add-qkv-bias")
     if fam.qk_norm and not model.qk_layernorm:  # MLA's latent norms (a head norm is the model's own flag)
         a.append("--qk-layernorm")
     if model.moe is not None:
@@ -201,9 +255,10 @@ def megatron_architecture_comments(model: ModelSpec) -> list[str]:
     must know or set about it."""
     fam = family_of(model)
     if fam is None:
-        return [f"Architecture: paraplan's model schema has no normalization or position-embedding keys and "
-                f"{model.name!r} is not a bundled preset family ({', '.join(_preset_names())}) or differs from it "
-                "in activation, embedding tying, linear biases or attention, so these arguments leave Megatron-LM's "
+        return [f"Architecture: {model.name!r} is not a bundled preset family ({', '.join(_preset_names())}) or "
+                "differs from it in activation, embedding tying, linear biases or attention, and has no "
+                "model.architecture (a config.json gives one; ALiBi has no Megatron-LM flag), so these arguments "
+                "leave Megatron-LM's "
                 "defaults (LayerNorm, learned absolute positions) and follow model.linear_bias ("
                 + ("biases in every linear layer" if model.linear_bias else "--disable-bias-linear")
                 + "): set --normalization, --norm-epsilon, --position-embedding-type (rope with --rotary-base), "
@@ -225,8 +280,8 @@ def torchtitan_model(model: ModelSpec) -> tuple[str, str, list[str]]:
         flavor = next((f for f, s in fam.torchtitan_flavors if s == shape), flavor)
     name = fam.torchtitan_name if fam is not None and fam.torchtitan_name and model.moe is None else "CHANGE-ME"
     if fam is None:
-        lines = ["Architecture: not known to paraplan (its model schema has no normalization, position-embedding "
-                 "or bias keys); choose a torchtitan model and flavor with your model's."]
+        lines = ["Architecture: not known to paraplan (no bundled preset family and no model.architecture); choose "
+                 "a torchtitan model and flavor with your model's."]
     elif flavor != "CHANGE-ME":
         lines = [f"Architecture: {fam.describe()}; from {fam.source}: torchtitan's {name} flavor {flavor}."]
     else:

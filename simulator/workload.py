@@ -212,8 +212,8 @@ def _h_wide_tokens(ctx: LayerContext) -> float:
 
 def _attention_elementwise(ctx: LayerContext, backward: bool) -> float:
     """Bytes per token after Korthikanti et al. 2022 Sec. 4.1: the input LayerNorm reads and writes
-    h; the bias-dropout-add reads 2h and writes h plus a 1-byte mask; Llama-family models apply
-    rotary embeddings to q and k (read + write). MLA also normalises its latents (read + write, on
+    h; the bias-dropout-add reads 2h and writes h plus a 1-byte mask; rotary embeddings (model.rotary:
+    the Llama family's, or a config's rope) rotate q and k (read + write). MLA also normalises its latents (read + write, on
     the h-wide tokens) and rotates only the rotary parts: qk_rope_head_dim per query head and one
     shared key of that width. With model.qk_layernorm the queries and keys of this rank's heads are
     normalised too (read + write; Megatron-Core SelfAttention q_layernorm / k_layernorm)."""
@@ -226,7 +226,7 @@ def _attention_elementwise(ctx: LayerContext, backward: bool) -> float:
         kernels.append((_h_wide_tokens(ctx) * 2 * m.latent_channels * b, NORM_BACKWARD))
         rope = m.mla.qk_rope_head_dim
         kernels.append((ctx.tokens * 2 * (m.num_attention_heads // p.tp + 1) * rope * b, ROTARY_BACKWARD))
-    elif m.activation == "swiglu":
+    elif m.rotary:
         kernels.append((qk, ROTARY_BACKWARD))
     return _memory_bound(ctx, kernels, backward)
 

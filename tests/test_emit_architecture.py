@@ -184,6 +184,39 @@ def test_a_model_that_left_its_family_gets_no_guessed_flags():
         assert "leave Megatron-LM's defaults" in text and "--position-embedding-type (rope with --rotary-base)" in text
 
 
+@pytest.mark.parametrize("config, want", [
+    ({"model_type": "qwen2", "rms_norm_eps": 1e-6, "rope_theta": 1000000.0},
+     dict(normalization="RMSNorm", norm_epsilon=1e-6, position_embedding_type="rope", rotary_base=1000000,
+          add_qkv_bias=True, add_bias_linear=False, use_rope_scaling=False)),
+    ({"model_type": "llama", "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}},
+     dict(normalization="RMSNorm", norm_epsilon=1e-5, position_embedding_type="rope", rotary_base=500000,
+          add_qkv_bias=False, add_bias_linear=False, use_rope_scaling=True)),
+    ({"model_type": "mistral"},  # transformers' MistralConfig defaults
+     dict(normalization="RMSNorm", norm_epsilon=1e-6, position_embedding_type="rope", rotary_base=10000,
+          add_qkv_bias=False, add_bias_linear=False, use_rope_scaling=False)),
+])
+def test_a_config_json_model_builds_its_own_architecture(tmp_path, config, want):
+    """A model read from a Hugging Face config.json is no bundled family, but its config states the
+    normalization, position embedding and biases: the Megatron-LM arguments build those, not
+    Megatron's GPT-2 defaults."""
+    import json
+
+    shape = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "intermediate_size": 512, "vocab_size": 1024, "hidden_act": "silu"}
+    (tmp_path / "config.json").write_text(json.dumps({**shape, **config}))
+    sc = load_scenario(TINY, [f"model={{hf_config: {tmp_path / 'config.json'}}}"])
+    ns = megatron_parse(megatron_args(sc), defaults=False)
+    assert {k: getattr(ns, k) for k in want} == want
+    assert "Architecture: as its config.json gives it" in megatron_args_text(sc)
+
+
+def test_gpt2_config_builds_layernorm_and_learned_positions():
+    sc = load_scenario(TINY, [f"model={{hf_config: {ROOT / 'tests' / 'fixtures' / 'hf-gpt2'}}}"])
+    ns = megatron_parse(megatron_args(sc), defaults=False)
+    assert (ns.normalization, ns.position_embedding_type, ns.add_bias_linear) == ("LayerNorm", "learned_absolute", True)
+
+
 def llama3_ffn(dim, multiple_of, multiplier):
     """torchtitan compute_ffn_hidden_dim (models/llama3): 2/3 of 4 x dim, times the multiplier,
     rounded up to a multiple."""

@@ -14,7 +14,7 @@ import yaml
 
 from paraplan.errors import ConfigError
 from paraplan.loader import apply_overrides, load_scenario
-from paraplan.specs import InterNodeSpec, LinkSpec, Scenario
+from paraplan.specs import ArchitectureSpec, InterNodeSpec, LinkSpec, Scenario
 
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = sorted((ROOT / "scenarios").glob("*.yaml"))
@@ -557,7 +557,7 @@ def test_hf_llama_config(tmp_path):
                  + yaml.safe_dump({k: v for k, v in tiny().items() if k not in ("model", "name")}))
     m = load_scenario(path).model
     preset = load_scenario({**tiny(), "model": "llama3-8b"}).model
-    assert dataclasses.replace(m, name="llama3-8b") == preset
+    assert dataclasses.replace(m, name="llama3-8b", architecture=None) == preset  # presets' families: model_families
     assert m.name == "hf-llama3-8b"
 
 
@@ -641,6 +641,44 @@ def test_hf_sliding_window_is_read_and_a_binding_one_refused(tmp_path, model_typ
     assert err.path == "model.sliding_window" and "4096 < training.seq_length 8192" in str(err)
     raw["model"]["sliding_window"] = None  # the user's way to price it as full causal attention
     assert load_scenario(raw).model.sliding_window is None
+
+
+def test_hf_configs_give_their_architecture(tmp_path):
+    """The normalization, position embedding and biases the launch configs need: Llama 3.1's from its
+    config, Qwen2's query/key/value biases, Mixtral's defaults where its config leaves them out, GPT-2's
+    LayerNorm and learned positions; a RoPE scaling paraplan cannot name is refused."""
+    arch = load_scenario({**tiny(), "model": {"hf_config": str(FIXTURES / "hf-llama3-8b")}}).model.architecture
+    assert arch == ArchitectureSpec(normalization="rmsnorm", norm_epsilon=1e-5, position_embedding="rope",
+                                    rotary_base=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0)
+    gpt2 = load_scenario({**tiny(), "model": {"hf_config": str(FIXTURES / "hf-gpt2")}}).model
+    assert gpt2.architecture.position_embedding == "learned" and not gpt2.rotary and gpt2.normalization == "layernorm"
+    base = {"hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 512, "vocab_size": 1024, "hidden_act": "silu"}
+
+    def arch_of(**cfg):
+        (tmp_path / "config.json").write_text(json.dumps({**base, **cfg}))
+        return load_scenario({**tiny(), "model": {"hf_config": str(tmp_path / "config.json")}}).model.architecture
+    assert arch_of(model_type="qwen2").qkv_bias
+    mixtral = arch_of(model_type="mixtral")
+    assert (mixtral.rotary_base, mixtral.norm_epsilon, mixtral.qkv_bias) == (1e6, 1e-5, False)
+    assert arch_of(model_type="llama").norm_epsilon == 1e-6  # transformers' LlamaConfig default
+    (tmp_path / "config.json").write_text(json.dumps({**base, "model_type": "llama",
+                                                      "rope_scaling": {"rope_type": "longrope", "factor": 4}}))
+    err = error_of({**tiny(), "model": {"hf_config": str(tmp_path / "config.json")}})
+    assert err.path == "model.hf_config" and "rope_scaling type 'longrope' is not supported" in str(err)
+
+
+def test_model_architecture_is_checked():
+    raw = tiny()
+    raw["model"] = {**raw["model"], "architecture": {"normalization": "rmsnorm", "norm_epsilon": 1e-5,
+                                                     "position_embedding": "alibi", "rotary_base": 10000}}
+    err = error_of(raw)
+    assert err.path == "model.architecture.rotary_base" and "only with position_embedding: rope" in str(err)
+    raw["model"]["architecture"] = {"normalization": "batchnorm", "norm_epsilon": 1e-5, "position_embedding": "rope"}
+    assert error_of(raw).path == "model.architecture.normalization"
+    raw["model"]["architecture"] = {"normalization": "rmsnorm", "norm_epsilon": 1e-5, "position_embedding": "learned"}
+    m = load_scenario(raw).model
+    assert not m.rotary and m.norm_params() == 2 * m.hidden_size  # an RMSNorm's weight alone, however biased the linears
 
 
 def test_hf_unknown_model_type(tmp_path):
@@ -784,7 +822,7 @@ def test_deepseek_v3_preset_has_the_published_total_and_active_parameters():
     (128x128)x7168 (config.json: q_lora_rank 1536, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128)."""
     m = load_scenario({**tiny(), "model": "deepseek-v3"}).model
     by_hand = 7168 * 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 * 128 * 256 + 128 * 128 * 7168
-    assert m.attention_params() == by_hand + 4 * 7168 + 1536 + 512
+    assert m.attention_params() == by_hand + 2 * 7168 + 1536 + 512  # two RMSNorms' weights, the latents' norms
     inactive = sum((m.moe.num_experts - m.moe.top_k) * m.expert_params()
                    for i in range(m.num_layers) if m.is_moe_layer(i))
     main = m.total_params() - m.mtp_module_params()
@@ -797,7 +835,7 @@ def test_mla_params_per_tensor_parallel_rank_keep_the_down_projections_whole():
     m = load_scenario({**tiny(), "model": "deepseek-v3"}).model
     down = 7168 * 1536 + 7168 * 576
     split = 1536 * 128 * 192 + 512 * 128 * 256 + 128 * 128 * 7168
-    norms = 4 * 7168 + 1536 + 512  # replicated on every TP rank
+    norms = 2 * 7168 + 1536 + 512  # RMSNorm weights, replicated on every TP rank
     assert m.attention_params(8) == pytest.approx(down + split / 8 + norms)
 
 
@@ -828,7 +866,7 @@ def test_hf_qwen3_moe_config_normalises_queries_and_keys(tmp_path):
     hf = load_scenario({**tiny(), "model": {"hf_config": str(tmp_path)}}).model
     preset = load_scenario({**tiny(), "model": "qwen3-235b-a22b"}).model
     assert hf.qk_layernorm and preset.qk_layernorm
-    assert dataclasses.replace(hf, name=preset.name) == preset
+    assert dataclasses.replace(hf, name=preset.name, architecture=None) == preset
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "model_type": "qwen3"}))
     assert load_scenario({**tiny(), "model": {"hf_config": str(tmp_path)}}).model.qk_layernorm
     assert not load_scenario({**tiny(), "model": "llama3-8b"}).model.qk_layernorm

@@ -44,6 +44,14 @@ def test_a_sliding_window_and_a_fat_tree_survive_the_round_trip():
     assert back == dataclasses.replace(sc, search=())
 
 
+@pytest.mark.parametrize("fixture", ["hf-llama3-8b", "hf-gpt2"])
+def test_an_architecture_read_from_a_config_survives_the_round_trip(fixture):
+    sc = load_scenario(ROOT / "scenarios" / "tiny-gpt-8xa100.yaml", [f"model={{hf_config: {ROOT / 'tests' / 'fixtures' / fixture}}}"])
+    assert sc.model.architecture is not None
+    back = load_scenario(_through_yaml(scenario_to_mapping(sc)))
+    assert back.model == sc.model
+
+
 def test_units_are_the_loaders_and_read_cleanly():
     sc = load_scenario(ROOT / "scenarios" / "gpt3-175b-1024xa100.yaml")
     m = scenario_to_mapping(sc)
