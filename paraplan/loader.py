@@ -504,10 +504,13 @@ def _hf_rope_architecture(cfg: Mapping, *, qkv_bias: bool) -> dict:
     if isinstance(scaling, Mapping):
         kind = scaling.get("rope_type", scaling.get("type"))
         if kind not in ROPE_SCALINGS + ("default",):
-            raise ConfigError(HF_PATH, f"rope_scaling type {kind!r} is not supported ({', '.join(ROPE_SCALINGS)})")
+            raise ConfigError(HF_PATH, f"rope_scaling type {kind!r} is not one of transformers' "
+                                       f"({', '.join(ROPE_SCALINGS)}, default)")
         if kind != "default":
             arch["rope_scaling"] = kind
             arch["rope_scaling_factor"] = _hf_number(scaling, "factor", 8.0 if kind == "llama3" else 1.0)
+    elif scaling is not None:
+        raise ConfigError(HF_PATH, f"rope_scaling: expected a mapping or null, got {_show(scaling)}")
     return arch
 
 

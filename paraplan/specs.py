@@ -88,7 +88,8 @@ class MoESpec:
 
 NORMALIZATIONS = ("layernorm", "rmsnorm")
 POSITION_EMBEDDINGS = ("rope", "learned", "alibi", "none")
-ROPE_SCALINGS = ("llama3", "yarn")
+ROPE_SCALINGS = ("llama3", "yarn", "linear", "dynamic", "longrope")
+"""transformers' rope_type names (modeling_rope_utils.ROPE_INIT_FUNCTIONS) other than default."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -103,7 +104,8 @@ class ArchitectureSpec:
     position_embedding: str
     rotary_base: float | None = None
     rope_scaling: str | None = None
-    """llama3 (Llama 3.1's frequency scaling) or yarn, as the config's rope_scaling names it."""
+    """As the config's rope_scaling names it: llama3 (Llama 3.1's frequency scaling), yarn, linear
+    (position interpolation), dynamic (NTK) or longrope."""
     rope_scaling_factor: float | None = None
     qkv_bias: bool = False
     """Biases on the query/key/value projection alone (Qwen2; Megatron --add-qkv-bias)."""

@@ -201,6 +201,13 @@ def _family_of_architecture(model: ModelSpec) -> Family | None:
         if a.rope_scaling_factor not in (None, 8.0):
             rope_extra += ("--rope-scaling-factor", f"{a.rope_scaling_factor:g}")
             variant += f" (factor {a.rope_scaling_factor:g})"
+    elif a.rope_scaling == "linear" and a.rope_scaling_factor and a.rope_scaling_factor.is_integer():
+        # position interpolation (Chen et al. 2023): Megatron-LM's integer interpolation factor
+        rope_extra = ("--rotary-seq-len-interpolation-factor", f"{a.rope_scaling_factor:g}")
+        variant = f"linear position interpolation (factor {a.rope_scaling_factor:g})"
+    elif a.rope_scaling in ("linear", "dynamic", "longrope"):
+        variant = f"{a.rope_scaling} scaling (factor {a.rope_scaling_factor or 1:g})"
+        notes.append(f"Megatron-LM has no flag for the config's {variant}: these arguments train plain RoPE")
     elif a.rope_scaling == "yarn":
         factor = a.rope_scaling_factor or 1.0
         rope_extra, variant = ("--rope-type", "yarn", "--rotary-scaling-factor", f"{factor:g}"), f"YaRN (factor {factor:g})"

@@ -211,6 +211,23 @@ def test_a_config_json_model_builds_its_own_architecture(tmp_path, config, want)
     assert "Architecture: as its config.json gives it" in megatron_args_text(sc)
 
 
+@pytest.mark.parametrize("scaling, flags, note", [
+    ({"type": "linear", "factor": 4.0}, ["--rotary-seq-len-interpolation-factor", "4"], None),
+    ({"rope_type": "dynamic", "factor": 2.0}, [], "Megatron-LM has no flag for the config's dynamic scaling"),
+    ({"rope_type": "yarn", "factor": 4.0}, ["--rope-type", "yarn", "--rotary-scaling-factor", "4"], "YaRN's other"),
+])
+def test_a_config_json_rope_scaling_is_built_or_said_to_be_left_out(tmp_path, scaling, flags, note):
+    import json
+
+    cfg = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 512, "vocab_size": 1024, "rope_scaling": scaling}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    sc = load_scenario(TINY, [f"model={{hf_config: {tmp_path / 'config.json'}}}"])
+    args = megatron_args(sc)
+    assert all(f in args for f in flags) and "--use-rope-scaling" not in args
+    assert (note in megatron_args_text(sc)) if note else "Note: Megatron-LM has no flag" not in megatron_args_text(sc)
+
+
 def test_gpt2_config_builds_layernorm_and_learned_positions():
     sc = load_scenario(TINY, [f"model={{hf_config: {ROOT / 'tests' / 'fixtures' / 'hf-gpt2'}}}"])
     ns = megatron_parse(megatron_args(sc), defaults=False)

@@ -646,7 +646,7 @@ def test_hf_sliding_window_is_read_and_a_binding_one_refused(tmp_path, model_typ
 def test_hf_configs_give_their_architecture(tmp_path):
     """The normalization, position embedding and biases the launch configs need: Llama 3.1's from its
     config, Qwen2's query/key/value biases, Mixtral's defaults where its config leaves them out, GPT-2's
-    LayerNorm and learned positions; a RoPE scaling paraplan cannot name is refused."""
+    LayerNorm and learned positions; a RoPE scaling transformers does not name is refused."""
     arch = load_scenario({**tiny(), "model": {"hf_config": str(FIXTURES / "hf-llama3-8b")}}).model.architecture
     assert arch == ArchitectureSpec(normalization="rmsnorm", norm_epsilon=1e-5, position_embedding="rope",
                                     rotary_base=500000.0, rope_scaling="llama3", rope_scaling_factor=8.0)
@@ -662,10 +662,11 @@ def test_hf_configs_give_their_architecture(tmp_path):
     mixtral = arch_of(model_type="mixtral")
     assert (mixtral.rotary_base, mixtral.norm_epsilon, mixtral.qkv_bias) == (1e6, 1e-5, False)
     assert arch_of(model_type="llama").norm_epsilon == 1e-6  # transformers' LlamaConfig default
+    assert arch_of(model_type="llama", rope_scaling={"type": "linear", "factor": 2.0}).rope_scaling == "linear"
     (tmp_path / "config.json").write_text(json.dumps({**base, "model_type": "llama",
-                                                      "rope_scaling": {"rope_type": "longrope", "factor": 4}}))
+                                                      "rope_scaling": {"rope_type": "su", "factor": 4}}))
     err = error_of({**tiny(), "model": {"hf_config": str(tmp_path / "config.json")}})
-    assert err.path == "model.hf_config" and "rope_scaling type 'longrope' is not supported" in str(err)
+    assert err.path == "model.hf_config" and "rope_scaling type 'su' is not one of transformers'" in str(err)
 
 
 def test_model_architecture_is_checked():
