@@ -8,8 +8,9 @@ exactly the values the single-process model holds, without ever building the ful
 
 What matches `ModelSpec.total_params()`: attention q/k/v/o without biases (GQA through
 num_kv_heads, head_dim as given), a 2-matrix GELU or 3-matrix SwiGLU FFN without biases, two
-LayerNorms per block and a final one (with biases where spec.linear_bias, as Megatron's GPT has
-them), input embedding and (unless tied) LM head.
+LayerNorms per block and a final one (with biases where spec.norm_bias: a LayerNorm model with
+biases, as Megatron's GPT; an RMSNorm model's norms run as LayerNorms without them), input
+embedding and (unless tied) LM head.
 Positions are rotary (parameter-free, so the count is unchanged). MoE layers replace the FFN with a
 router (h x E), the experts and the optional shared experts (one FFN of num_shared x expert width).
 
@@ -194,9 +195,9 @@ class Block(nn.Module):
     def __init__(self, spec: ModelSpec, index: int, rotary_ref: list):
         super().__init__()
         self.index = index
-        self.attn_norm = nn.LayerNorm(spec.hidden_size, bias=spec.linear_bias)
+        self.attn_norm = nn.LayerNorm(spec.hidden_size, bias=spec.norm_bias)
         self.attn = Attention(spec, rotary_ref)
-        self.ffn_norm = nn.LayerNorm(spec.hidden_size, bias=spec.linear_bias)
+        self.ffn_norm = nn.LayerNorm(spec.hidden_size, bias=spec.norm_bias)
         if spec.moe is not None and spec.moe.is_moe_layer(index):
             from executor.moe import MoE
 
@@ -232,7 +233,7 @@ class Stage(nn.Module):
         self._rotary: list = [None]
         self.embed = nn.Embedding(spec.vocab_size, spec.hidden_size) if first else None
         self.layers = nn.ModuleDict({str(i): Block(spec, i, self._rotary) for i in self.layer_ids})
-        self.norm = nn.LayerNorm(spec.hidden_size, bias=spec.linear_bias) if last else None
+        self.norm = nn.LayerNorm(spec.hidden_size, bias=spec.norm_bias) if last else None
         self.head = nn.Linear(spec.hidden_size, spec.vocab_size, bias=False) if last else None
         if first and last and spec.tied_embeddings:
             self.head.weight = self.embed.weight
@@ -306,7 +307,7 @@ def init_parameters(stage: Stage, seed: int, *, expert_offset: int = 0) -> None:
 def count_parameters(spec: ModelSpec) -> int:
     """Parameters of the model the executor builds (equals ModelSpec.total_params() for dense models)."""
     h = spec.hidden_size
-    norm = (2 if spec.linear_bias else 1) * h
+    norm = (2 if spec.norm_bias else 1) * h
     total = spec.embedding_params() + (0 if spec.tied_embeddings else spec.embedding_params()) + norm
     for i in range(spec.num_layers):
         attn = h * (spec.q_channels + 2 * spec.kv_channels) + spec.q_channels * h + 2 * norm

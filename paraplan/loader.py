@@ -273,7 +273,7 @@ ARCHITECTURE = _schema(
     normalization=Key(_one_of(NORMALIZATIONS), required=True),
     norm_epsilon=Key(_number(positive=True, maximum=1.0), required=True),
     position_embedding=Key(_one_of(POSITION_EMBEDDINGS), required=True),
-    rotary_base=Key(_optional(_number(positive=True))),
+    rotary_base=Key(_optional(_number(positive=True, maximum=1e12))),
     rope_scaling=Key(_optional(_one_of(ROPE_SCALINGS))),
     rope_scaling_factor=Key(_optional(_number(positive=True))),
     qkv_bias=Key(_boolean),
@@ -486,18 +486,41 @@ def _hf_llama(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     if cfg.get("head_dim") is not None:
         out["head_dim"] = cfg["head_dim"]
     out["architecture"] = _hf_rope_architecture(cfg, qkv_bias=bool(cfg.get("attention_bias", False)))
-    # Mistral's and Mixtral's sliding_window; Qwen2's only with use_sliding_window (off by default)
-    if cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True):
-        out["sliding_window"] = cfg["sliding_window"]
+    window = _hf_sliding_window(cfg)
+    if window is not None:
+        out["sliding_window"] = window
     if cfg.get("num_local_experts") is not None:  # Mixtral: every layer MoE, intermediate_size is per expert
         out["moe"] = {"num_experts": cfg["num_local_experts"], "top_k": need("num_experts_per_tok"),
                       "expert_ffn_hidden_size": need("intermediate_size")}
     return out
 
 
+def _hf_sliding_window(cfg: Mapping) -> int | None:
+    """The attention window as transformers reads the config: MistralConfig's sliding_window
+    defaults to 4096 (null: none), MixtralConfig's to none, and Qwen2/Qwen3's applies only with
+    use_sliding_window (default false); Llama has none."""
+    kind = cfg.get("model_type")
+    if kind == "mistral":
+        return cfg.get("sliding_window", 4096)
+    if kind == "mixtral":
+        return cfg.get("sliding_window")
+    if kind in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window", False):
+        # the layers from max_window_layers on use the window (transformers Qwen2Config): none if that is past the last
+        layers, first = cfg.get("num_hidden_layers"), cfg.get("max_window_layers")
+        if isinstance(layers, int) and isinstance(first, int) and first >= layers:
+            return None
+        return cfg.get("sliding_window")
+    return None
+
+
 def _hf_rope_architecture(cfg: Mapping, *, qkv_bias: bool) -> dict:
     """RMSNorm and rotary embeddings with the config's epsilon, base and scaling (transformers'
-    defaults where it leaves them out: rms_norm_eps 1e-6, rope_theta 10000)."""
+    defaults where it leaves them out: rms_norm_eps 1e-6, rope_theta 10000). Configs saved by
+    transformers 5 keep the base and the scaling in rope_parameters."""
+    params = cfg.get("rope_parameters")
+    if isinstance(params, Mapping):
+        cfg = {**cfg, "rope_theta": params.get("rope_theta", cfg.get("rope_theta")),
+               "rope_scaling": params if params.get("rope_type", "default") != "default" else None}
     arch = {"normalization": "rmsnorm", "norm_epsilon": _hf_number(cfg, "rms_norm_eps", 1e-6),
             "position_embedding": "rope", "rotary_base": _hf_number(cfg, "rope_theta", 10000.0), "qkv_bias": qkv_bias}
     scaling = cfg.get("rope_scaling")
@@ -716,6 +739,9 @@ def _model_spec(mapping: dict, name: str) -> ModelSpec:
 def _architecture(raw: Any) -> ArchitectureSpec:
     """model.architecture: a rotary base and scaling only with rope."""
     arch = ArchitectureSpec(**_validate(raw, "model.architecture", ARCHITECTURE))
+    if arch.rope_scaling_factor is not None and arch.rope_scaling is None:
+        raise ConfigError("model.architecture.rope_scaling_factor", "only with rope_scaling (llama3, yarn, linear, "
+                                                                     "dynamic or longrope)")
     if arch.position_embedding != "rope":
         for key in ("rotary_base", "rope_scaling", "rope_scaling_factor"):
             if getattr(arch, key) is not None:

@@ -261,12 +261,12 @@ class ModelSpec:
         """One layer's norm weights: its two norms' weights, their biases where the model has biases
         (Megatron's LayerNorm with --add-bias-linear; an RMSNorm has none, nor has MPT's no_bias
         LayerNorm), and MLA's latent norms."""
-        return 2 * self._per_norm * self.hidden_size + self.latent_channels
+        return 2 * (2 if self.norm_bias else 1) * self.hidden_size + self.latent_channels
 
     @property
-    def _per_norm(self) -> int:
-        """Parameters per channel of one norm: LayerNorm's weight and bias where the model has biases."""
-        return 2 if self.linear_bias and self.normalization == "layernorm" else 1
+    def norm_bias(self) -> bool:
+        """The norms have biases: a LayerNorm's, where the model has biases (an RMSNorm has none)."""
+        return self.linear_bias and self.normalization == "layernorm"
 
     def vocab_shard(self, tp: int) -> int:
         """The largest of `tp` vocabulary-parallel shards, ceil(V/tp): Megatron pads the vocabulary
@@ -311,7 +311,7 @@ class ModelSpec:
         head = 0 if self.tied_embeddings else self.embedding_params()
         layers = sum(self.layer_params(i) for i in range(self.num_layers))
         mtp = self.mtp_layers * self.mtp_module_params()
-        final_norm = self._per_norm * self.hidden_size
+        final_norm = (2 if self.norm_bias else 1) * self.hidden_size
         return layers + mtp + self.embedding_params() + head + final_norm
 
 

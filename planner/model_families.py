@@ -64,7 +64,8 @@ class Family:
     def describe(self) -> str:
         norm = f"{self.normalization} (eps {self.norm_epsilon:g})"
         if self.position_embedding == "rope":
-            position = f"RoPE base {self.rotary_base}" + (f" with {self.rope_variant}" if self.rope_variant else "")
+            base = f"RoPE base {self.rotary_base}" if self.rotary_base is not None else "RoPE (Megatron-LM's base)"
+            position = base + (f" with {self.rope_variant}" if self.rope_variant else "")
         else:
             position = "learned absolute positions"
         parts = [norm, position, "biases in every linear layer" if self.linear_bias else
@@ -170,15 +171,15 @@ def family_of(model: ModelSpec) -> Family | None:
     """The preset family `model` is named after, if it still has that family's activation,
     embedding tying, linear biases and attention kind; else, for a model whose architecture a
     config.json gave (model.architecture), that architecture."""
+    if model.architecture is not None:  # the model's own, stated: it wins over a preset name's family
+        return _family_of_architecture(model)
     for fam in FAMILIES:
         if model.name in fam.presets:
             same = (model.activation == fam.activation and model.tied_embeddings == fam.tied_embeddings
                     and model.linear_bias == fam.linear_bias and (model.mla is not None) == fam.latent_attention
                     and (fam.latent_attention or model.qk_layernorm == fam.qk_norm))
-            if same:
-                return fam
-            break
-    return _family_of_architecture(model) if model.architecture is not None else None
+            return fam if same else None
+    return None
 
 
 _MEGATRON_NORM = {"layernorm": "LayerNorm", "rmsnorm": "RMSNorm"}
@@ -208,22 +209,30 @@ def _family_of_architecture(model: ModelSpec) -> Family | None:
     elif a.rope_scaling in ("linear", "dynamic", "longrope"):
         variant = f"{a.rope_scaling} scaling (factor {a.rope_scaling_factor or 1:g})"
         notes.append(f"Megatron-LM has no flag for the config's {variant}: these arguments train plain RoPE")
-    elif a.rope_scaling == "yarn":
+    elif a.rope_scaling == "yarn" and model.mla is not None:
+        # Megatron-LM reads --rope-type and its YaRN settings for multi-latent attention only
+        # (MLATransformerConfig); DeepSeek-V3's config.json has mscale = mscale_all_dim = 1
         factor = a.rope_scaling_factor or 1.0
         rope_extra, variant = ("--rope-type", "yarn", "--rotary-scaling-factor", f"{factor:g}"), f"YaRN (factor {factor:g})"
-        notes.append("YaRN's other settings (original context, beta_fast/slow, mscale) are left at Megatron-LM's "
-                     "defaults: check them against the config.json's rope_scaling")
+        notes.append("YaRN's other settings (original context, beta_fast/slow, --mscale, --mscale-all-dim, whose "
+                     "Megatron-LM default 0 differs from DeepSeek-V3's 1) are left at Megatron-LM's defaults: set them "
+                     "from the config.json's rope_scaling")
+    elif a.rope_scaling == "yarn":
+        variant = f"YaRN (factor {a.rope_scaling_factor or 1:g})"
+        notes.append(f"Megatron-LM builds YaRN for multi-latent attention only (--rope-type): these arguments train "
+                     f"plain RoPE, not the config's {variant}")
     llama_like = (model.activation == "swiglu" and a.normalization == "rmsnorm" and a.position_embedding == "rope"
                   and not (a.qkv_bias or model.linear_bias or model.qk_layernorm or model.mla or model.moe))
     if model.moe is not None:
         notes.append("the router is Megatron-LM's default (softmax over the top-k logits); set --moe-router-* "
                      "where the model's differs (sigmoid scoring, expert bias, scaling)")
     return Family(
-        name="as its config.json gives it", presets=(), source="model.architecture",
+        name="as model.architecture states it", presets=(), source="model.architecture (read from the config.json of an "
+                                                                   "hf_config model)",
         activation=model.activation, tied_embeddings=model.tied_embeddings, latent_attention=model.mla is not None,
         normalization=_MEGATRON_NORM[a.normalization], norm_epsilon=a.norm_epsilon,
         position_embedding=_MEGATRON_POSITION[a.position_embedding],
-        rotary_base=None if a.rotary_base is None else int(a.rotary_base) if a.rotary_base.is_integer() else a.rotary_base,
+        rotary_base=None if a.rotary_base is None else round(a.rotary_base),  # Megatron's --rotary-base is an int
         rope_extra=rope_extra, rope_variant=variant, linear_bias=model.linear_bias, qkv_bias=a.qkv_bias,
         qk_norm=model.qk_layernorm or model.mla is not None, notes=tuple(notes),
         torchtitan_name="llama3" if llama_like else None,
@@ -245,7 +254,8 @@ def megatron_architecture_args(model: ModelSpec) -> list[str]:
     a = ["--normalization", fam.normalization, "--norm-epsilon", f"{fam.norm_epsilon:g}",
          "--position-embedding-type", fam.position_embedding]
     if fam.rotary_base is not None:
-        a += ["--rotary-base", str(fam.rotary_base), *fam.rope_extra]
+        a += ["--rotary-base", str(fam.rotary_base)]
+    a += fam.rope_extra
     if not fam.linear_bias:
         a.append("--disable-bias-linear")
     if fam.qkv_bias and not fam.linear_bias:

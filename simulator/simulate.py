@@ -246,7 +246,7 @@ def _iterate(sc: Scenario, setup: _Setup, *, balanced: bool, record_spans: bool,
     last_rank, _ = holder(p.pp * p.virtual_pipeline_stages - 1, p.pp, v)
     net, ctx, hops = setup.net, setup.ctx, setup.hops
     p2p = [_p2p_time(ctx, hop) if p.pp > 1 else 0.0 for hop in hops]
-    sync = _sync_time(sc, net, sc.model.embedding_params() / p.tp, hops[-1] if last_rank != 0 else None)
+    sync = _sync_time(sc, net, sc.model.vocab_shard(p.tp) * sc.model.hidden_size, hops[-1] if last_rank != 0 else None)
     eng = run_iteration(works, num_chunks=p.virtual_pipeline_stages, p2p_time=p2p,
                         overlap_grad_reduce=p.overlap_grad_reduce, sync_time=sync,
                         p2p_nic=[t if hop.num_nodes > 1 else 0.0 for t, hop in zip(p2p, hops)],
@@ -295,7 +295,7 @@ def _stage_work(sc: Scenario, setup: _Setup, *, balanced: bool, memory: bool):
         ctx_whole = dataclasses.replace(ctx, plan=dataclasses.replace(p, schedule="1f1b"))
         kinds_whole, _ = _layer_kinds(ctx_whole, a2a_layout, etp_layout, balanced=balanced)
     w_bytes, _, _ = state_bytes_per_param(tr.precision)
-    emb_params = m.embedding_params() / p.tp
+    emb_params = m.vocab_shard(p.tp) * m.hidden_size  # the largest vocabulary shard's rows
 
     # ZeRO-2 and -3 shard the gradients, so every microbatch's backward reduce-scatters each unit's
     # gradients as it produces them (there is no full gradient buffer to accumulate into:

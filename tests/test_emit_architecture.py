@@ -208,13 +208,15 @@ def test_a_config_json_model_builds_its_own_architecture(tmp_path, config, want)
     sc = load_scenario(TINY, [f"model={{hf_config: {tmp_path / 'config.json'}}}"])
     ns = megatron_parse(megatron_args(sc), defaults=False)
     assert {k: getattr(ns, k) for k in want} == want
-    assert "Architecture: as its config.json gives it" in megatron_args_text(sc)
+    assert "Architecture: as model.architecture states it" in megatron_args_text(sc)
 
 
 @pytest.mark.parametrize("scaling, flags, note", [
     ({"type": "linear", "factor": 4.0}, ["--rotary-seq-len-interpolation-factor", "4"], None),
     ({"rope_type": "dynamic", "factor": 2.0}, [], "Megatron-LM has no flag for the config's dynamic scaling"),
-    ({"rope_type": "yarn", "factor": 4.0}, ["--rope-type", "yarn", "--rotary-scaling-factor", "4"], "YaRN's other"),
+    # Megatron-LM reads --rope-type for multi-latent attention only: nothing to write for a Llama
+    ({"rope_type": "yarn", "factor": 4.0}, [], "Megatron-LM builds YaRN for multi-latent attention only"),
+    ({"rope_type": "llama3", "factor": 32.0}, ["--use-rope-scaling", "--rope-scaling-factor", "32"], None),
 ])
 def test_a_config_json_rope_scaling_is_built_or_said_to_be_left_out(tmp_path, scaling, flags, note):
     import json
@@ -224,8 +226,23 @@ def test_a_config_json_rope_scaling_is_built_or_said_to_be_left_out(tmp_path, sc
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     sc = load_scenario(TINY, [f"model={{hf_config: {tmp_path / 'config.json'}}}"])
     args = megatron_args(sc)
-    assert all(f in args for f in flags) and "--use-rope-scaling" not in args
+    assert all(f in args for f in flags) and ("--use-rope-scaling" in args) == ("--use-rope-scaling" in flags)
+    assert ("--rope-type" in args) == ("--rope-type" in flags)
     assert (note in megatron_args_text(sc)) if note else "Note: Megatron-LM has no flag" not in megatron_args_text(sc)
+
+
+def test_a_stated_architecture_wins_over_the_preset_name():
+    """model.architecture on a preset-named model is what the simulator prices, so it is what the
+    launch configs build; a rope without a base still gets its scaling flags."""
+    sc = load_scenario(TINY, ["model={preset: llama3-8b, architecture: {normalization: layernorm, norm_epsilon: 1e-6, "
+                              "position_embedding: learned}}"])
+    ns = megatron_parse(megatron_args(sc), defaults=False)
+    assert (ns.normalization, ns.position_embedding_type) == ("LayerNorm", "learned_absolute") and not sc.model.rotary
+    sc = load_scenario(TINY, ["model.activation=swiglu", "model.architecture={normalization: rmsnorm, norm_epsilon: 1e-5, "
+                              "position_embedding: rope, rope_scaling: llama3, rope_scaling_factor: 32}"])
+    args = megatron_args(sc)
+    assert "--rotary-base" not in args and args[args.index("--rope-scaling-factor") + 1] == "32"
+    assert "RoPE (Megatron-LM's base) with Llama 3.1 scaling (factor 32)" in megatron_args_text(sc)
 
 
 def test_gpt2_config_builds_layernorm_and_learned_positions():

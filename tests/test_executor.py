@@ -291,7 +291,9 @@ def test_measurement_has_the_documented_keys(measured):
 def test_parameter_count_matches_the_model_spec():
     from executor.model import Stage, count_parameters
 
-    for spec in (DENSE, TIED, dataclasses.replace(DENSE, activation="gelu", num_kv_heads=1)):
+    for spec in (DENSE, TIED, dataclasses.replace(DENSE, activation="gelu", num_kv_heads=1),
+                 dataclasses.replace(DENSE, activation="gelu", linear_bias=True),  # LayerNorms with biases
+                 dataclasses.replace(DENSE, linear_bias=True)):  # biased linears, RMSNorm-style norms without
         with torch.device("meta"):
             stage = Stage(spec, range(spec.num_layers), first=True, last=True)
         assert sum(p.numel() for p in stage.parameters()) == spec.total_params() == count_parameters(spec)

@@ -44,10 +44,10 @@ def paraplan(*args, env=None, timeout=300, cwd=ROOT):
 
 BAD_INPUT = [
     (["missing.yaml"], "scenario file not found"),
-    (["CONFIG", "--nproc", "3"], "the plan needs tp*pp*cp*dp = 1*2*1*1 = 2 processes, but --nproc 3 x --nnodes 1 = 3; "
-                                 "for fewer processes shrink the plan to 2: --set cluster.num_nodes=1 "
-                                 "--set cluster.gpus_per_node=2 --set plan.dp=null --set training.global_batch_size=8"),
+    (["CONFIG", "--nproc", "3"], "the plan needs tp*pp*cp*dp = 1*2*1*1 = 2 processes, but --nproc 3 x --nnodes 1 = 3\n"),
     (["CONFIG", "--set", "plan.dp=2"], "plan: tp*pp*cp*dp = 1*2*1*2 = 4 but the cluster has 2 GPUs"),
+    (["CONFIG", "--set", "plan.pp=1", "--set", "plan.dp=2", "--nproc", "1"],
+     "for fewer processes shrink the plan to 1: --set cluster.num_nodes=1 --set cluster.gpus_per_node=1"),
     (["CONFIG", "--set", "plan.tp=2", "--set", "plan.pp=1", "--set", "model.num_kv_heads=1"],
      "plan.tp: 2 does not divide model.num_kv_heads (1)"),
     (["CONFIG", "--set", "training.global_batch_size=2"], "plan.schedule: 1f1b needs at least 2 microbatches per pipeline, got 1"),
@@ -339,3 +339,18 @@ def test_a_replicated_pipeline_run_logs_no_stage_view_warning(config, tmp_path):
     assert r.returncode == 0, r.stderr
     log = (tmp_path / "run" / "torchrun.log").read_text()
     assert "[paraplan] run 1/1" in log and "returned a view tensor" not in log
+
+
+@pytest.mark.parametrize("scenario, world", [("mixtral-8x7b-64xh100", 32), ("qwen3-235b-256xh100", None)])
+def test_the_shrink_hint_keeps_expert_parallelism_feasible(scenario, world):
+    """ep x expert_tp divides tp x cp x dp: Mixtral's ep 8 at tp 1 needs dp 8 (32 processes of its 64);
+    Qwen3's ep 32 at tp 2 needs dp 16, all 256 of its processes, so no smaller layout is offered."""
+    from paraplan.cli.launch import _fewer_processes
+    from paraplan.loader import load_scenario
+
+    hint = _fewer_processes(load_scenario(ROOT / "scenarios" / f"{scenario}.yaml"))
+    if world is None:
+        assert "no fewer-process layout" in hint
+    else:
+        assert f"shrink the plan to {world}: --set cluster.num_nodes=1 --set cluster.gpus_per_node={world} " in hint
+

@@ -622,9 +622,14 @@ def test_hf_mistral_style_without_kv_heads_and_with_head_dim(tmp_path):
 
 @pytest.mark.parametrize("model_type, extra, window", [
     ("mistral", {"sliding_window": 4096}, 4096),  # Mistral-7B-v0.1
+    ("mistral", {}, 4096),  # MistralConfig's default
     ("mistral", {"sliding_window": None}, None),  # v0.2 on
-    ("qwen2", {"sliding_window": 4096, "use_sliding_window": False}, None),  # Qwen2's default: off
+    ("mixtral", {}, None),  # MixtralConfig's default
+    ("qwen2", {"sliding_window": 4096}, None),  # use_sliding_window defaults to false
+    ("qwen2", {"sliding_window": 4096, "use_sliding_window": False}, None),
     ("qwen2", {"sliding_window": 4096, "use_sliding_window": True}, 4096),
+    ("qwen2", {"sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 2}, None),  # no layer from 2 on
+    ("llama", {"sliding_window": 4096}, None),
 ])
 def test_hf_sliding_window_is_read_and_a_binding_one_refused(tmp_path, model_type, extra, window):
     cfg = {"model_type": model_type, "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -669,6 +674,15 @@ def test_hf_configs_give_their_architecture(tmp_path):
     assert err.path == "model.hf_config" and "rope_scaling type 'su' is not one of transformers'" in str(err)
 
 
+def test_hf_transformers_5_rope_parameters_are_read(tmp_path):
+    cfg = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 512, "vocab_size": 1024,
+           "rope_parameters": {"rope_theta": 500000.0, "rope_type": "llama3", "factor": 32.0}}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    arch = load_scenario({**tiny(), "model": {"hf_config": str(tmp_path / "config.json")}}).model.architecture
+    assert (arch.rotary_base, arch.rope_scaling, arch.rope_scaling_factor) == (500000.0, "llama3", 32.0)
+
+
 def test_model_architecture_is_checked():
     raw = tiny()
     raw["model"] = {**raw["model"], "architecture": {"normalization": "rmsnorm", "norm_epsilon": 1e-5,
@@ -677,6 +691,9 @@ def test_model_architecture_is_checked():
     assert err.path == "model.architecture.rotary_base" and "only with position_embedding: rope" in str(err)
     raw["model"]["architecture"] = {"normalization": "batchnorm", "norm_epsilon": 1e-5, "position_embedding": "rope"}
     assert error_of(raw).path == "model.architecture.normalization"
+    raw["model"]["architecture"] = {"normalization": "rmsnorm", "norm_epsilon": 1e-5, "position_embedding": "rope",
+                                    "rope_scaling_factor": 4}
+    assert error_of(raw).path == "model.architecture.rope_scaling_factor"
     raw["model"]["architecture"] = {"normalization": "rmsnorm", "norm_epsilon": 1e-5, "position_embedding": "learned"}
     m = load_scenario(raw).model
     assert not m.rotary and m.norm_params() == 2 * m.hidden_size  # an RMSNorm's weight alone, however biased the linears

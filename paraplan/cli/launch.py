@@ -55,11 +55,15 @@ _RUN_FLAGS = {"backend": "backend", "steps": "steps", "warmup": "warmup_steps", 
 
 def _fewer_processes(sc) -> str:
     """How to run the plan's layout on the fewest processes: one node holding one data-parallel
-    replica (or as many as expert parallelism needs: ep divides dp x cp) and two microbatches per
-    pipeline stage, dp derived again."""
+    replica, or as many as expert parallelism needs (Megatron-Core's folding: ep x expert_tp divides
+    tp x cp x dp, simulator.feasibility), and two microbatches per pipeline stage, dp derived again.
+    Empty where that is no fewer than the plan has."""
     p = sc.plan
-    dp = p.ep // math.gcd(p.ep, p.cp) if p.ep > 1 else 1
+    need = p.ep * p.expert_tp
+    dp = need // math.gcd(need, p.tp * p.cp)
     world = p.tp * p.pp * p.cp * dp
+    if world >= p.world_size:
+        return "the plan has no fewer-process layout with the same tp, pp, cp and ep: lower those to shrink it"
     batch = p.micro_batch_size * dp * 2 * p.pp
     return (f"for fewer processes shrink the plan to {world}: --set cluster.num_nodes=1 --set cluster.gpus_per_node={world} "
             f"--set plan.dp=null --set training.global_batch_size={batch} (with --layers/--hidden on CPUs; "
@@ -110,8 +114,8 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
                             f"(cluster.gpus_per_node): the plan's {world} processes run on {nodes} nodes")
     if nproc * args.nnodes != world:
         raise ParaplanError(f"the plan needs tp*pp*cp*dp = {sc.plan.tp}*{sc.plan.pp}*{sc.plan.cp}*{sc.plan.dp} = {world} "
-                            f"processes, but --nproc {nproc} x --nnodes {args.nnodes} = {nproc * args.nnodes}; "
-                            f"{_fewer_processes(sc)}")
+                            f"processes, but --nproc {nproc} x --nnodes {args.nnodes} = {nproc * args.nnodes}"
+                            + (f"; {_fewer_processes(sc)}" if nproc * args.nnodes < world else ""))
     if args.nnodes > 1 and not args.rdzv_endpoint:
         raise ParaplanError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (node 0's address)")
     endpoint = args.rdzv_endpoint and re.fullmatch(r"(\[[0-9A-Fa-f:.]+\]|[^:\s\[\]]+)(?::(\d{1,5}))?", args.rdzv_endpoint)

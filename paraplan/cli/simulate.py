@@ -220,7 +220,7 @@ def _network_label(cluster) -> str:
     net = cluster.inter_node
     if net is not None and cluster.num_nodes > 1:
         parts.append(f"{net.nics_per_node} x {net.nic_bandwidth * 8 / 1e9:.4g} Gb/s NICs {net.topology}"
-                     + (f" ({net.nodes_per_leaf} nodes a leaf, {net.oversubscription:g}:1 oversubscribed)"
+                     + (f", {net.nodes_per_leaf} nodes a leaf, {net.oversubscription:g}:1 oversubscribed"
                         if net.oversubscription > 1 and cluster.num_nodes > net.nodes_per_leaf else ""))
     return f" ({', '.join(parts)})" if parts else ""
 
