@@ -354,3 +354,14 @@ def test_the_shrink_hint_keeps_expert_parallelism_feasible(scenario, world):
     else:
         assert f"shrink the plan to {world}: --set cluster.num_nodes=1 --set cluster.gpus_per_node={world} " in hint
 
+
+def test_more_gloo_processes_than_the_cores_can_carry_are_warned_of(config):
+    """A plan of 4x more processes than CPU cores is allowed but said to be slow, with how to shrink it."""
+    import os
+
+    ranks = 4 * (os.cpu_count() or 1) + 2
+    r = paraplan(config, "--dry-run", "--set", f"cluster.gpus_per_node={ranks}", "--set", "plan.pp=1",
+                 "--set", f"training.global_batch_size={4 * ranks}")
+    assert r.returncode == 0, r.stderr
+    assert f"{ranks} gloo processes on this host's {os.cpu_count()} CPU cores will run slowly" in r.stdout + r.stderr
+

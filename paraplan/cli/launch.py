@@ -133,6 +133,16 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
     peak = _predicted_peak(sc)
     if sc.run.backend == "gloo":
         _check_host_memory(sc, nproc, peak)
+        cores = os.cpu_count() or 1
+        if nproc > 4 * cores:  # each gloo rank is a process with its own intra-op threads
+            warning = (f"{nproc} gloo processes on this host's {cores} CPU cores will run slowly; "
+                       f"{_fewer_processes(sc)}")
+            if notes is not None:
+                notes.append(warning)
+            else:
+                import sys
+
+                print(f"warning: {warning}", file=sys.stderr)
     elif peak is not None and peak.bytes > peak.capacity:
         warning = (f"paraplan simulate predicts {peak.bytes / 2**30:,.1f} GiB per GPU on stage {peak.stage}, above the "
                    f"{peak.capacity / 2**30:,.1f} GiB of its GPU ({sc.cluster.gpu}): the run will likely run out of GPU memory "
