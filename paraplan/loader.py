@@ -277,6 +277,7 @@ ARCHITECTURE = _schema(
     rope_scaling=Key(_optional(_one_of(ROPE_SCALINGS))),
     rope_scaling_factor=Key(_optional(_number(positive=True))),
     qkv_bias=Key(_boolean),
+    output_bias=Key(_boolean),
 )
 MLA = _schema(
     q_lora_rank=Key(_optional(WIDTH), required=True),
@@ -486,6 +487,8 @@ def _hf_llama(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     if cfg.get("head_dim") is not None:
         out["head_dim"] = cfg["head_dim"]
     out["architecture"] = _hf_rope_architecture(cfg, qkv_bias=bool(cfg.get("attention_bias", False)))
+    # transformers LlamaAttention (and Qwen3's, Mistral's) biases q, k, v and o with attention_bias
+    out["architecture"]["output_bias"] = bool(cfg.get("attention_bias", False))
     window = _hf_sliding_window(cfg)
     if window is not None:
         out["sliding_window"] = window
@@ -553,6 +556,7 @@ def _hf_qwen2(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     Qwen2Attention: q_proj, k_proj, v_proj bias=True)."""
     out = _hf_llama(cfg, need)
     out["architecture"]["qkv_bias"] = True
+    out["architecture"]["output_bias"] = False  # Qwen2Attention: o_proj bias=False
     return out
 
 

@@ -108,7 +108,10 @@ class ArchitectureSpec:
     (position interpolation), dynamic (NTK) or longrope."""
     rope_scaling_factor: float | None = None
     qkv_bias: bool = False
-    """Biases on the query/key/value projection alone (Qwen2; Megatron --add-qkv-bias)."""
+    """Biases on the query/key/value projection (Qwen2; Megatron --add-qkv-bias)."""
+    output_bias: bool = False
+    """A bias on the attention's output projection too (Llama's and Qwen3's attention_bias), which
+    Megatron-LM has no flag for alone."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -223,6 +223,9 @@ def _family_of_architecture(model: ModelSpec) -> Family | None:
                      f"plain RoPE, not the config's {variant}")
     llama_like = (model.activation == "swiglu" and a.normalization == "rmsnorm" and a.position_embedding == "rope"
                   and not (a.qkv_bias or model.linear_bias or model.qk_layernorm or model.mla or model.moe))
+    if a.output_bias and not model.linear_bias:
+        notes.append("the config's attention_bias also biases the attention's output projection, which Megatron-LM "
+                     "has no flag for alone (--add-qkv-bias covers the query, key and value projections)")
     if model.moe is not None:
         notes.append("the router is Megatron-LM's default (softmax over the top-k logits); set --moe-router-* "
                      "where the model's differs (sigmoid scoring, expert bias, scaling)")

@@ -245,6 +245,19 @@ def test_a_stated_architecture_wins_over_the_preset_name():
     assert "RoPE (Megatron-LM's base) with Llama 3.1 scaling (factor 32)" in megatron_args_text(sc)
 
 
+def test_a_llama_attention_bias_is_built_where_megatron_can_and_said_where_it_cannot(tmp_path):
+    """transformers' LlamaAttention biases q, k, v and o with attention_bias: Megatron's --add-qkv-bias
+    gives the first three, and the file says the output projection's is left out."""
+    import json
+
+    cfg = {"model_type": "llama", "hidden_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "intermediate_size": 512, "vocab_size": 1024, "attention_bias": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    sc = load_scenario(TINY, [f"model={{hf_config: {tmp_path / 'config.json'}}}"])
+    assert megatron_parse(megatron_args(sc)).add_qkv_bias
+    assert "also biases the attention's output projection" in megatron_args_text(sc)
+
+
 def test_gpt2_config_builds_layernorm_and_learned_positions():
     sc = load_scenario(TINY, [f"model={{hf_config: {ROOT / 'tests' / 'fixtures' / 'hf-gpt2'}}}"])
     ns = megatron_parse(megatron_args(sc), defaults=False)
