@@ -486,9 +486,7 @@ def _hf_llama(cfg: Mapping, need: Callable[[str], Any]) -> dict:
     }
     if cfg.get("head_dim") is not None:
         out["head_dim"] = cfg["head_dim"]
-    out["architecture"] = _hf_rope_architecture(cfg, qkv_bias=bool(cfg.get("attention_bias", False)))
-    # transformers LlamaAttention (and Qwen3's, Mistral's) biases q, k, v and o with attention_bias
-    out["architecture"]["output_bias"] = bool(cfg.get("attention_bias", False))
+    out["architecture"] = _hf_rope_architecture(cfg)
     window = _hf_sliding_window(cfg)
     if window is not None:
         out["sliding_window"] = window
@@ -516,16 +514,20 @@ def _hf_sliding_window(cfg: Mapping) -> int | None:
     return None
 
 
-def _hf_rope_architecture(cfg: Mapping, *, qkv_bias: bool) -> dict:
+def _hf_rope_architecture(cfg: Mapping) -> dict:
     """RMSNorm and rotary embeddings with the config's epsilon, base and scaling (transformers'
-    defaults where it leaves them out: rms_norm_eps 1e-6, rope_theta 10000). Configs saved by
-    transformers 5 keep the base and the scaling in rope_parameters."""
+    defaults where it leaves them out: rms_norm_eps 1e-6, rope_theta 10000), and attention_bias
+    (default false), which transformers' LlamaAttention (Mistral's, Qwen3's) puts on the q, k, v
+    and o projections. Configs saved by transformers 5 keep the base and the scaling
+    in rope_parameters."""
+    bias = bool(cfg.get("attention_bias", False))
     params = cfg.get("rope_parameters")
     if isinstance(params, Mapping):
         cfg = {**cfg, "rope_theta": params.get("rope_theta", cfg.get("rope_theta")),
                "rope_scaling": params if params.get("rope_type", "default") != "default" else None}
     arch = {"normalization": "rmsnorm", "norm_epsilon": _hf_number(cfg, "rms_norm_eps", 1e-6),
-            "position_embedding": "rope", "rotary_base": _hf_number(cfg, "rope_theta", 10000.0), "qkv_bias": qkv_bias}
+            "position_embedding": "rope", "rotary_base": _hf_number(cfg, "rope_theta", 10000.0), "qkv_bias": bias,
+            "output_bias": bias}
     scaling = cfg.get("rope_scaling")
     if isinstance(scaling, Mapping):
         kind = scaling.get("rope_type", scaling.get("type"))
@@ -591,7 +593,8 @@ def _hf_deepseek_v3(cfg: Mapping, need: Callable[[str], Any]) -> dict:
         "ffn_hidden_size": need("intermediate_size"), "vocab_size": need("vocab_size"),
         "activation": "swiglu", "tied_embeddings": cfg.get("tie_word_embeddings", False),
         "dropout": _hf_number(cfg, "attention_dropout", 0.0),
-        "architecture": _hf_rope_architecture(cfg, qkv_bias=False),
+        # MLA's latent projections are no QKV projection: attention_bias does not map to --add-qkv-bias
+        "architecture": {**_hf_rope_architecture(cfg), "qkv_bias": False, "output_bias": False},
         "moe": {"num_experts": need("n_routed_experts"), "top_k": need("num_experts_per_tok"),
                 "expert_ffn_hidden_size": need("moe_intermediate_size"),
                 "num_shared_experts": _hf_or(cfg, "n_shared_experts", 0),

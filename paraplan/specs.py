@@ -264,12 +264,17 @@ class ModelSpec:
         """One layer's norm weights: its two norms' weights, their biases where the model has biases
         (Megatron's LayerNorm with --add-bias-linear; an RMSNorm has none, nor has MPT's no_bias
         LayerNorm), and MLA's latent norms."""
-        return 2 * (2 if self.norm_bias else 1) * self.hidden_size + self.latent_channels
+        return 2 * self.one_norm_params + self.latent_channels
 
     @property
     def norm_bias(self) -> bool:
         """The norms have biases: a LayerNorm's, where the model has biases (an RMSNorm has none)."""
         return self.linear_bias and self.normalization == "layernorm"
+
+    @property
+    def one_norm_params(self) -> int:
+        """One h-wide norm's weight, and its bias where it has one (norm_bias)."""
+        return (2 if self.norm_bias else 1) * self.hidden_size
 
     def vocab_shard(self, tp: int) -> int:
         """The largest of `tp` vocabulary-parallel shards, ceil(V/tp): Megatron pads the vocabulary
@@ -314,8 +319,7 @@ class ModelSpec:
         head = 0 if self.tied_embeddings else self.embedding_params()
         layers = sum(self.layer_params(i) for i in range(self.num_layers))
         mtp = self.mtp_layers * self.mtp_module_params()
-        final_norm = (2 if self.norm_bias else 1) * self.hidden_size
-        return layers + mtp + self.embedding_params() + head + final_norm
+        return layers + mtp + self.embedding_params() + head + self.one_norm_params  # and the final norm
 
 
 @dataclass(frozen=True, kw_only=True)

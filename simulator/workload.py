@@ -13,7 +13,7 @@ from functools import partial
 from hwmodels.compute import (GELU_BACKWARD, NORM_BACKWARD, ROTARY_BACKWARD, SWIGLU_BACKWARD, attention_time, gemm_time,
                               memory_bound_time, unfused_attention_time)
 from hwmodels.network import COMM_SM_SHARE, collective_time, overlapped
-from paraplan.placement import GroupLayout
+from paraplan.placement import GroupLayout, cp_split
 from paraplan.specs import DTYPE_BYTES
 from simulator.schedules import SPLIT_BACKWARD_SCHEDULES
 from simulator.cost import Cost
@@ -149,10 +149,9 @@ def cp_groups_of(ctx: LayerContext) -> tuple:
     if ctx.cp_groups is not None:
         return ctx.cp_groups
     assert ctx.plan.cp == 1 or ctx.plan.cp_comm_type != "a2a+p2p", "a2a+p2p needs LayerContext.cp_groups"
-    single = GroupLayout(size=1, ranks_per_node=1, num_nodes=1)
-    if ctx.plan.cp_comm_type == "a2a":
-        return ctx.plan.cp, 1, ctx.cp_layout, single
-    return 1, ctx.plan.cp, single, ctx.cp_layout
+    a2a, ring = cp_split(ctx.plan, ctx.model, ctx.network.gpus_per_node)
+    single = GroupLayout(size=1, ranks_per_node=1, num_nodes=1)  # a level of one rank exchanges nothing
+    return a2a, ring, ctx.cp_layout if a2a > 1 else single, ctx.cp_layout if ring > 1 else single
 
 
 def _attention_core(ctx: LayerContext, backward: bool) -> float:

@@ -57,7 +57,7 @@ def _fewer_processes(sc) -> str:
     """How to run the plan's layout on the fewest processes: one node holding one data-parallel
     replica, or as many as expert parallelism needs (Megatron-Core's folding: ep x expert_tp divides
     tp x cp x dp, simulator.feasibility), and two microbatches per pipeline stage, dp derived again.
-    Empty where that is no fewer than the plan has."""
+    Where that is no fewer than the plan has, it says which degrees to lower instead."""
     p = sc.plan
     need = p.ep * p.expert_tp
     dp = need // math.gcd(need, p.tp * p.cp)
@@ -135,24 +135,12 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
         _check_host_memory(sc, nproc, peak)
         cores = os.cpu_count() or 1
         if nproc > 4 * cores:  # each gloo rank is a process with its own intra-op threads
-            warning = (f"{nproc} gloo processes on this host's {cores} CPU cores will run slowly; "
-                       f"{_fewer_processes(sc)}")
-            if notes is not None:
-                notes.append(warning)
-            else:
-                import sys
-
-                print(f"warning: {warning}", file=sys.stderr)
+            _warn(notes, f"{nproc} gloo processes on this host's {cores} CPU cores will run slowly; "
+                         f"{_fewer_processes(sc)}")
     elif peak is not None and peak.bytes > peak.capacity:
-        warning = (f"paraplan simulate predicts {peak.bytes / 2**30:,.1f} GiB per GPU on stage {peak.stage}, above the "
-                   f"{peak.capacity / 2**30:,.1f} GiB of its GPU ({sc.cluster.gpu}): the run will likely run out of GPU memory "
-                   f"(scale the model down with --layers and --hidden, or choose another plan)")
-        if notes is not None:
-            notes.append(warning)
-        else:
-            import sys
-
-            print(f"warning: {warning}", file=sys.stderr)
+        _warn(notes, f"paraplan simulate predicts {peak.bytes / 2**30:,.1f} GiB per GPU on stage {peak.stage}, above "
+                     f"the {peak.capacity / 2**30:,.1f} GiB of its GPU ({sc.cluster.gpu}): the run will likely run out "
+                     f"of GPU memory (scale the model down with --layers and --hidden, or choose another plan)")
     if sc.run.backend == "nccl" and torch_problem("the executor") is None:
         import torch
 
@@ -166,6 +154,16 @@ def prepare(args, *, need_torch: bool = True, notes: list | None = None):
         if problem:
             notes.append(f"not on this host: {problem}")
     return sc, nproc
+
+
+def _warn(notes: list | None, warning: str) -> None:
+    """Into the caller's notes (a dry run prints them), or straight to stderr."""
+    if notes is not None:
+        notes.append(warning)
+    else:
+        import sys
+
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 _LAYER_SPLIT_KEYS = ("plan.first_stage_layers/last_stage_layers", "plan.pp: model.num_layers")
